@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (lint + tests).
+# The virtualenv sees system site-packages so an existing torch (CPU or CUDA) is reused as it is;
+# only when no torch is importable do we install the pinned CPU build, which pip takes from a local
+# wheel. (A plain `torch` requirement would pull several GB of CUDA packages.)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mixprec formats 3.14159 1e-4 2**-25 65520
+
+lint: $(STAMP)
+	$(PY) -m ruff check mixprec tests benchmarks examples
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/master_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

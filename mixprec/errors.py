@@ -1,0 +1,37 @@
+"""The exceptions mixprec raises for mistakes a user can make.
+
+Each message says what was wrong and what to do about it. Where torch raises an ``AssertionError`` or a
+``RuntimeError`` for the same misuse, ours also derives from that class, so code written against
+``torch.amp`` keeps catching what it caught before.
+"""
+
+from __future__ import annotations
+
+
+class MixprecError(Exception):
+    """Base class of every error mixprec raises on purpose."""
+
+    def __init__(self, problem: str, fix: str | None = None) -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(problem if fix is None else f"{problem}\n  - fix: {fix}")
+
+
+class ConfigError(MixprecError, ValueError, AssertionError):
+    """A constructor argument or setting is out of range or contradicts another one."""
+
+
+class ScalerStateError(MixprecError, RuntimeError, AssertionError):
+    """GradScaler methods were called out of order (e.g. unscale_ twice, step without scale)."""
+
+
+class Fp16GradientError(MixprecError, ValueError):
+    """Gradients in fp16 reached the unscale step (there is no fp32 copy to unscale into)."""
+
+
+class DeviceMismatchError(MixprecError, ValueError):
+    """Tensors from different devices met where one device was expected."""
+
+
+class ParameterMismatchError(MixprecError, ValueError):
+    """An optimizer's parameters do not belong to the model they are used with."""

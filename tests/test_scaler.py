@@ -1,0 +1,355 @@
+"""mixprec.GradScaler against torch.amp.GradScaler (the reference) and against the rules it adds."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.errors import ConfigError, DeviceMismatchError, Fp16GradientError, ScalerStateError
+from mixprec.scaler import GradScaler
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+INF_AT = {2, 3, 9, 10, 11, 17}  # iterations whose gradients we poison
+
+
+def _model(device: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+
+
+def _batch(device: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 8, generator=g).to(device), torch.randint(0, 3, (16,), generator=g).to(device)
+
+
+def _run(
+    scaler: object,
+    device: str,
+    steps: int,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    inf_at: set[int] = INF_AT,
+) -> tuple[list[float], nn.Module]:
+    """A training loop with the scaler API; poisons one gradient at the iterations in ``inf_at``."""
+    model = _model(device)
+    opt = make_opt(model)
+    scales = []
+    for i in range(steps):
+        x, y = _batch(device, i)
+        loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()  # type: ignore[attr-defined]
+        if i in inf_at:
+            model[0].weight.grad[0, 0] = float("inf") if i % 2 else float("nan")
+        scaler.step(opt)  # type: ignore[attr-defined]
+        scaler.update()  # type: ignore[attr-defined]
+        opt.zero_grad()
+        scales.append(scaler.get_scale())  # type: ignore[attr-defined]
+    return scales, model
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adam_foreach": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True),
+    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_same_scales_and_weights_as_torch(device: str, opt_name: str) -> None:
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    ours, model_ours = _run(GradScaler(device, **kwargs), device, 24, OPTIMIZERS[opt_name])
+    ref, model_ref = _run(torch.amp.GradScaler(device, **kwargs), device, 24, OPTIMIZERS[opt_name])
+    assert ours == ref
+    assert len(set(ours)) > 3  # the run really backed off and grew
+    for p, q in zip(model_ours.parameters(), model_ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_scale_multiplies_exactly() -> None:
+    scaler = GradScaler("cpu", init_scale=512.0)
+    t = torch.randn(5)
+    assert torch.equal(scaler.scale(t), t * 512.0)
+    a, (b, c) = scaler.scale([t, (t, t)])
+    assert torch.equal(c, t * 512.0)
+
+
+def test_static_scale_never_moves_but_still_skips() -> None:
+    scaler = GradScaler("cpu", init_scale=512.0, dynamic=False, growth_interval=1)
+    scales, _ = _run(scaler, "cpu", 20, OPTIMIZERS["sgd"])
+    assert scales == [512.0] * 20
+    assert scaler.skipped_steps == len(INF_AT)
+    assert not scaler.is_dynamic
+
+
+def _hysteresis_reference(found: list[bool], hysteresis: int, init: float) -> list[float]:
+    """The rule in words: back off only after `hysteresis` consecutive overflows; a clean step restores."""
+    scale, left, out = init, hysteresis, []
+    for overflow in found:
+        if overflow:
+            left -= 1
+            if left == 0:
+                scale, left = scale / 2, hysteresis
+        else:
+            left = hysteresis
+        out.append(scale)
+    return out
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_hysteresis(hysteresis: int) -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000, hysteresis=hysteresis)
+    scales, _ = _run(scaler, "cpu", 20, OPTIMIZERS["sgd"])
+    expected = _hysteresis_reference([i in INF_AT for i in range(20)], hysteresis, 2.0**10)
+    assert scales == expected
+
+
+def test_hysteresis_resets_growth_tracker_on_every_overflow() -> None:
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=2, hysteresis=5)
+    scales, _ = _run(scaler, "cpu", 6, OPTIMIZERS["sgd"], inf_at={1, 3})
+    # overflow at 1 and 3 never backs off (hysteresis 5) but resets the growth count: growth after 4, 5
+    assert scales == [8.0, 8.0, 8.0, 8.0, 8.0, 16.0]
+
+
+def test_min_and_max_scale() -> None:
+    low = GradScaler("cpu", init_scale=4.0, growth_interval=10_000, min_scale=2.0)
+    assert min(_run(low, "cpu", 20, OPTIMIZERS["sgd"])[0]) == 2.0
+    high = GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=32.0)
+    assert max(_run(high, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set())[0]) == 32.0
+
+
+def test_observability() -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, history_size=8)
+    scales, _ = _run(scaler, "cpu", 12, OPTIMIZERS["sgd"])
+    assert scaler.skipped_steps == len([i for i in INF_AT if i < 12])
+    assert scaler.last_step_skipped == (11 in INF_AT)
+    # history: the scale each iteration *used*, i.e. the previous iteration's scale after update
+    used = [2.0**10] + scales[:-1]
+    assert scaler.scale_history() == used[-8:]
+
+
+def test_state_dict_round_trip_mid_run_continues_identically() -> None:
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
+        model = _model("cpu")
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2), GradScaler(
+            "cpu", init_scale=2.0**10, growth_interval=3, hysteresis=2
+        )
+
+    def iterate(model: nn.Module, opt: torch.optim.Optimizer, scaler: GradScaler, its: range) -> None:
+        for i in its:
+            x, y = _batch("cpu", i)
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            if i in INF_AT:
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    m1, o1, s1 = fresh()
+    iterate(m1, o1, s1, range(20))
+    m2, o2, s2 = fresh()
+    iterate(m2, o2, s2, range(10))
+    saved = copy.deepcopy((m2.state_dict(), o2.state_dict(), s2.state_dict()))
+    m3, o3, s3 = fresh()
+    m3.load_state_dict(saved[0])
+    o3.load_state_dict(saved[1])
+    s3.load_state_dict(saved[2])
+    iterate(m3, o3, s3, range(10, 20))
+    assert s3.state_dict() == s1.state_dict()
+    for p, q in zip(m1.parameters(), m3.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_loads_torch_state_dict_and_torch_loads_ours() -> None:
+    ref = torch.amp.GradScaler("cpu", init_scale=128.0, growth_interval=7)
+    ours = GradScaler("cpu")
+    ours.load_state_dict(ref.state_dict())
+    assert (ours.get_scale(), ours.get_growth_interval()) == (128.0, 7)
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(ours.state_dict())
+    assert back.get_scale() == 128.0
+
+
+def test_pickle_only_between_iterations() -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    _run(scaler, "cpu", 12, OPTIMIZERS["sgd"])
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(ScalerStateError, match="pickled"):
+        pickle.dumps(scaler)
+
+
+def _one_backward(scaler: GradScaler) -> torch.optim.Optimizer:
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+    return opt
+
+
+def test_protocol_errors_match_torch() -> None:
+    for cls in (GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu")
+        opt = _one_backward(scaler)  # type: ignore[arg-type]
+        scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step"):
+            scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+            scaler.step(opt)
+        scaler.update()
+        with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+            scaler.update()
+    with pytest.raises(AssertionError, match="_scale is None"):
+        GradScaler("cpu").update()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(init_scale=0.0),
+        dict(init_scale=-1.0),
+        dict(init_scale=float("inf")),
+        dict(init_scale=float("nan")),
+        dict(growth_factor=1.0),
+        dict(backoff_factor=1.0),
+        dict(backoff_factor=0.0),
+        dict(growth_interval=0),
+        dict(hysteresis=0),
+        dict(min_scale=8.0, max_scale=4.0),
+        dict(min_scale=-1.0),
+    ],
+)
+def test_bad_configuration_is_named(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError) as err:
+        GradScaler("cpu", **kwargs)  # type: ignore[arg-type]
+    assert "fix:" in str(err.value)
+    assert isinstance(err.value, AssertionError | ValueError)  # what torch raised for the same input
+
+
+def test_fp16_gradients_explain_the_fix() -> None:
+    model = _model("cpu").half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 8).half()).float().sum()).backward()
+    with pytest.raises(Fp16GradientError, match="Attempting to unscale FP16 gradients") as err:
+        scaler.unscale_(opt)
+    assert "MasterWeights" in str(err.value) and "allow_fp16_grads" in str(err.value)
+    allowed = GradScaler("cpu", allow_fp16_grads=True)
+    opt.zero_grad()
+    allowed.scale(model(torch.randn(2, 8).half()).float().sum()).backward()
+    allowed.step(opt)
+    allowed.update()
+
+
+def test_scaler_used_across_devices() -> None:
+    scaler = GradScaler("cpu")
+    with pytest.raises(DeviceMismatchError, match="GradScaler\\('meta'"):
+        scaler.scale(torch.ones((), device="meta"))
+
+
+def test_disabled_is_a_pass_through() -> None:
+    scaler = GradScaler("cpu", enabled=False)
+    t = torch.randn(3)
+    assert scaler.scale(t) is t
+    opt = _one_backward(scaler)
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler.state_dict(), scaler.skipped_steps) == (1.0, {}, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA fallback")
+def test_cuda_default_without_cuda_disables_like_torch() -> None:
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        ours = GradScaler()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = torch.amp.GradScaler()
+    assert ours.is_enabled() == ref.is_enabled() is False
+
+
+class _NoSync:
+    """Makes every device->host read raise, to prove a code path never syncs (a CPU stand-in for
+    torch.cuda.set_sync_debug_mode, which the cuda test below uses)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+    def __enter__(self) -> None:
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def boom(*_: object, **__: object) -> None:
+            raise AssertionError("host sync")
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, boom)
+
+    def __exit__(self, *exc: object) -> None:
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_unscale_and_update_never_sync(hysteresis: int) -> None:
+    scaler = GradScaler("cpu", hysteresis=hysteresis, min_scale=1.0, max_scale=2.0**20)
+    model = _model("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused: step needs no sync either
+    loss = model(torch.randn(4, 8)).sum()
+    with _NoSync():
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.skipped_steps == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_sync_on_cuda() -> None:
+    scaler = GradScaler("cuda")
+    model = _model("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    loss = model(torch.randn(4, 8, device="cuda")).sum()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_skipped_first_step_does_not_make_scheduler_warn() -> None:
+    """pytorch#44511: an overflow in iteration 0 made schedulers warn
+    'lr_scheduler.step() before optimizer.step()'."""
+    lrs = {}
+    for name, cls in (("ours", GradScaler), ("fp32", None)):
+        model = _model("cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scaler = cls("cpu") if cls else GradScaler("cpu", enabled=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(3):
+                scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+                if i == 0 and cls:
+                    model[0].weight.grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad()
+        lrs[name] = sched.get_last_lr()
+        if cls:
+            assert scaler.skipped_steps == 1
+    assert lrs["ours"] == lrs["fp32"]  # the schedule advances with the iteration, as in torch
