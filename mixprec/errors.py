@@ -35,3 +35,7 @@ class DeviceMismatchError(MixprecError, ValueError):
 
 class ParameterMismatchError(MixprecError, ValueError):
     """An optimizer's parameters do not belong to the model they are used with."""
+
+
+class PersistentOverflowError(MixprecError, FloatingPointError):
+    """Steps kept being skipped for inf/NaN gradients although the loss scale backed off."""

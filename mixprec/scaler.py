@@ -30,7 +30,13 @@ from typing import Any, Protocol, cast, overload, runtime_checkable
 
 import torch
 
-from mixprec.errors import ConfigError, DeviceMismatchError, Fp16GradientError, ScalerStateError
+from mixprec.errors import (
+    ConfigError,
+    DeviceMismatchError,
+    Fp16GradientError,
+    PersistentOverflowError,
+    ScalerStateError,
+)
 
 __all__ = ["GradScaler", "OptState", "HasMasterGrads"]
 
@@ -59,7 +65,15 @@ class HasMasterGrads(Protocol):
 
 
 # The scaler's device tensors; pickling turns them into Python values (see __getstate__).
-_DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_left", "_skipped", "_last_skipped", "_history")
+_DEVICE_STATE = (
+    "_scale",
+    "_growth_tracker",
+    "_hysteresis_left",
+    "_skipped",
+    "_last_skipped",
+    "_consecutive",
+    "_history",
+)
 
 
 @dataclass
@@ -95,6 +109,14 @@ class GradScaler:
         history_size: how many per-iteration scales ``scale_history()`` keeps (a device ring buffer).
         allow_fp16_grads: unscale fp16 gradients in place (pure-fp16 training, apex O3). By default fp16
             gradients raise ``Fp16GradientError``: the fix is fp32 master weights.
+        sync_found_inf: all-reduce the inf/NaN flags over the default ``torch.distributed`` process group
+            (or ``process_group``) before deciding to skip, so every rank skips together. Needed when
+            gradients are not already all-reduced (sharded or ``no_sync`` gradients, model parallelism);
+            with DDP's all-reduced gradients every rank sees the same flags anyway. Costs one collective.
+        skip_limit: raise ``PersistentOverflowError`` once this many consecutive iterations were skipped.
+            Overflow from too large a scale stops after a few back-offs; a run that keeps skipping has
+            inf/NaN for another reason (bad data, log(0)) and would otherwise skip forever. Checking it
+            reads one counter per ``update()`` (a sync), so it is off (None) by default.
     """
 
     def __init__(
@@ -112,6 +134,9 @@ class GradScaler:
         hysteresis: int = 1,
         history_size: int = DEFAULT_HISTORY_SIZE,
         allow_fp16_grads: bool = False,
+        sync_found_inf: bool = False,
+        process_group: Any = None,
+        skip_limit: int | None = None,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -166,6 +191,12 @@ class GradScaler:
         self._hysteresis = hysteresis
         self._history_size = history_size
         self._allow_fp16_grads = allow_fp16_grads
+        self._sync_found_inf = sync_found_inf
+        self._process_group = process_group
+        if skip_limit is not None and not (isinstance(skip_limit, int) and skip_limit >= 1):
+            raise ConfigError(f"skip_limit must be None or an int >= 1, got {skip_limit!r}.", "e.g. 50.")
+        self._skip_limit = skip_limit
+        self._init_consecutive = 0
         # Python-side counters: known without a sync.
         self._init_growth_tracker = 0
         self._init_hysteresis_left = hysteresis
@@ -179,6 +210,7 @@ class GradScaler:
         self._hysteresis_left: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
+        self._consecutive: torch.Tensor | None = None
         self._history: torch.Tensor | None = None
         self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(_PerOptimizer)
 
@@ -194,6 +226,7 @@ class GradScaler:
         self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
         self._skipped = torch.full((), self._init_skipped, dtype=torch.int64, device=dev)
         self._last_skipped = torch.full((), self._init_last_skipped, dtype=torch.bool, device=dev)
+        self._consecutive = torch.full((), self._init_consecutive, dtype=torch.int64, device=dev)
         self._history = torch.zeros(self._history_size, dtype=torch.float32, device=dev)
         kept = self._init_history[-self._history_size :]
         for i, s in enumerate(kept, start=self._updates - len(kept)):
@@ -283,6 +316,9 @@ class GradScaler:
                 for grads in per_dtype.values():
                     # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, dev_inv_scale)
+        if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
+            for found in per_device_found.values():
+                torch.distributed.all_reduce(found, group=self._process_group)  # SUM: > 0 if any rank saw inf
         return per_device_found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -428,6 +464,16 @@ class GradScaler:
             skipped = found > 0
             cast(torch.Tensor, self._last_skipped).copy_(skipped)
             cast(torch.Tensor, self._skipped).add_(skipped)
+            consecutive = cast(torch.Tensor, self._consecutive)
+            consecutive.copy_(torch.where(skipped, consecutive + 1, 0))
+            if self._skip_limit is not None and int(consecutive.item()) >= self._skip_limit:
+                raise PersistentOverflowError(
+                    f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients (scale now "
+                    f"{scale.item():g}). Backing off the scale did not help, so the inf/NaN does not come "
+                    "from overflow: look for NaN in the data or the loss (log(0), 0/0, a bad label).",
+                    "find the first non-finite layer with mixprec.diagnostics (overflow tracing), or the "
+                    "parameters with non-finite gradients; fix the data or the loss.",
+                )
 
     def _update_dynamic(self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor) -> None:
         if self._hysteresis == 1:
@@ -546,12 +592,16 @@ class GradScaler:
             "skipped_steps": self.skipped_steps,
             "last_step_skipped": self.last_step_skipped,
             "_updates": self._updates,
+            "_consecutive_skips": self._get_int(self._consecutive, self._init_consecutive),
             "scale_history": self.scale_history(),
         }
 
     def _get_hysteresis_left(self) -> int:
-        t = self._hysteresis_left
-        return self._init_hysteresis_left if t is None else int(t.item())
+        return self._get_int(self._hysteresis_left, self._init_hysteresis_left)
+
+    @staticmethod
+    def _get_int(t: torch.Tensor | None, default: int) -> int:
+        return default if t is None else int(t.item())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict`` returned (also accepts torch.amp.GradScaler's five-entry dict)."""
@@ -576,6 +626,7 @@ class GradScaler:
         self._init_skipped = state_dict.get("skipped_steps", 0)
         self._init_last_skipped = state_dict.get("last_step_skipped", False)
         self._updates = state_dict.get("_updates", 0)
+        self._init_consecutive = state_dict.get("_consecutive_skips", 0)
         self._init_history = list(state_dict.get("scale_history", []))
         if self._scale is not None:
             self._lazy_init(self._scale.device)
@@ -597,6 +648,7 @@ class GradScaler:
             state["_init_skipped"] = snapshot["skipped_steps"]
             state["_init_last_skipped"] = snapshot["last_step_skipped"]
             state["_init_history"] = snapshot["scale_history"]
+            state["_init_consecutive"] = snapshot["_consecutive_skips"]
             for name in _DEVICE_STATE:
                 state[name] = None
         return state

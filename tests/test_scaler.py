@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.errors import ConfigError, DeviceMismatchError, Fp16GradientError, ScalerStateError
+from mixprec.errors import (
+    ConfigError,
+    DeviceMismatchError,
+    Fp16GradientError,
+    PersistentOverflowError,
+    ScalerStateError,
+)
 from mixprec.scaler import GradScaler
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -353,3 +359,12 @@ def test_skipped_first_step_does_not_make_scheduler_warn() -> None:
         if cls:
             assert scaler.skipped_steps == 1
     assert lrs["ours"] == lrs["fp32"]  # the schedule advances with the iteration, as in torch
+
+
+def test_skip_limit_reports_persistent_nan_instead_of_skipping_forever() -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10, skip_limit=5)
+    with pytest.raises(PersistentOverflowError, match="5 consecutive steps were skipped"):
+        _run(scaler, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(3, 30)))
+    assert scaler.skipped_steps == 5
+    # isolated overflows (never 5 in a row) do not trip it
+    _run(GradScaler("cpu", init_scale=2.0**10, skip_limit=5), "cpu", 20, OPTIMIZERS["sgd"])
