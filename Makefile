@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mixprec formats 3.14159 1e-4 2**-25 65520
 
 lint: $(STAMP)
-	$(PY) -m ruff check mixprec tests benchmarks examples
+	$(PY) -m ruff check mixprec tests benchmarks examples tools
 
 test: lint
 	$(PY) -m pytest -q

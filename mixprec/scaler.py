@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol, cast, overload, runtime_checkable
+from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
 
 import torch
 
@@ -48,12 +47,8 @@ DEFAULT_GROWTH_INTERVAL = 2000  # overflows are rare once tuned; probing upward 
 DEFAULT_HISTORY_SIZE = 1024  # scales kept for plotting: a ring buffer, 4 KiB on the device
 
 
-class OptState(Enum):
-    """Where one optimizer is in the current iteration's scaler protocol."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+# torch's own enum, not a copy: code written against torch.amp compares stages with `is`.
+OptState = torch.amp.grad_scaler.OptState
 
 
 @runtime_checkable
@@ -76,11 +71,18 @@ _DEVICE_STATE = (
 )
 
 
-@dataclass
-class _PerOptimizer:
-    stage: OptState = OptState.READY
+class _PerOptimizer(TypedDict):
+    """torch's per-optimizer record, same keys: code reading ``_per_optimizer_states[id(opt)]["stage"]``
+    (and torch's own tests) keeps working."""
+
+    stage: OptState
     # one float32 flag per device: > 0 when any gradient on that device was inf/NaN
-    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    found_inf_per_device: dict[torch.device, torch.Tensor]
+
+
+def _refresh_per_optimizer_state() -> _PerOptimizer:
+    # Module-level (not a lambda) so that the defaultdict holding these records can be pickled.
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _check_positive_finite(name: str, value: float) -> None:
@@ -212,7 +214,9 @@ class GradScaler:
         self._last_skipped: torch.Tensor | None = None
         self._consecutive: torch.Tensor | None = None
         self._history: torch.Tensor | None = None
-        self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(_PerOptimizer)
+        self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(
+            _refresh_per_optimizer_state
+        )
 
     # ------------------------------------------------------------------ lazy device state
     def _lazy_init(self, dev: torch.device) -> None:
@@ -330,12 +334,12 @@ class GradScaler:
             return
         self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
-        if state.stage is OptState.UNSCALED:
+        if state["stage"] is OptState.UNSCALED:
             raise ScalerStateError(
                 "unscale_() has already been called on this optimizer since the last update().",
                 "call unscale_(optimizer) at most once per iteration, between backward and step.",
             )
-        if state.stage is OptState.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise ScalerStateError(
                 "unscale_() is being called after step().", "call unscale_ before scaler.step(optimizer)."
             )
@@ -343,10 +347,10 @@ class GradScaler:
         # FP32 division can be imprecise under some compile options, so take the reciprocal in FP64.
         inv_scale = scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state.found_inf_per_device = self._unscale_grads_(
+        state["found_inf_per_device"] = self._unscale_grads_(
             optimizer, inv_scale, found_inf, self._allow_fp16_grads
         )
-        state.stage = OptState.UNSCALED
+        state["stage"] = OptState.UNSCALED
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -361,29 +365,29 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
-        if state.stage is OptState.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called since the last update().",
                 "call scaler.update() once at the end of each iteration, after stepping every optimizer.",
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._step_self_skipping(optimizer, state, *args, **kwargs)
-        if state.stage is OptState.READY:
+        if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if not state.found_inf_per_device:
+        if not state["found_inf_per_device"]:
             raise ScalerStateError(
                 "No inf checks were recorded for this optimizer.",
                 "none of its parameters has a gradient: call backward on the scaled loss before step().",
             )
         retval = None
-        if not sum(v.item() for v in state.found_inf_per_device.values()):
+        if not sum(v.item() for v in state["found_inf_per_device"].values()):
             retval = optimizer.step(*args, **kwargs)
         else:
             # The step was skipped, but the program called it in the right order: record the call where
             # LR schedulers look for it, so they do not warn "lr_scheduler.step() before optimizer.step()"
             # (pytorch#44511). The schedule advances with the iteration, as it does in torch.
             optimizer._opt_called = True  # type: ignore[attr-defined]
-        state.stage = OptState.STEPPED
+        state["stage"] = OptState.STEPPED
         return retval
 
     def _step_self_skipping(
@@ -392,26 +396,34 @@ class GradScaler:
         """Optimizers with ``_step_supports_amp_scaling`` take ``grad_scale`` and ``found_inf`` tensors and
         unscale/skip inside their fused kernel: no host sync at all."""
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            kwargs["grad_scaler"] = self  # the older protocol of custom optimizers
+            # The older protocol of custom optimizers; torch deprecates it with this FutureWarning.
+            warnings.warn(
+                "GradScaler passes itself to optimizer.step(grad_scaler=...); this protocol is deprecated "
+                "(as in torch.amp). Fix: drop the grad_scaler argument and read the tensors "
+                "`self.grad_scale` and `self.found_inf` that the scaler sets on the optimizer before step().",
+                FutureWarning,
+                stacklevel=3,
+            )
+            kwargs["grad_scaler"] = self
             retval = optimizer.step(*args, **kwargs)
-            state.stage = OptState.STEPPED
+            state["stage"] = OptState.STEPPED
             return retval
         scale = cast(torch.Tensor, self._scale)
-        if state.stage is OptState.READY:
+        if state["stage"] is OptState.READY:
             ones = torch.ones((), dtype=torch.float32, device=scale.device)
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            state.found_inf_per_device = self._unscale_grads_(optimizer, ones, found, allow_fp16=True)
+            state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found, allow_fp16=True)
             optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
         else:
             optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
-        found_inf = sum(t.to(scale.device, non_blocking=True) for t in state.found_inf_per_device.values())
+        found_inf = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-        state.stage = OptState.STEPPED
+        state["stage"] = OptState.STEPPED
         return retval
 
     # ------------------------------------------------------------------ update
@@ -427,7 +439,7 @@ class GradScaler:
             self._set_scale(scale, new_scale)
         elif self._dynamic:
             self._update_dynamic(scale, tracker, cast(torch.Tensor, found))
-        self._per_optimizer_states = defaultdict(_PerOptimizer)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, float):
@@ -446,7 +458,7 @@ class GradScaler:
         found_infs = [
             found.to(device=scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
-            for found in state.found_inf_per_device.values()
+            for found in state["found_inf_per_device"].values()
         ]
         if not found_infs:
             raise ScalerStateError(
@@ -662,8 +674,8 @@ class GradScaler:
         ones = torch.ones((), dtype=torch.float32, device=scale.device)
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        state.found_inf_per_device = self._unscale_grads_(optimizer, ones, found, True)
-        return state.found_inf_per_device
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found, True)
+        return state["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)].found_inf_per_device
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
