@@ -1,0 +1,439 @@
+"""``mixprec formats``: the float formats of mixed precision, and what each does to a number.
+
+With no values it prints a table of the formats (bit layout, range, epsilon). With values it shows,
+for each value and format, the stored bit pattern coloured by field, the value actually stored, the
+rounding error and what happened (rounded, subnormal, underflow, overflow): why 2**-25 vanishes in
+fp16 but survives in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import re
+from typing import TYPE_CHECKING, NamedTuple
+
+from mixprec import formats
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+HELP = "Show the float formats (fp32, fp16, bf16, fp8) and how each stores a value, bit by bit."
+
+# The three formats a mixed precision run moves between: fp32 masters, fp16 or bf16 compute.
+DEFAULT_FORMATS: tuple[str, ...] = ("fp32", "fp16", "bf16")
+
+# Field colours of a bit pattern; the spaces between fields keep it readable without colour.
+SIGN_STYLE = "bold magenta"
+EXPONENT_STYLE = "bold green"
+MANTISSA_STYLE = "bold cyan"
+
+# Non-terminal output (pipes, files, tests) gets no colour from rich and this width, so that rows
+# do not wrap in the middle of a bit pattern.
+PLAIN_WIDTH = 200
+
+
+class ValueSyntaxError(ValueError):
+    """A VALUE argument that the expression parser cannot read."""
+
+
+class Value(NamedTuple):
+    text: str  # as typed, shown as the title
+    value: float
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny expression parser for VALUE arguments: numbers, names, + - * / ** (or ^) and parentheses.
+# No eval(): a command-line argument must never run code.
+
+_CONSTANTS: dict[str, float] = {
+    "pi": math.pi,
+    "e": math.e,
+    "tau": math.tau,
+    "inf": math.inf,
+    "infinity": math.inf,
+    "nan": math.nan,
+}
+_TOKEN = re.compile(
+    r"\s*(?:(?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z_]\w*)|(?P<op>\*\*|[-+*/^()]))"
+)
+
+
+def _tokenize(text: str) -> list[str]:
+    tokens, pos = [], 0
+    while pos < len(text.rstrip()):
+        match = _TOKEN.match(text, pos)
+        if match is None:
+            raise ValueSyntaxError(f"cannot read {text!r} at {text[pos:]!r}: {_EXPRESSION_HELP}")
+        tokens.append(match.group(match.lastgroup or 0))
+        pos = match.end()
+    return ["**" if t == "^" else t for t in tokens]
+
+
+_EXPRESSION_HELP = "use numbers (1e-4, 65504), pi, e, inf, nan, + - * /, ** or ^, and parentheses"
+
+
+def _power(base: float, exponent: float) -> float:
+    try:
+        return math.pow(base, exponent)
+    except OverflowError:  # 2**2000: the value is beyond float64, which every format here stores as inf
+        odd = exponent.is_integer() and int(exponent) % 2 == 1
+        return -math.inf if base < 0 and odd else math.inf
+    except ValueError:
+        raise ValueSyntaxError(f"{base!r} ** {exponent!r} is not a real number") from None
+
+
+def _divide(a: float, b: float) -> float:
+    if b == 0:
+        raise ValueSyntaxError(f"division by zero in {a!r} / {b!r}: write inf or nan directly")
+    return a / b
+
+
+_BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": _divide}
+
+
+class _Parser:
+    """expr := term (('+'|'-') term)*;  term := unary (('*'|'/') unary)*;
+    unary := ('+'|'-') unary | power;  power := atom ('**' unary)?;  atom := number | name | '(' expr ')'.
+    As in Python, ** binds tighter than a unary minus on its left: -2**2 == -4, 2**-25 works."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens = _tokenize(text)
+        self.pos = 0
+
+    def parse(self) -> float:
+        value = self.expr()
+        if self.pos != len(self.tokens):
+            raise self.error(f"unexpected {self.tokens[self.pos]!r}")
+        return value
+
+    def error(self, problem: str) -> ValueSyntaxError:
+        return ValueSyntaxError(f"cannot read {self.text!r}: {problem}; {_EXPRESSION_HELP}")
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str:
+        token = self.peek()
+        if token is None:
+            raise self.error("it ends too early")
+        self.pos += 1
+        return token
+
+    def binary(self, operators: str, operand: str) -> float:
+        value = getattr(self, operand)()
+        while (op := self.peek()) is not None and op in operators:
+            self.take()
+            value = _BINARY[op](value, getattr(self, operand)())
+        return value
+
+    def expr(self) -> float:
+        return self.binary("+-", "term")
+
+    def term(self) -> float:
+        return self.binary("*/", "unary")
+
+    def unary(self) -> float:
+        if self.peek() in ("+", "-"):
+            return -self.unary() if self.take() == "-" else self.unary()
+        return self.power()
+
+    def power(self) -> float:
+        base = self.atom()
+        if self.peek() == "**":
+            self.take()
+            return _power(base, self.unary())
+        return base
+
+    def atom(self) -> float:
+        token = self.take()
+        if token == "(":
+            value = self.expr()
+            if self.take() != ")":
+                raise self.error("missing ')'")
+            return value
+        if token[0].isdigit() or token[0] == ".":
+            return float(token)  # float("1e400") is inf, as any format stores it
+        if token.lower() in _CONSTANTS:
+            return _CONSTANTS[token.lower()]
+        raise self.error(f"unknown name {token!r}")
+
+
+def parse_value(text: str) -> float:
+    """Evaluate a number or a small arithmetic expression (``2**-25``, ``1/3``, ``pi``) without eval()."""
+    return _Parser(text).parse()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _value_arg(text: str) -> Value:
+    try:
+        return Value(text, parse_value(text))
+    except ValueSyntaxError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _formats_arg(text: str) -> list[formats.FloatFormat]:
+    names = [name for name in text.split(",") if name.strip()]
+    if any(name.strip().lower() == "all" for name in names):
+        return list(formats.FORMATS.values())
+    try:
+        return [formats.get_format(name) for name in names]
+    except formats.UnknownFormatError as err:
+        raise argparse.ArgumentTypeError(f"{err}, or 'all'") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "values",
+        nargs="*",
+        type=_value_arg,
+        metavar="VALUE",
+        help="numbers or small expressions: 3.14159, 1e-4, 65504, 2**-25, 1/3, pi, inf, nan. "
+        "Put -- before one that starts with a minus and is not a plain number: -- -2**-24",
+    )
+    parser.add_argument(
+        "--dtype",
+        "-d",
+        type=_formats_arg,
+        action="extend",
+        default=None,
+        metavar="FORMATS",
+        help=f"comma-separated formats, or 'all': {', '.join(formats.FORMATS)}; aliases such as half, "
+        f"bfloat16, e4m3 work too (default: {','.join(DEFAULT_FORMATS)} for values, all for the table)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = PLAIN_WIDTH
+    chosen: list[formats.FloatFormat] | None = args.dtype
+    if not args.values:
+        fmts = _unique(chosen or list(formats.FORMATS.values()))
+        table = _formats_table(fmts)
+        # Too narrow for one row per format: one block per format instead of cut-off columns.
+        console.print(table if _fits(console, table) else _stacked_formats(fmts))
+        console.print(_FORMATS_CAPTION)
+        return 0
+    selected = _unique(chosen or [formats.get_format(name) for name in DEFAULT_FORMATS])
+    _print_legend(console)
+    for value in args.values:
+        console.print()
+        _print_value(console, value, selected)
+    return 0
+
+
+def _unique(fmts: list[formats.FloatFormat]) -> list[formats.FloatFormat]:
+    return list(dict.fromkeys(fmts))
+
+
+def _fits(console: Console, table: Table) -> bool:
+    """Whether ``table`` renders at the console's width without cutting any cell.
+
+    rich crops a no_wrap cell, or a word longer than its column, when the table is too wide, and its
+    measured minimum width is not a reliable bound for that; so render it (cheap, a few rows) at this
+    width and at an unlimited one, and compare the words (not the rules, which change with width).
+    """
+    from rich.console import Console
+
+    def words(width: int) -> list[str]:
+        probe = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+        probe.print(table)
+        return sorted(word for word in probe.export_text().split() if any(c.isalnum() for c in word))
+
+    return words(console.width) == words(1 << 12)
+
+
+# --- the table of formats
+
+
+def _approx(x: float, sep: str = " ") -> str:
+    """``2^-14 ≈ 6.1e-05``: exact power of two and its decimal size."""
+    mantissa, exponent = math.frexp(x)
+    return f"2^{exponent - 1}{sep}≈ {x:.2g}" if mantissa == 0.5 else f"{x:.4g}"
+
+
+_OVERFLOW_TEXT = {
+    formats.Overflow.INF: "has inf; overflow → ±inf",
+    formats.Overflow.NAN: "no inf; overflow → NaN",
+    formats.Overflow.SATURATE: "no inf; overflow → ±max",
+}
+
+
+_FORMATS_CAPTION = (
+    "epsilon: the gap between 1 and the next number (relative precision). Below half the min subnormal "
+    "a value rounds to 0 (underflow); beyond max it overflows."
+)
+
+
+def _formats_table(fmts: list[formats.FloatFormat]) -> Table:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="Floating-point formats", box=box.SIMPLE_HEAD, leading=1)
+    for header in ("format\ntorch dtype", "bits\ns/e/m", "bias", "max", "min\nnormal", "min\nsubnormal",
+                   "epsilon", "decimal\ndigits"):
+        table.add_column(header, no_wrap=True)
+    table.add_column("specials")
+    table.add_column("used for")
+    for fmt in fmts:
+        fi = formats.info(fmt)
+        table.add_row(
+            Text.assemble((fmt.name, "bold"), "\n", (fmt.torch_name or "—", "dim")),
+            f"{fi.bits} =\n1/{fi.exponent_bits}/{fi.mantissa_bits}",
+            str(fi.bias),
+            f"{fi.max:.5g}",
+            _approx(fi.smallest_normal, "\n"),
+            _approx(fi.smallest_subnormal, "\n"),
+            _approx(fi.eps, "\n"),
+            f"{fi.decimal_digits:.1f}",
+            _OVERFLOW_TEXT[fmt.overflow],
+            fmt.description,
+        )
+    return table
+
+
+def _stacked_formats(fmts: list[formats.FloatFormat]) -> Table:
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 1))
+    table.add_column(no_wrap=True, style="bold")
+    table.add_column()
+    for fmt in fmts:
+        fi = formats.info(fmt)
+        lines = (
+            f"torch.{fmt.torch_name}" if fmt.torch_name else "no torch dtype",
+            f"{fi.bits} bits = 1 sign, {fi.exponent_bits} exponent, {fi.mantissa_bits} mantissa; "
+            f"bias {fi.bias}",
+            f"max {fi.max:.5g}; min normal {_approx(fi.smallest_normal)}; "
+            f"min subnormal {_approx(fi.smallest_subnormal)}",
+            f"epsilon {_approx(fi.eps)}; ≈ {fi.decimal_digits:.1f} decimal digits; "
+            f"{_OVERFLOW_TEXT[fmt.overflow]}",
+            fmt.description,
+        )
+        table.add_row(fmt.name, "\n".join(lines) + "\n")
+    return table
+
+
+# --- one value in several formats
+
+
+def _print_legend(console: Console) -> None:
+    from rich.text import Text
+
+    console.print(
+        Text.assemble(
+            ("sign", SIGN_STYLE), " ", ("exponent", EXPONENT_STYLE), " ", ("mantissa", MANTISSA_STYLE),
+            " bits",
+            "\n  normal:    (-1)^sign × 1.mantissa × 2^(exponent - bias)",
+            "\n  subnormal: (-1)^sign × 0.mantissa × 2^(1 - bias), when the exponent bits are all 0",
+        )
+    )
+
+
+class _Row(NamedTuple):
+    """One format's view of a value, as the cells of either layout."""
+
+    name: str
+    bits: Text
+    stored: str  # repr of the stored float
+    scaled: str  # = significand × 2^exponent
+    abs_error: str
+    rel_error: str
+    note: Text
+
+
+def _bits_text(d: formats.Decoded) -> Text:
+    from rich.text import Text
+
+    fields = ((d.sign_bits, SIGN_STYLE), " ", (d.exponent_bits, EXPONENT_STYLE), " ")
+    return Text.assemble(*fields, (d.mantissa_bits, MANTISSA_STYLE))
+
+
+def _scaled(d: formats.Decoded) -> str:
+    """The stored value as significand × 2^exponent, the way the bits say it."""
+    if d.is_nan:
+        return "NaN"
+    if d.is_inf:
+        return "-inf" if d.sign else "inf"
+    if d.is_zero:
+        return "-0" if d.sign else "0"
+    return f"{'-' if d.sign else ''}{d.significand!r} × 2^{d.exponent}"
+
+
+def _error(x: float) -> str:
+    if math.isnan(x):
+        return "—"
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def _note_style(d: formats.Decoded) -> str:
+    if d.overflowed or d.underflowed or (math.isinf(d.value) and not d.is_inf):
+        return "bold red"
+    if d.is_subnormal:
+        return "yellow"
+    return "green" if d.exact else ""
+
+
+def _row(value: float, fmt: formats.FloatFormat) -> _Row:
+    from rich.text import Text
+
+    d = formats.decode(value, fmt)
+    return _Row(fmt.name, _bits_text(d), repr(d.stored), f"= {_scaled(d)}", _error(d.abs_error),
+                _error(d.rel_error), Text(d.note, style=_note_style(d)))
+
+
+def _print_value(console: Console, value: Value, fmts: list[formats.FloatFormat]) -> None:
+    from rich.text import Text
+
+    title = value.text if value.text == repr(value.value) else f"{value.text} = {value.value!r}"
+    console.print(Text(title, style="bold"))
+    rows = [_row(value.value, fmt) for fmt in fmts]
+    table = _wide_table(rows)
+    # A table too wide for the terminal would be cut into unreadable columns: stack each row instead.
+    console.print(table if _fits(console, table) else _stacked_table(rows))
+
+
+def _wide_table(rows: list[_Row]) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, leading=1)
+    table.add_column("format", no_wrap=True)
+    table.add_column("sign exponent mantissa", no_wrap=True)
+    table.add_column("stored", no_wrap=True)
+    table.add_column("abs error", justify="right", no_wrap=True)
+    table.add_column("rel error", justify="right", no_wrap=True)
+    table.add_column("note")
+    for row in rows:
+        stored = f"{row.stored}\n{row.scaled}"
+        table.add_row(row.name, row.bits, stored, row.abs_error, row.rel_error, row.note)
+    return table
+
+
+def _stacked_table(rows: list[_Row]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table.grid(padding=(0, 1))
+    table.add_column(no_wrap=True, style="bold")
+    table.add_column()
+    for row in rows:
+        stored = f"\nstored {row.stored} {row.scaled}"
+        error = f"\nerror {row.abs_error} (relative {row.rel_error})\n"
+        table.add_row(row.name, Text.assemble(row.bits, stored, error, row.note))
+    return table
