@@ -2,10 +2,14 @@
 policy, implemented once, offered as torch.amp-style, apex-style and fastai-style interfaces."""
 
 # formats: float formats bit by bit
+# policy & autocast: which op runs in which dtype
 # scaler: loss scaling (drop-in for torch.amp.GradScaler)
 # master: fp32 master weights around any torch.optim optimizer
+# opt levels: apex's O0-O3 as presets over the same parts
 # data & models: bundled data sets and reference models
 # errors: what mixprec raises for user mistakes
+from mixprec.amp import initialize, load_state_dict, master_params, scale_loss, state_dict
+from mixprec.autocast import AutocastError, BannedOpError, autocast, half_compute, keep_fp32
 from mixprec.data import DataBunch, digits, mnist, synthetic
 from mixprec.errors import (
     ConfigError,
@@ -18,6 +22,13 @@ from mixprec.errors import (
 from mixprec.formats import FORMATS, Decoded, FloatFormat, FormatInfo, decode, get_format, info
 from mixprec.master import MasterWeights
 from mixprec.models import build as build_model
+from mixprec.policy import (
+    Policy,
+    get_preset,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from mixprec.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
@@ -31,11 +42,28 @@ __all__ = [
     "decode",
     "get_format",
     "info",
+    # policy & autocast
+    "autocast",
+    "half_compute",
+    "keep_fp32",
+    "Policy",
+    "get_preset",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "AutocastError",
+    "BannedOpError",
     # scaler
     "GradScaler",
     "OptState",
     # master weights
     "MasterWeights",
+    # opt levels (apex style)
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
     # data & models
     "DataBunch",
     "digits",

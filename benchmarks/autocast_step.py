@@ -1,0 +1,182 @@
+"""Training-step time under autocast: fp32 vs torch.autocast vs mixprec.autocast, fp16 and bf16.
+
+One step = zero_grad + forward (in the region) + cross-entropy + backward + SGD step. Reports the median
+step time per configuration and the ratio to fp32. What to look for on a CPU:
+
+* torch.autocast fp16 is many times *slower* than fp32 (torch's CPU fp16 GEMMs run at 0.3-57 GFLOP/s,
+  depending on operand layout; the 3-layer MLP's backward hits the slow layout);
+* mixprec.autocast fp16 emulates fp16 tensor-core GEMMs (fp16-rounded inputs, fp32 accumulation, fp16
+  result) with fp32 GEMMs, so it should stay within 1.3x of fp32;
+* mixprec.autocast bf16 with the default policy *is* torch.autocast bf16 plus one Python enter/exit per
+  step, so its overhead should be within 5%.
+
+Configurations are timed round-robin (one step of each in turn) so that load drift on a shared machine
+hits all of them alike. torch.autocast fp16 is timed on its own, with few steps, because it is so slow.
+
+    python benchmarks/autocast_step.py            # full run (a few minutes on 2 cores)
+    python benchmarks/autocast_step.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from mixprec.autocast import autocast as mixprec_autocast
+
+Region = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+# ---- models (defined here: benchmarks never depend on the package's model zoo) -------------------------
+
+
+def mlp(*sizes: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append(nn.Linear(n_in, n_out))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def simple_cnn(channels: tuple[int, ...] = (3, 16, 16, 2)) -> nn.Module:
+    """fastai's simple_cnn: conv(3x3, stride 2) + BatchNorm + ReLU blocks, then global pool + flatten."""
+    layers: list[nn.Module] = []
+    for c_in, c_out in zip(channels, channels[1:], strict=False):
+        conv = nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False)
+        layers += [conv, nn.BatchNorm2d(c_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make_model: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    n_classes: int
+
+
+WORKLOADS = (
+    Workload("mlp 784-8192-10, b512", lambda: mlp(784, 8192, 10), (512, 784), 10),
+    Workload("mlp 784-1024-1024-10, b128", lambda: mlp(784, 1024, 1024, 10), (128, 784), 10),
+    Workload("mlp 784-2048-2048-10, b128", lambda: mlp(784, 2048, 2048, 10), (128, 784), 10),
+    Workload("simple_cnn (3,16,16,2), b64 3x32x32", simple_cnn, (64, 3, 32, 32), 2),
+)
+
+
+# ---- configurations -------------------------------------------------------------------------------------
+
+
+def _region(factory: Callable[..., contextlib.AbstractContextManager[object]], dtype: torch.dtype) -> Region:
+    return lambda: factory("cpu", dtype=dtype)
+
+
+CONFIGS: dict[str, Region] = {
+    "fp32": contextlib.nullcontext,
+    "torch fp16": _region(torch.autocast, torch.float16),
+    "mixprec fp16": _region(mixprec_autocast, torch.float16),
+    "torch bf16": _region(torch.autocast, torch.bfloat16),
+    "mixprec bf16": _region(mixprec_autocast, torch.bfloat16),
+}
+SLOW = {"torch fp16"}  # timed separately, few steps
+
+
+class Trainer:
+    """One model + optimizer + fixed batch per configuration (same initial weights for all)."""
+
+    def __init__(self, workload: Workload, region: Region, state: dict[str, torch.Tensor]) -> None:
+        self.model = workload.make_model()
+        self.model.load_state_dict(state)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(workload.input_shape, generator=gen)
+        self.y = torch.randint(0, workload.n_classes, (workload.input_shape[0],), generator=gen)
+        self.region = region
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        with self.region():
+            loss = F.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        return time.perf_counter() - start
+
+
+def _round_robin(trainers: dict[str, Trainer], steps: int) -> Iterator[tuple[str, float]]:
+    for _ in range(steps):
+        for name, trainer in trainers.items():
+            yield name, trainer.step()
+
+
+def time_workload(workload: Workload, steps: int, slow_steps: int, warmup: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    state = workload.make_model().state_dict()
+    trainers = {name: Trainer(workload, region, state) for name, region in CONFIGS.items()}
+    fast = {n: t for n, t in trainers.items() if n not in SLOW}
+    slow = {n: t for n, t in trainers.items() if n in SLOW}
+    for _ in range(warmup):
+        for trainer in fast.values():
+            trainer.step()
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for name, seconds in _round_robin(fast, steps):
+        times[name].append(seconds)
+    for trainer in slow.values():
+        trainer.step()  # warm-up
+    for name, seconds in _round_robin(slow, slow_steps):
+        times[name].append(seconds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _cell(seconds: float, base: float | None) -> str:
+    return f"{seconds * 1e3:.1f}" + ("" if base is None else f" ({seconds / base:.2f}x)")
+
+
+def report(results: dict[str, dict[str, float]], console: Console) -> None:
+    table = Table(title="median training-step time on CPU (ms), and ratio to fp32 (lower is better)")
+    table.add_column("model")
+    for name in CONFIGS:
+        table.add_column(name, justify="right")
+    table.add_column("mixprec bf16 vs torch bf16", justify="right")
+    for workload, medians in results.items():
+        base = medians["fp32"]
+        cells = [_cell(medians[n], None if n == "fp32" else base) for n in CONFIGS]
+        overhead = medians["mixprec bf16"] / medians["torch bf16"] - 1
+        table.add_row(workload, *cells, f"{overhead:+.1%}")
+    console.print(table)
+    console.print(
+        "targets: mixprec fp16 within 1.3x of fp32 (torch fp16 shown for comparison); "
+        "mixprec bf16 within 5% of torch bf16."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps and the smaller models only")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+    args = parser.parse_args(argv)
+    steps = args.steps or (3 if args.quick else 15)
+    slow_steps = 1 if args.quick else 3
+    workloads = WORKLOADS[1:2] + WORKLOADS[3:] if args.quick else WORKLOADS
+    console = Console(width=max(Console().width, 150))
+    console.print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {steps} steps per config")
+    results = {}
+    for workload in workloads:
+        console.print(f"timing {workload.name} ...")
+        results[workload.name] = time_workload(workload, steps, slow_steps, warmup=1 if args.quick else 3)
+    report(results, console)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""apex-style opt levels: parameter dtypes, skipping, training parity with fp32, errors."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import amp
+from mixprec.errors import ConfigError, ParameterMismatchError
+from mixprec.master import MasterWeights
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(10, 4, generator=g)
+    for _ in range(n):
+        x = torch.randn(64, 10, generator=g)
+        yield x, (x @ teacher).argmax(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_amp_state() -> Iterator[None]:
+    yield
+    amp._STATE = None
+
+
+def test_opt_levels_are_apex_table() -> None:
+    """apex.amp's documented table (cast_model_type, patch, keep_bn_fp32, master_weights, loss_scale)."""
+    apex = {
+        "O0": (torch.float32, False, None, False, 1.0),
+        "O1": (None, True, None, None, "dynamic"),
+        "O2": (torch.float16, False, True, True, "dynamic"),
+        "O3": (torch.float16, False, False, False, 1.0),
+    }
+    for level, row in apex.items():
+        p = amp.OPT_LEVELS[level]
+        assert (p.cast_model_type, p.patch_torch_functions, p.keep_batchnorm_fp32, p.master_weights,
+                p.loss_scale) == row  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("level", LEVELS)
+def test_parameter_dtypes_after_initialize(level: str, dtype: torch.dtype) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
+    lin, bn = model[0], model[1]
+    half_model = level in ("O2", "O3")
+    assert lin.weight.dtype == (dtype if half_model else torch.float32)
+    assert bn.weight.dtype == (dtype if level == "O3" else torch.float32)
+    assert bn.running_mean.dtype == bn.weight.dtype
+    if level == "O2":
+        assert isinstance(opt, MasterWeights)
+        assert all(p.dtype == torch.float32 for p in mixprec.master_params(opt))
+    else:
+        assert not isinstance(opt, MasterWeights)
+    seen = {}
+    lin.register_forward_hook(lambda m, i, o: seen.update(linear=o.dtype))
+    out = model(torch.randn(8, 10))
+    assert out.dtype == torch.float32  # outputs leave the model in fp32 (loss in fp32)
+    assert seen["linear"] == (torch.float32 if level == "O0" else dtype)
+
+
+def test_o3_keep_batchnorm_fp32_without_batchnorm_is_fine() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    mixprec.initialize(model, opt_level="O3", keep_batchnorm_fp32=True, verbosity=0)
+    assert model[0].weight.dtype == torch.float16
+
+
+def _train(level: str | None, dtype: torch.dtype = torch.float16, steps: int = 60) -> tuple[float, nn.Module]:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if level is not None:
+        model, opt = mixprec.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
+    losses = []
+    for x, y in _batches(steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        if level is None:
+            loss.backward()
+        else:
+            with mixprec.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sum(losses[-10:]) / 10, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("level", LEVELS)
+def test_short_run_reaches_fp32_loss(level: str, dtype: torch.dtype) -> None:
+    ref, _ = _train(None)
+    got, _ = _train(level, dtype)
+    tolerance = 0.15 if level == "O3" else 0.05  # pure half (and bf16's 8-bit mantissa) drifts more
+    assert got == pytest.approx(ref, abs=tolerance + (0.05 if dtype == torch.bfloat16 else 0.0))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_overflow_skips_step_and_leaves_weights_and_state(level: str) -> None:
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = mixprec.initialize(model, opt, opt_level=level, verbosity=0)
+    batches = _batches(2)
+    x, y = next(batches)
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    weights = [p.detach().clone() for p in mixprec.master_params(opt)]
+    state = copy.deepcopy(opt.state_dict())
+    scale = amp.state_dict()["loss_scaler0"]["scale"]
+    x, y = next(batches)
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+        model[0].weight.grad.view(-1)[0] = float("inf")  # an overflow in this iteration's gradients
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, mixprec.master_params(opt), strict=True))
+    assert str(opt.state_dict()) == str(state)
+    assert amp.state_dict()["loss_scaler0"]["scale"] == scale / 2
+
+
+def test_two_losses_feeding_one_optimizer_match_fp32() -> None:
+    """Gradients unscaled for loss 0 are set aside while loss 1 backpropagates, then added back."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(
+        model, opt, opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
+    )
+    x = torch.randn(5, 6)
+    for i, net in enumerate((model, ref)):
+        loss0, loss1 = net(x).pow(2).mean(), net(x).sin().sum()
+        if i == 0:
+            with mixprec.scale_loss(loss0, opt, loss_id=0) as s:
+                s.backward()
+            with mixprec.scale_loss(loss1, opt, loss_id=1) as s:
+                s.backward()
+            opt.step()
+        else:
+            (loss0 + loss1).backward()
+            ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q)  # powers of two scale exactly: only summation order differs
+
+
+def test_state_dict_round_trip() -> None:
+    _train("O2", steps=5)
+    saved = amp.state_dict()
+    assert set(saved) == {"loss_scaler0"}
+    scale = saved["loss_scaler0"]["scale"]
+    model = _net()
+    mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.load_state_dict(saved)
+    assert amp.state_dict()["loss_scaler0"]["scale"] == scale
+
+
+def test_clipping_master_params_under_o2() -> None:
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    norm = torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm=1e-3)
+    assert norm > 1e-3  # the unscaled (not the scaled) gradient norm, a plausible value
+    assert norm < 100
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in mixprec.master_params(opt)]))
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(opt_level="01"), "Unknown opt_level"),
+        (dict(opt_level="O1", master_weights=True), "already are the master weights"),
+        (dict(opt_level="O1", keep_batchnorm_fp32=True), "keep_batchnorm_fp32 only applies"),
+        (dict(opt_level="O2", patch_torch_functions=True), "contradicts itself"),
+        (dict(opt_level="O2", dtype=torch.int8), "integer dtypes"),
+        (dict(opt_level="O2", loss_scale="big"), "loss_scale must be"),
+    ],
+)
+def test_bad_options_name_the_fix(kwargs: dict[str, object], match: str) -> None:
+    model = _net()
+    with pytest.raises(ConfigError, match=match) as err:
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbosity=0, **kwargs)
+    assert "fix:" in str(err.value)
+
+
+def test_optimizer_of_another_model_and_double_initialize() -> None:
+    model, other = _net(), _net(1)
+    with pytest.raises(ParameterMismatchError, match="not parameters of the given model"):
+        mixprec.initialize(model, torch.optim.SGD(other.parameters(), lr=0.1), verbosity=0)
+    mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    with pytest.raises(ConfigError, match="already called"):
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+
+
+def test_structure_in_structure_out_and_verbosity(capsys: pytest.CaptureFixture[str]) -> None:
+    models = [_net(), _net(1)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    out_models, out_opts = mixprec.initialize(models, opts, opt_level="O2")
+    assert isinstance(out_models, list) and isinstance(out_opts, list) and len(out_opts) == 2
+    printed = capsys.readouterr().out
+    assert "Selected optimization level O2" in printed and "master_weights" in printed
+    single = mixprec.initialize(nn.Linear(2, 2), opt_level="O0", verbosity=0)
+    assert isinstance(single, nn.Linear)
+    assert capsys.readouterr().out == ""

@@ -1,0 +1,487 @@
+"""mixprec.autocast: op-by-op parity with torch.autocast, policies, cast cache, emulated fp16 GEMMs."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import sys
+import types
+import unittest
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec import policy as P
+from mixprec.autocast import AutocastError, BannedOpError, autocast, keep_fp32, release_fp32
+
+# mixprec.autocast (the attribute) is the context manager; the engine module is reached through sys.modules
+A = importlib.import_module("mixprec.autocast")
+
+HALF = [torch.bfloat16, torch.float16]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry() -> Iterator[None]:
+    P.clear_registrations()
+    yield
+    P.clear_registrations()
+
+
+# ---- parity with torch.autocast over torch's own CPU op lists ------------------------------------------
+
+
+def _load_torch_lists() -> types.ModuleType:
+    """torch's own autocast op lists (shipped with torch), without torch's test-suite dependencies."""
+    path = Path(torch.testing.__file__).parent / "_internal" / "autocast_test_lists.py"
+    if not path.exists():
+        pytest.skip("this torch build does not ship autocast_test_lists.py")
+    stub = types.ModuleType("torch.testing._internal.common_utils")
+    stub.TEST_WITH_ROCM = False  # type: ignore[attr-defined]
+    stub.TestCase = unittest.TestCase  # type: ignore[attr-defined]
+    saved = sys.modules.get(stub.__name__)
+    sys.modules[stub.__name__] = stub
+    try:
+        spec = importlib.util.spec_from_file_location("_torch_autocast_lists", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules[stub.__name__]
+        else:
+            sys.modules[stub.__name__] = saved
+    return module
+
+
+Call = tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _variants(op: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call]:
+    # Like torch's own harness: the module function and the Tensor method, where each exists.
+    calls: list[Call] = []
+    if module is not None and hasattr(module, op):
+        calls.append((f"{module.__name__}.{op}", getattr(module, op), args, kwargs))
+    if hasattr(torch.Tensor, op) and isinstance(args[0], torch.Tensor):
+        calls.append((f"Tensor.{op}", getattr(torch.Tensor, op), args, kwargs))
+    return calls
+
+
+def _cpu_calls(dtype: torch.dtype) -> list[Call]:
+    with torch.random.fork_rng(devices=[]):  # the lists draw random tensors: leave the global RNG alone
+        lists = _load_torch_lists().AutocastCPUTestLists("cpu")
+    which = 1 if dtype is torch.bfloat16 else 2  # promote lists carry (bf16 args, fp16 args)
+    calls: list[Call] = []
+    by_module = ((torch, lists.torch_16 + lists.torch_fp32), (torch._C._nn, lists.nn_16 + lists.nn_fp32))
+    for module, entries in by_module:
+        for op, args, *rest in entries:
+            calls += _variants(op, module, args, rest[0] if rest else {})
+    for op, *args_by_dtype in lists.torch_need_autocast_promote + lists.torch_expect_builtin_promote:
+        calls += _variants(op, torch, args_by_dtype[which - 1], {})
+    for op, *args_by_dtype in lists.methods_expect_builtin_promote:
+        calls += _variants(op, None, args_by_dtype[which - 1], {})
+    return calls
+
+
+def _dtypes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(_dtypes(v) for v in value)
+    return type(value).__name__
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_output_dtypes_match_torch_autocast_op_by_op(dtype: torch.dtype) -> None:
+    calls = _cpu_calls(dtype)
+    assert len(calls) > 60
+    mismatches = []
+    checked_lower = 0
+    for label, fn, args, kwargs in calls:
+        rule = P.TORCH.rule(fn, "cpu", dtype)
+        if rule is not None and rule.is_deviation:
+            continue  # documented deviations are tested on their own below
+        with torch.autocast("cpu", dtype=dtype):
+            expected = _dtypes(fn(*args, **kwargs))
+        with autocast("cpu", dtype=dtype):
+            got = _dtypes(fn(*args, **kwargs))
+        if got != expected:
+            mismatches.append((label, expected, got))
+        checked_lower += rule is not None and rule.action is P.Action.LOWER
+    assert not mismatches
+    assert checked_lower >= 15  # the GEMM family, which fp16 emulation reroutes, was really exercised
+
+
+def test_default_policy_adds_no_python_layer_for_bf16() -> None:
+    with autocast("cpu", torch.bfloat16):
+        assert torch._C._len_torch_function_stack() == 0
+        assert A.current_region() is not None and A.current_region().actions == {}
+    with autocast("cpu", torch.float16):  # fp16 on CPU: emulation needs the layer
+        assert torch._C._len_torch_function_stack() == 1
+    assert A.current_region() is None
+
+
+# ---- policies and registrations -------------------------------------------------------------------------
+
+
+def test_registrations_change_the_dtype() -> None:
+    x32 = torch.randn(4, 4)
+    x16 = x32.bfloat16()
+    P.register_float_function(F, "gelu")
+    P.register_float_function(torch, "exp")
+    P.register_half_function(torch, "prod")
+    P.register_promote_function(torch, "mm")
+    for region, expect in ((torch.autocast, "torch"), (autocast, "mixprec")):
+        with region("cpu", dtype=torch.bfloat16):
+            got = (F.gelu(x16), x16.exp(), torch.exp(x16), torch.prod(x32, 0), torch.mm(x32, x16))
+        dtypes = [t.dtype for t in got]
+        if expect == "torch":  # what torch's tables do, unaware of the registrations
+            assert dtypes == [torch.bfloat16] * 3 + [torch.float32, torch.bfloat16]
+        else:
+            assert dtypes == [torch.float32] * 3 + [torch.bfloat16, torch.float32]
+
+
+def test_registered_functions_run_with_autocast_off_inside() -> None:
+    seen: list[bool] = []
+
+    @P.register_float_function
+    def my_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return (a @ b).sum()
+
+    @P.register_half_function
+    def my_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+    a, b = torch.randn(3, 3), torch.randn(3, 3).bfloat16()
+    with autocast("cpu", torch.bfloat16):
+        assert my_loss(a, b).dtype == torch.float32
+        assert my_gemm(a, a).dtype == torch.bfloat16
+    with torch.autocast("cpu", torch.bfloat16):  # registrations also apply under plain torch.autocast
+        assert my_loss(a, b).dtype == torch.float32
+    with autocast("cpu", torch.float16):  # half function on a CPU: emulated, result rounded to fp16
+        out = my_gemm(a, a)
+        assert out.dtype == torch.float16
+    assert seen == [False, False]
+    assert my_loss(a, b.float()).dtype == torch.float32  # outside a region: untouched
+
+
+def test_registration_on_a_user_module_wraps_the_attribute() -> None:
+    lib = types.ModuleType("mylib")
+    lib.scale = lambda x: x * 2  # type: ignore[attr-defined]
+    P.register_float_function(lib, "scale")
+    with autocast("cpu", torch.bfloat16):
+        assert lib.scale(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.float32  # type: ignore[attr-defined]
+
+
+def test_policy_argument_takes_effect() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with autocast("cpu", torch.bfloat16, policy=P.TORCH.with_fp32("linear")):
+        assert lin(x).dtype == torch.float32
+    with autocast("cpu", torch.bfloat16, policy=P.APEX):
+        y = lin(x)
+        assert y.dtype == torch.bfloat16
+        assert F.softmax(y, -1).dtype == torch.float32
+        assert F.cross_entropy(y, torch.tensor([0, 1])).dtype == torch.float32
+
+
+class Head(nn.Linear):
+    pass
+
+
+@pytest.mark.parametrize("region", [torch.autocast, autocast], ids=["torch", "mixprec"])
+def test_keep_fp32_runs_a_module_in_fp32(region: Callable[..., Any]) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    keep_fp32(model[2])
+    hidden: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda m, i, o: hidden.append(o))
+    x = torch.randn(3, 4)
+    with region("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        assert torch.is_autocast_enabled("cpu")  # restored after the fp32 module
+    assert hidden[0].dtype == torch.bfloat16 and out.dtype == torch.float32
+    ref = model[2](model[1](hidden[0].float()))  # the head's math in plain fp32
+    torch.testing.assert_close(out, ref)
+    release_fp32(model[2])
+    with region("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+
+
+def test_policy_fp32_modules_by_class_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), Head(8, 2))
+    policy = P.TORCH.with_fp32_modules("Head")
+    with autocast("cpu", torch.bfloat16, policy=policy):
+        assert model(torch.randn(3, 4)).dtype == torch.float32
+    with autocast("cpu", torch.bfloat16):
+        assert model(torch.randn(3, 4)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("loss", [lambda p, t: F.binary_cross_entropy(p, t), nn.BCELoss()])
+def test_banned_op_raises_and_names_the_fix(loss: Callable[..., Any]) -> None:
+    p, t = torch.rand(4), torch.rand(4)
+    with pytest.raises(BannedOpError, match="BCEWithLogitsLoss"), autocast("cpu", torch.float16):
+        loss(p, t)
+    with autocast("cpu", torch.bfloat16):  # bf16 has fp32's range: torch's CPU table (fp32) applies
+        assert loss(p, t).dtype == torch.float32
+
+
+# ---- cast cache -----------------------------------------------------------------------------------------
+
+
+class CountCasts(TorchDispatchMode):
+    """Counts aten._to_copy calls whose source is one given tensor."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self.source = source
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default and args[0] is self.source:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):  # one weight, three uses per forward
+            x = torch.relu(self.lin(x))
+        return x
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("cache_enabled", [True, False])
+def test_one_cast_per_weight_per_region(dtype: torch.dtype, cache_enabled: bool) -> None:
+    model, x = Tied(), torch.randn(2, 8)
+    with CountCasts(model.lin.weight) as counter:
+        for _ in range(2):  # two regions: the cache is released at exit, so each region casts again
+            with autocast("cpu", dtype, cache_enabled=cache_enabled):
+                model(x).float().sum().backward()
+            assert len(A._STATE.cache) == 0
+    assert counter.count == (2 if cache_enabled else 6)
+
+
+def test_cache_sees_in_place_updates() -> None:
+    lin, x = nn.Linear(4, 4, bias=False), torch.ones(1, 4)
+    with autocast("cpu", torch.float16):
+        before = lin(x)
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        after = lin(x)
+    torch.testing.assert_close(after.float() - before.float(), torch.full((1, 4), 4.0), atol=1e-2, rtol=0)
+
+
+# ---- nesting, enabled=False, decorator ------------------------------------------------------------------
+
+
+def _nested_trace(region: Callable[..., Any]) -> list[tuple[bool, torch.dtype]]:
+    lin, other, x = nn.Linear(4, 4), nn.Linear(4, 4), torch.randn(2, 4)
+    trace = []
+
+    def probe(module: nn.Module = lin) -> None:
+        trace.append((torch.is_autocast_enabled("cpu"), module(x).dtype))
+
+    with region("cpu", dtype=torch.bfloat16):
+        probe()
+        with region("cpu", enabled=False):
+            probe()
+            # another module: torch's cast cache is keyed by tensor only, so torch itself would hand the
+            # bf16 weight cast from the outer region to this fp16 region (and fail on mixed dtypes)
+            with region("cpu", dtype=torch.float16):
+                probe(other)
+            probe()
+        probe()
+    probe()
+    return trace
+
+
+def test_nesting_and_enabled_false_behave_as_in_torch() -> None:
+    expected = _nested_trace(torch.autocast)
+    assert _nested_trace(autocast) == expected
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert [d for _, d in expected] == [bf16, fp32, fp16, fp32, bf16, fp32]
+
+
+def test_torch_enabled_false_inside_an_emulating_region_is_plain_fp32() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with autocast("cpu", torch.float16), torch.autocast("cpu", enabled=False):
+        y = lin(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, lin(x), rtol=0, atol=0)
+
+
+def test_autocast_as_decorator_is_reentrant() -> None:
+    lin = nn.Linear(4, 4)
+
+    @autocast("cpu", torch.bfloat16)
+    def forward(x: torch.Tensor, depth: int) -> torch.Tensor:
+        return lin(x) if depth == 0 else forward(lin(x).float(), depth - 1)
+
+    assert forward(torch.randn(2, 4), 2).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu") and A.current_region() is None
+
+
+# ---- backward -------------------------------------------------------------------------------------------
+
+
+def _grad_dtypes(region: Callable[..., Any], dtype: torch.dtype) -> list[torch.dtype]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(4, 6, requires_grad=True)
+    grads: list[torch.dtype] = []
+    with region("cpu", dtype=dtype):
+        hidden = model[0](x)
+        hidden.register_hook(lambda g: grads.append(g.dtype))
+        out = model[2](model[1](hidden))
+        out.register_hook(lambda g: grads.append(g.dtype))
+        loss = F.cross_entropy(out, torch.tensor([0, 1, 2, 0]))
+    loss.backward()  # outside the region, as in a training loop
+    return grads + [x.grad.dtype] + [p.grad.dtype for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_backward_runs_in_the_dtypes_forward_chose(dtype: torch.dtype) -> None:
+    expected = _grad_dtypes(torch.autocast, dtype)
+    assert expected[:2] == [dtype, dtype]
+    assert _grad_dtypes(autocast, dtype) == expected
+
+
+# ---- emulated fp16 arithmetic ---------------------------------------------------------------------------
+
+
+def _half_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of fp16 numbers at |x| (fp16 rounding error bound), in float64."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-14)))
+    return 2.0 ** (exponent - 11)
+
+
+def _assert_fp16_rounding_of(out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor) -> None:
+    # out: an fp16 result; ref: the exact (float64) result of the fp16-rounded inputs; slack bounds fp32
+    # accumulation error. out must be ref rounded to fp16, up to that slack.
+    assert out.dtype == torch.float16
+    err = (out.double() - ref).abs()
+    bound = torch.maximum(_half_ulp(ref), _half_ulp(out.double())) + slack
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float((out.double() == ref.half().double()).double().mean()) > 0.95
+
+
+def _r16(t: torch.Tensor) -> torch.Tensor:
+    return t.half().double()
+
+
+EMULATED: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]] = {
+    "linear": (F.linear, lambda: (torch.randn(16, 32), torch.randn(24, 32), torch.randn(24))),
+    "matmul": (torch.matmul, lambda: (torch.randn(3, 16, 32), torch.randn(32, 8))),
+    "conv2d": (F.conv2d, lambda: (torch.randn(2, 3, 9, 9), torch.randn(5, 3, 3, 3), torch.randn(5))),
+    "bmm": (torch.bmm, lambda: (torch.randn(2, 8, 16), torch.randn(2, 16, 4))),
+}
+
+
+@pytest.mark.parametrize("name", list(EMULATED))
+def test_emulated_fp16_equals_float64_reference_to_fp16_rounding(name: str) -> None:
+    fn, make = EMULATED[name]
+    torch.manual_seed(1)
+    inputs = make()
+    with autocast("cpu", torch.float16):
+        out = fn(*inputs)
+    ref = fn(*(_r16(t) for t in inputs))
+    # fp32 accumulation: each of K products adds at most 2**-24 relative error to a partial sum.
+    slack = 64 * 2.0**-24 * fn(*(_r16(t).abs() for t in inputs))
+    _assert_fp16_rounding_of(out, ref, slack)
+
+
+@pytest.mark.parametrize("name", list(EMULATED))
+def test_emulated_fp16_equals_torch_fp16_where_torch_is_exact(name: str) -> None:
+    fn, make = EMULATED[name]
+    torch.manual_seed(2)
+    # small integers: products and sums are exact in fp32 and representable in fp16
+    inputs = tuple(torch.randint(-3, 4, t.shape).float() for t in make())
+    with torch.autocast("cpu", torch.float16):
+        theirs = fn(*inputs)
+    with autocast("cpu", torch.float16):
+        ours = fn(*inputs)
+    assert theirs.dtype == ours.dtype == torch.float16
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours.double(), fn(*(t.double() for t in inputs)))
+
+
+def test_emulated_backward_is_fp16_gemm_with_fp32_accumulation() -> None:
+    torch.manual_seed(3)
+    x = torch.randn(16, 32, requires_grad=True)
+    lin = nn.Linear(32, 24)
+    g = torch.randn(16, 24)
+    hidden_grads: list[torch.Tensor] = []
+    with autocast("cpu", torch.float16):
+        y = lin(x)
+        y.register_hook(hidden_grads.append)
+    (y.float() * g).sum().backward()
+    (grad_y,) = hidden_grads
+    assert grad_y.dtype == torch.float16  # the gradient that flows between ops is fp16, as in real fp16
+    g16 = _r16(g)
+    ref_x = g16 @ _r16(lin.weight)
+    ref_w = g16.T @ _r16(x)
+    for got, ref, k in ((x.grad, ref_x, 24), (lin.weight.grad, ref_w, 16)):
+        assert got.dtype == torch.float32
+        slack = k * 2.0**-24 * (g16.abs().sum() * ref.abs().max())
+        _assert_fp16_rounding_of(got.half(), ref, slack)
+        assert torch.equal(got.half().float(), got)  # values are fp16 numbers: an fp16 GEMM's output
+
+
+def test_emulation_can_be_switched_off() -> None:
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with autocast("cpu", torch.float16, policy=P.TORCH_NATIVE.with_emulate_fp16(False)):
+        assert torch._C._len_torch_function_stack() == 0  # torch's own fp16 kernels, no Python layer
+        assert lin(x).dtype == torch.float16
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device_type": "tpu"}, r"(?s)unknown device type 'tpu'.*use one of \['cpu', 'cuda'\]"),
+        ({"device_type": "cuda:0"}, "'cuda', not 'cuda:0'"),
+        ({"device_type": "cpu", "dtype": torch.int32}, "(?s)not one.*torch.bfloat16, torch.float16"),
+        ({"device_type": "cpu", "dtype": torch.float64}, "(?s)does not support torch.float64.*enabled=False"),
+        ({"device_type": "cpu", "dtype": "bf16"}, "must be a torch.dtype"),
+        ({"device_type": "cpu", "policy": "torch"}, "get_preset"),
+        ({"device_type": 0}, "use 'cpu' or 'cuda'"),
+    ],
+)
+def test_bad_arguments_name_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(AutocastError, match=match):
+        autocast(**kwargs)
+
+
+def test_keep_fp32_rejects_non_modules() -> None:
+    with pytest.raises(AutocastError, match="register_float_function"):
+        keep_fp32(lambda x: x)  # type: ignore[arg-type]
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("dtype", HALF)
+def test_cuda_default_policy_is_torch_autocast(dtype: torch.dtype) -> None:
+    lin, x = nn.Linear(8, 8).cuda(), torch.randn(4, 8, device="cuda")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(autocast("cuda", dtype))
+        assert torch._C._len_torch_function_stack() == 0  # fast fp16 GEMMs: no emulation, no layer
+        y = lin(x)
+        assert y.dtype == dtype and F.softmax(y, -1).dtype == torch.float32
+        with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
+            F.binary_cross_entropy(torch.rand(3, device="cuda"), torch.rand(3, device="cuda"))
