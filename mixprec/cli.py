@@ -16,6 +16,8 @@ from collections.abc import Sequence
 # heavy imports inside run() so `mixprec --help` stays fast).
 COMMANDS: dict[str, str] = {
     "formats": "mixprec.commands.formats",
+    "memory": "mixprec.commands.memory",
+    "grads": "mixprec.commands.grads",
 }
 
 

@@ -1,0 +1,110 @@
+"""``mixprec grads``: where a model's gradients lie on the exponent axis, and what fp16 does to them.
+
+Computes the gradients of one batch (optionally after a few plain fp32 SGD steps), prints per parameter
+the fractions that would underflow to zero, land in fp16's subnormal range or overflow, unscaled and at
+``--loss-scale``, plus a suggested loss scale, and writes the exponent histogram as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
+
+DATA_SETS = ("digits", "synthetic")
+MODELS = ("mlp", "cnn", "vgg16", "transformer")
+
+# Per-model options for the digits data set: VGG16 needs 3 channels and at least 32x32 (five 2x2 pools).
+_DIGITS_OPTIONS: dict[str, dict[str, Any]] = {"vgg16": {"size": 32, "channels": 3}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="reference model (default: mlp)")
+    parser.add_argument("--data", choices=DATA_SETS, default="digits",
+                        help="data set: bundled digits or synthetic (default: digits)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="resize digits to SIZExSIZE (e.g. 28 for the 784-8192-10 MLP; default: 8)")
+    parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    parser.add_argument("--loss-scale", type=float, action="append", default=None, metavar="S",
+                        help="loss scale to evaluate besides 1 and the suggestion (repeatable)")
+    parser.add_argument("--margin", type=float, default=8.0,
+                        help="headroom of the suggested scale: max|g| x S x margin <= 65504 (default: 8)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="fp32 SGD steps (lr 0.1) before measuring, to look past initialisation "
+                        "(default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model init and data (default: 0)")
+    parser.add_argument("--png", default="mixprec-grads.png", metavar="PATH",
+                        help="histogram to write (default: mixprec-grads.png)")
+    parser.add_argument("--no-png", action="store_true", help="do not write the histogram")
+
+
+def _data(args: argparse.Namespace) -> Any:
+    from mixprec import data
+
+    if args.data == "synthetic":
+        return data.synthetic(batch_size=args.batch_size, seed=args.seed)
+    options = dict(_DIGITS_OPTIONS.get(args.model, {}))
+    if args.size is not None:
+        options["size"] = args.size
+    return data.digits(batch_size=args.batch_size, seed=args.seed, **options)
+
+
+def _train(model: Any, bunch: Any, steps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    done = 0
+    while done < steps:
+        for x, y in bunch.train:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            done += 1
+            if done == steps:
+                return
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.batch_size < 1:
+        return f"--batch-size must be >= 1, got {args.batch_size}."
+    if args.train_steps < 0:
+        return f"--train-steps must be >= 0, got {args.train_steps}."
+    if any(not (s > 0) for s in args.loss_scale or ()):
+        return "--loss-scale must be positive, e.g. --loss-scale 1024."
+    if not args.margin > 0:
+        return f"--margin must be positive, got {args.margin}."
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from mixprec.diagnostics.gradients import grad_exponent_histogram
+    from mixprec.models import build
+
+    console = Console()
+    problem = _check(args)
+    if problem is not None:
+        console.print(f"[red]error:[/red] {problem}")
+        return 2
+    torch.manual_seed(args.seed)
+    bunch = _data(args)
+    model = build(args.model, bunch)
+    if args.train_steps:
+        _train(model, bunch, args.train_steps)
+    scales = tuple(args.loss_scale or ())
+    report = grad_exponent_histogram(model, bunch.one_batch(), loss_scale=scales, margin=args.margin)
+    shown = scales[0] if scales else None
+    console.print(report.table(shown))
+    console.print(report.summary(shown))
+    if not args.no_png:
+        n_params = sum(p.numel() for p in model.parameters())
+        steps = f", after {args.train_steps} SGD steps" if args.train_steps else ", at initialisation"
+        title = (f"Gradient magnitudes of {args.model} ({n_params:,} parameters) on {bunch.name}, "
+                 f"batch {args.batch_size}{steps}")
+        path = report.plot(args.png, shown, title=title)
+        console.print(f"histogram written to {path}")
+    return 0

@@ -1,0 +1,169 @@
+"""``mixprec memory``: the memory of one training step, component by component, for each precision.
+
+By default nothing is computed: the model is built on the meta device and one forward pass runs on fake
+tensors (shapes and dtypes only), so ``mixprec memory --model vgg16 --batch-size 64 --input 3x224x224
+--precision fp32,fp16,O2`` answers in seconds. ``--measure`` runs the same step on real tensors instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+HELP = "Memory of one training step (params, grads, masters, optimizer state, activations) per precision."
+
+# The input each model is usually trained on here: the 784-8192-10 MLP and the small models on 28x28 digits
+# (MNIST's size), VGG16 on 3x224x224 (ImageNet's, as in the VGG16-on-MNIST experiment).
+DEFAULT_INPUT: dict[str, tuple[int, ...]] = {
+    "mlp": (1, 28, 28),
+    "cnn": (1, 28, 28),
+    "vgg16": (3, 224, 224),
+    "transformer": (1, 28, 28),
+}
+
+# Default precisions: fp32 as the baseline, then the ways of halving it.
+DEFAULT_PRECISIONS = "fp32,fp16,bf16,O1,O2"
+
+
+def _mlp_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
+    return {"n_in": math.prod(shape), "n_out": classes or 10}
+
+
+def _cnn_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
+    # As mixprec.models.build sizes it for a data set: channels double as the resolution halves.
+    return {"actns": (shape[0], 16, 32, classes or 10)}
+
+
+def _vgg16_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
+    return {"in_channels": shape[0], "num_classes": classes or 1000}  # 1000: torchvision's 138,357,544
+
+
+def _transformer_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
+    return {"image_shape": shape, "n_classes": classes or 10}
+
+
+# model name -> (input shape, number of classes) -> keyword arguments of mixprec.models.build
+MODEL_KWARGS: dict[str, Callable[[tuple[int, ...], int | None], dict[str, Any]]] = {
+    "mlp": _mlp_kwargs,
+    "cnn": _cnn_kwargs,
+    "vgg16": _vgg16_kwargs,
+    "transformer": _transformer_kwargs,
+}
+
+# How many dimensions each model's input has (the MLP flattens anything; the others need an image).
+_IMAGE_MODELS = frozenset({"cnn", "vgg16", "transformer"})
+
+
+def _optimizers() -> dict[str, Any]:
+    import torch
+
+    # lr values are irrelevant here: only the state an optimizer keeps matters.
+    return {
+        "adam": lambda ps: torch.optim.Adam(ps),  # exp_avg + exp_avg_sq: twice the stepped parameters
+        "adamw": lambda ps: torch.optim.AdamW(ps),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),  # no state
+        "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # one buffer per parameter
+        "none": None,
+    }
+
+
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "momentum", "none")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3x224x224"`` -> ``(3, 224, 224)``; also accepts commas."""
+    parts = [p for p in re.split(r"[x,X*\s]+", text.strip()) if p]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"cannot read input shape {text!r}: write it as CxHxW, e.g. 3x224x224"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODEL_KWARGS), default="mlp",
+                        help="reference model from mixprec.models (default: mlp, 784-8192-10)")
+    parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    parser.add_argument("--input", type=parse_shape, default=None, metavar="CxHxW",
+                        help="shape of one sample (default: 1x28x28; vgg16: 3x224x224)")
+    parser.add_argument("--classes", type=int, default=None,
+                        help="number of classes (default: 10; vgg16: 1000 as in torchvision)")
+    parser.add_argument("--precision", default=DEFAULT_PRECISIONS,
+                        help="comma-separated: fp32, fp16, bf16, O0, O1, O2, O3 "
+                        f"(default: {DEFAULT_PRECISIONS})")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adam",
+                        help="optimizer whose state is counted (default: adam)")
+    parser.add_argument("--measure", action="store_true",
+                        help="run the step on real tensors instead of the no-compute estimate "
+                        "(slow for vgg16)")
+    parser.add_argument("--autocast", choices=("torch", "mixprec"), default="torch",
+                        help="autocast used for O1 (default: torch.autocast)")
+    parser.add_argument("--png", default="mixprec-memory.png", metavar="PATH",
+                        help="stacked-bar chart to write (default: mixprec-memory.png)")
+    parser.add_argument("--no-png", action="store_true", help="do not write the chart")
+
+
+def _build(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The model (meta device unless --measure) and an example batch (x, y) of that shape."""
+    import torch
+
+    from mixprec.models import build
+
+    device = torch.device("cpu" if args.measure else "meta")
+    with device:
+        model = build(args.model, **MODEL_KWARGS[args.model](shape, args.classes))
+        x = torch.randn(args.batch_size, *shape)
+        y = torch.zeros(args.batch_size, dtype=torch.int64)
+    return model, (x, y)
+
+
+def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
+    if args.batch_size < 1:
+        return f"--batch-size must be >= 1, got {args.batch_size}."
+    if args.model in _IMAGE_MODELS and len(shape) != 3:
+        return f"--model {args.model} needs an image input CxHxW, got {'x'.join(map(str, shape))}."
+    if args.model == "vgg16" and min(shape[1:]) < 32:
+        return "vgg16 halves the image five times: --input needs height and width >= 32."
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+
+    from mixprec.diagnostics.memory import get_precision, memory_breakdowns, memory_table
+    from mixprec.errors import ConfigError
+
+    console = Console()
+    shape = args.input or DEFAULT_INPUT[args.model]
+    problem = _check(args, shape)
+    if problem is not None:
+        console.print(f"[red]error:[/red] {problem}")
+        return 2
+    try:
+        precisions = [get_precision(p) for p in args.precision.split(",") if p.strip()]
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+    start = time.perf_counter()
+    model, batch = _build(args, shape)
+    breakdowns = memory_breakdowns(model, _optimizers()[args.optimizer], batch, precisions,
+                                   estimate=not args.measure, autocast=args.autocast)
+    seconds = time.perf_counter() - start
+    n_params = breakdowns[0].n_params
+    what = (f"{args.model} ({n_params:,} parameters), batch {args.batch_size} x "
+            f"{'x'.join(map(str, shape))}, {args.optimizer}")
+    console.print(memory_table(breakdowns, title=f"Memory of one training step: {what} (MB = 1e6 bytes)"))
+    how = "measured on real tensors" if args.measure else "estimated with FakeTensorMode (nothing computed)"
+    console.print(f"{how} in {seconds:.1f} s. Total = sum of components, an upper bound on one step's "
+                  "live tensors: activations are freed as backward runs.")
+    if not args.no_png:
+        from mixprec.diagnostics.plots import plot_memory
+
+        path = plot_memory(breakdowns, args.png, title=f"Training memory by precision\n{what}")
+        console.print(f"chart written to {path}")
+    return 0

@@ -1,0 +1,440 @@
+"""Where gradients lie on the exponent axis, and what fp16 (with and without a loss scale) does to them.
+
+For each parameter tensor and overall: a histogram of ``floor(log2|g|)`` (bin ``e`` holds
+``2^e <= |g| < 2^(e+1)``, read exactly from the float's exponent field with ``torch.frexp``, so no ``log2``
+rounding puts a value in the wrong bin), and the fractions that casting ``g * S`` to fp16 would
+
+- **underflow** (round to 0): ``|g*S| <= 2^-25``. fp16's smallest subnormal is 2^-24; values below half of
+  it round down to 0, and exactly 2^-25 is a tie between 0 and 2^-24 that round-to-nearest-even resolves
+  to 0 (the even significand). Above 2^-25 the result is 2^-24 or more: not lost.
+- land in the **subnormal** range (non-zero but fewer than fp16's 11 significant bits):
+  ``2^-25 < |g*S| < 2^-14 - 2^-25``. The upper end is the midpoint between the largest subnormal
+  (2^-14 - 2^-24) and 2^-14; the tie rounds to 2^-14 (even significand), which is normal.
+- **overflow** (round to inf): ``|g*S| >= 65520``, the midpoint between fp16's max 65504 and 2^16; the tie
+  goes to the even 2^16, which does not exist, hence inf.
+
+These counts are not computed from the thresholds above but by doing the cast: ``(g.float() * S)`` rounded
+to fp16 by torch, then compared with 0, inf and 2^-14; the tests check the thresholds against that. The
+same is reported for bf16 at scale 1 (its range is fp32's: underflow only below 2^-134).
+
+Fractions are of the finite non-zero gradients: exact zeros (dead ReLUs, unused embeddings) are counted
+separately, as are inf/NaN. Gradients are analysed in fp32, which holds fp16, bf16 and fp32 gradients
+exactly.
+
+The **suggested loss scale** is the largest power of two ``S`` with ``max|g| * S * margin <= 65504``:
+powers of two because multiplying by one only changes the exponent (exact, and what dynamic loss scaling
+uses); the margin (default 8, three binades) because later batches' gradients can be several times larger
+than this batch's, and every overflow costs a skipped step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixprec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "EXPONENTS",
+    "CastOutcome",
+    "GradStats",
+    "GradientMonitor",
+    "GradientReport",
+    "analyze_grads",
+    "grad_exponent_histogram",
+    "model_grads",
+    "suggest_loss_scale",
+]
+
+# floor(log2|x|) of finite non-zero fp32 values: 2^-149 (smallest subnormal) to 2^127 (largest binade).
+MIN_EXPONENT, MAX_EXPONENT = -149, 127
+EXPONENTS: tuple[int, ...] = tuple(range(MIN_EXPONENT, MAX_EXPONENT + 1))
+
+# Three binades of headroom above this batch's largest gradient (see the module docstring).
+DEFAULT_MARGIN = 8.0
+
+# The formats whose effect is reported: name -> dtype.
+_FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CastOutcome:
+    """What rounding ``g * scale`` to ``format`` does to ``nonzero`` finite non-zero gradients."""
+
+    format: str
+    scale: float
+    nonzero: int
+    underflow: int  # rounded to 0
+    subnormal: int  # non-zero, below the format's smallest normal: precision lost
+    overflow: int  # rounded to inf
+
+    def fraction(self, kind: str) -> float:
+        """``kind`` is "underflow", "subnormal" or "overflow"; 0.0 when there is nothing to count."""
+        return getattr(self, kind) / self.nonzero if self.nonzero else 0.0
+
+    def __add__(self, other: CastOutcome) -> CastOutcome:
+        if (self.format, self.scale) != (other.format, other.scale):
+            raise ValueError("only outcomes of the same format and scale add up")
+        return CastOutcome(self.format, self.scale, self.nonzero + other.nonzero,
+                           self.underflow + other.underflow, self.subnormal + other.subnormal,
+                           self.overflow + other.overflow)
+
+    def describe(self) -> str:
+        scaled = "g" if self.scale == 1.0 else f"g x {_scale_text(self.scale)}"
+        return (f"{scaled} in {self.format}: {_pct(self.fraction('underflow'))} underflow to 0, "
+                f"{_pct(self.fraction('subnormal'))} subnormal, {_pct(self.fraction('overflow'))} overflow")
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """Exponent histogram and cast outcomes of one parameter's gradient (or of all of them: "all")."""
+
+    name: str
+    numel: int
+    zeros: int
+    nonfinite: int
+    counts: tuple[int, ...]  # finite non-zero gradients per exponent in EXPONENTS
+    max_abs: float  # largest finite |g| (0.0 if none)
+    min_abs: float  # smallest non-zero finite |g| (inf if none)
+    outcomes: tuple[CastOutcome, ...]
+
+    @property
+    def nonzero(self) -> int:
+        """Finite non-zero gradients: what the histogram and the fractions are over."""
+        return self.numel - self.zeros - self.nonfinite
+
+    @property
+    def exponents(self) -> tuple[int, ...]:
+        return EXPONENTS
+
+    def nonempty_exponents(self) -> list[int]:
+        return [e for e, c in zip(EXPONENTS, self.counts, strict=True) if c]
+
+    def outcome(self, scale: float, format: str = "fp16") -> CastOutcome | None:
+        return next((o for o in self.outcomes if o.scale == scale and o.format == format), None)
+
+    def __add__(self, other: GradStats) -> GradStats:
+        theirs = {(o.format, o.scale): o for o in other.outcomes}
+        return GradStats(
+            name="all",
+            numel=self.numel + other.numel,
+            zeros=self.zeros + other.zeros,
+            nonfinite=self.nonfinite + other.nonfinite,
+            counts=tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)),
+            max_abs=max(self.max_abs, other.max_abs),
+            min_abs=min(self.min_abs, other.min_abs),
+            outcomes=tuple(o + theirs[(o.format, o.scale)] for o in self.outcomes),
+        )
+
+
+@dataclass(frozen=True)
+class GradientReport:
+    """Per-parameter and overall gradient statistics, the scales they were evaluated at, and a suggestion."""
+
+    layers: tuple[GradStats, ...]
+    overall: GradStats
+    scales: tuple[float, ...]
+    suggested_scale: float | None
+    margin: float
+
+    def outcome(self, name: str, scale: float, format: str = "fp16") -> CastOutcome | None:
+        """The outcome of parameter ``name`` (or ``"all"``) at ``scale``, if it was evaluated."""
+        stats = self.overall if name == "all" else next((s for s in self.layers if s.name == name), None)
+        return stats.outcome(scale, format) if stats is not None else None
+
+    def table(self, scale: float | None = None) -> Table:
+        """A rich table, one row per parameter plus "all": fp16 outcomes unscaled and at ``scale``."""
+        return _report_table(self, self._other_scale(scale))
+
+    def summary(self, scale: float | None = None) -> str:
+        """A few plain lines: zeros, fp16 outcomes before and after ``scale``, bf16, the suggestion."""
+        return _summary(self, self._other_scale(scale))
+
+    def plot(self, path: str | Path, scale: float | None = None, title: str | None = None) -> Path:
+        """Histogram and per-parameter heat map as a PNG; ``scale`` defaults to the suggested one."""
+        from mixprec.diagnostics.plots import plot_gradient_exponents
+
+        return plot_gradient_exponents(self, path, scale if scale is not None else self._other_scale(None),
+                                       title)
+
+    def _other_scale(self, scale: float | None) -> float | None:
+        if scale is not None:
+            if scale not in self.scales:
+                raise ConfigError(f"scale {scale:g} was not evaluated in this report.",
+                                  f"use one of {', '.join(f'{s:g}' for s in self.scales)}, or pass it in "
+                                  "scales= when making the report.")
+            return scale
+        given = [s for s in self.scales if s not in (1.0, self.suggested_scale)]
+        return given[0] if given else self.suggested_scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# analysis
+# ---------------------------------------------------------------------------------------------------------
+
+
+def suggest_loss_scale(
+    max_abs: float, margin: float = DEFAULT_MARGIN, fmt_max: float = 65504.0
+) -> float | None:
+    """The largest power of two ``S`` with ``max_abs * S * margin <= fmt_max``; None if max_abs is 0/inf."""
+    if not (math.isfinite(max_abs) and max_abs > 0):
+        return None
+    if not (math.isfinite(margin) and margin > 0):
+        raise ConfigError(f"margin must be a positive number, got {margin!r}.", "use e.g. margin=8.")
+    k = math.floor(math.log2(fmt_max / (margin * max_abs)))
+    # log2 is rounded: step to the exact boundary (products by powers of two are exact).
+    while max_abs * margin * 2.0**k > fmt_max:
+        k -= 1
+    while max_abs * margin * 2.0 ** (k + 1) <= fmt_max:
+        k += 1
+    return 2.0**k
+
+
+def _outcome(values: Tensor, fmt: str, scale: float) -> CastOutcome:
+    """``values``: the finite non-zero gradients, fp32. The cast itself decides (round to nearest even);
+    the module docstring gives the thresholds it implies."""
+    h = (values * scale).to(_FORMATS[fmt])
+    tiny = torch.finfo(_FORMATS[fmt]).smallest_normal
+    underflow = int(torch.count_nonzero(h == 0))
+    below_normal = int(torch.count_nonzero(h.abs() < tiny))  # zeros included: subtracted below
+    overflow = int(torch.count_nonzero(h.isinf()))
+    return CastOutcome(fmt, scale, values.numel(), underflow, below_normal - underflow, overflow)
+
+
+def _stats(name: str, grad: Tensor, scales: Sequence[float]) -> GradStats:
+    g = grad.detach().float().flatten()
+    finite = g.isfinite()
+    n_finite = int(torch.count_nonzero(finite))
+    values = g[finite & (g != 0)]
+    _, exponent = torch.frexp(values)  # |g| = m * 2^exponent with 0.5 <= m < 1: floor(log2|g|) = exponent-1
+    counts = torch.bincount((exponent - 1 - MIN_EXPONENT).long(), minlength=len(EXPONENTS))
+    magnitudes = values.abs()
+    outcomes = [_outcome(values, "fp16", s) for s in scales]
+    outcomes.append(_outcome(values, "bf16", 1.0))
+    return GradStats(
+        name=name,
+        numel=g.numel(),
+        zeros=n_finite - values.numel(),
+        nonfinite=g.numel() - n_finite,
+        counts=tuple(int(c) for c in counts.tolist()),
+        max_abs=float(magnitudes.max()) if values.numel() else 0.0,
+        min_abs=float(magnitudes.min()) if values.numel() else math.inf,
+        outcomes=tuple(outcomes),
+    )
+
+
+def analyze_grads(
+    grads: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+    scales: Sequence[float] = (),
+    margin: float = DEFAULT_MARGIN,
+    unscale: float = 1.0,
+) -> GradientReport:
+    """Histogram and fp16/bf16 outcomes of named gradients, at scale 1, at each of ``scales`` and at the
+    suggested scale.
+
+    ``unscale`` is the loss scale the gradients were computed with (they are divided by it first, exactly for
+    a power of two), so the report is about the true gradients. Tensors that are None are skipped.
+    """
+    items = [(n, g) for n, g in (grads.items() if isinstance(grads, Mapping) else grads) if g is not None]
+    if not items:
+        raise ConfigError("there are no gradients to analyse.",
+                          "run backward first, or pass a batch so the gradients are computed.")
+    for s in (*scales, unscale):
+        if not (math.isfinite(s) and s > 0):
+            raise ConfigError(f"loss scales must be positive and finite, got {s!r}.", "use e.g. 1024.0.")
+    true = [(n, g.detach().float() / unscale if unscale != 1.0 else g) for n, g in items]
+    max_abs = max(_max_finite_abs(g) for _, g in true)
+    suggested = suggest_loss_scale(max_abs, margin)
+    all_scales = tuple(dict.fromkeys((1.0, *(float(s) for s in scales),
+                                      *((suggested,) if suggested is not None else ()))))
+    layers = tuple(_stats(n, g, all_scales) for n, g in true)
+    overall = dataclasses.replace(functools.reduce(operator.add, layers), name="all")
+    return GradientReport(layers, overall, all_scales, suggested, margin)
+
+
+def _max_finite_abs(g: Tensor) -> float:
+    a = g.detach().float().abs()
+    a = torch.where(a.isfinite(), a, 0.0)  # a.max() would be inf or NaN: those are counted elsewhere
+    return float(a.max()) if a.numel() else 0.0
+
+
+def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callable[..., Tensor] | None = None,
+                loss_scale: float = 1.0) -> dict[str, Tensor]:
+    """Gradients of ``loss_fn(model(x), y) * loss_scale`` w.r.t. the trainable parameters, by name.
+
+    Uses ``torch.autograd.grad``: the parameters' ``.grad`` are left as they were. The model runs in its
+    own dtypes (the usual question: how would *these* gradients fare in fp16?).
+    """
+    items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
+    x, y = items[0], items[1] if len(items) > 1 else None
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = model(x)
+    if loss_fn is not None:
+        loss = loss_fn(out, y)
+    else:
+        loss = F.cross_entropy(out.float(), y) if y is not None else out.float().sum()
+    grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
+    return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
+
+
+def grad_exponent_histogram(
+    model: nn.Module,
+    batch: Tensor | Sequence[Any] | None = None,
+    *,
+    loss_fn: Callable[..., Tensor] | None = None,
+    loss_scale: float | Sequence[float] = (),
+    margin: float = DEFAULT_MARGIN,
+    grad_scale: float = 1.0,
+) -> GradientReport:
+    """The :class:`GradientReport` of ``model``'s gradients on ``batch``, or of its current ``.grad``.
+
+    Args:
+        batch: ``x`` or ``(x, y)``; None reads the gradients already in ``.grad`` (after a backward).
+        loss_scale: the scale(s) at which to evaluate fp16 underflow/overflow, besides 1 and the suggestion.
+        margin: headroom factor of the suggested scale (see the module docstring).
+        grad_scale: the loss scale the existing ``.grad`` were computed with (with ``batch=None``), e.g.
+            ``scaler.get_scale()``; they are divided by it.
+    """
+    scales = (loss_scale,) if isinstance(loss_scale, int | float) else tuple(loss_scale)
+    if batch is None:
+        grads: dict[str, Tensor] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return analyze_grads(grads, scales, margin, unscale=grad_scale)
+    return analyze_grads(model_grads(model, batch, loss_fn), scales, margin)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# during training
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GradientMonitor:
+    """Callback-like recorder of gradient reports during training.
+
+    Call :meth:`after_backward` after every ``backward()`` (and before the optimizer step and
+    ``zero_grad``); every ``every``-th call analyses the current ``.grad`` and appends ``(call, report)`` to
+    :attr:`reports`. ``loss_scale`` is the scale the gradients carry: a number, or a function such as
+    ``scaler.get_scale`` (which syncs with the device, paid only on the analysed steps). Each report also
+    evaluates fp16 at that current scale. Between analysed steps a call costs one integer increment.
+    """
+
+    model: nn.Module
+    every: int = 100
+    loss_scale: float | Callable[[], float] = 1.0
+    scales: Sequence[float] = ()
+    margin: float = DEFAULT_MARGIN
+    reports: list[tuple[int, GradientReport]] = field(default_factory=list)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"every must be >= 1, got {self.every}.", "use every=1 to analyse every step.")
+
+    def after_backward(self) -> GradientReport | None:
+        """Analyse this step's gradients if it is an ``every``-th call; returns the report, or None."""
+        self.calls += 1
+        if (self.calls - 1) % self.every:
+            return None
+        current = float(self.loss_scale() if callable(self.loss_scale) else self.loss_scale)
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+        report = analyze_grads(grads, (*self.scales, current), self.margin, unscale=current)
+        self.reports.append((self.calls, report))
+        return report
+
+    @property
+    def latest(self) -> GradientReport | None:
+        return self.reports[-1][1] if self.reports else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# text
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _pct(fraction: float) -> str:
+    if fraction == 0:
+        return "0%"
+    return f"{100 * fraction:.3g}%" if fraction >= 1e-4 else f"{100 * fraction:.1e}%"
+
+
+def _scale_text(scale: float) -> str:
+    k = math.log2(scale)
+    return f"2^{int(k)} = {scale:g}" if k.is_integer() else f"{scale:g}"
+
+
+def _log2_text(x: float) -> str:
+    return f"2^{math.log2(x):.1f}" if x > 0 and math.isfinite(x) else "-"
+
+
+def _report_table(report: GradientReport, scale: float | None) -> Table:
+    from rich.table import Table
+
+    table = Table(title="Gradient magnitudes and what fp16 does to them (fractions of non-zero gradients)",
+                  title_justify="left")
+    for header in ("parameter", "numel", "zeros", "min |g|", "max |g|", "fp16 underflow", "fp16 subnormal"):
+        table.add_column(header, justify="left" if header == "parameter" else "right")
+    if scale is not None:
+        for header in (f"underflow x{scale:g}", f"subnormal x{scale:g}", f"overflow x{scale:g}"):
+            table.add_column(header, justify="right")
+    for stats in (*report.layers, report.overall):
+        if stats is report.overall:
+            table.add_section()
+        row = [stats.name, f"{stats.numel:,}", f"{stats.zeros:,}", _log2_text(stats.min_abs),
+               _log2_text(stats.max_abs)]
+        plain = stats.outcome(1.0)
+        assert plain is not None  # scale 1 is always evaluated
+        row += [_pct(plain.fraction("underflow")), _pct(plain.fraction("subnormal"))]
+        scaled = stats.outcome(scale) if scale is not None else None
+        if scaled is not None:
+            row += [_pct(scaled.fraction(k)) for k in ("underflow", "subnormal", "overflow")]
+        table.add_row(*row, style="bold" if stats is report.overall else None)
+    return table
+
+
+def _summary(report: GradientReport, scale: float | None) -> str:
+    o = report.overall
+    lines = [
+        f"{o.nonzero:,} non-zero finite gradients; {o.zeros:,} exact zeros and {o.nonfinite:,} inf/NaN "
+        "excluded from the fractions.",
+        f"|g| from {o.min_abs:.3g} ({_log2_text(o.min_abs)}) to {o.max_abs:.3g} ({_log2_text(o.max_abs)}).",
+        "fp16 keeps |x| > 2^-25 (non-zero), subnormal below 2^-14, inf from 65520 (round to nearest even).",
+    ]
+    for s in dict.fromkeys((1.0, *((scale,) if scale is not None else ()))):
+        outcome = o.outcome(s)
+        if outcome is not None:
+            lines.append("  " + outcome.describe())
+    bf16 = o.outcome(1.0, "bf16")
+    if bf16 is not None:
+        lines.append("  " + bf16.describe())
+    if report.suggested_scale is None:
+        lines.append("No loss scale suggested: there are no non-zero finite gradients.")
+    else:
+        s = report.suggested_scale
+        at = o.outcome(s)
+        lines.append(
+            f"Suggested loss scale: {_scale_text(s)}, the largest power of two with max|g| x S x "
+            f"{report.margin:g} (margin) <= 65504."
+        )
+        if at is not None:
+            lines.append(f"  at it, {_pct(at.fraction('underflow'))} still underflow to 0 and "
+                         f"{_pct(at.fraction('subnormal'))} are subnormal.")
+    return "\n".join(lines)

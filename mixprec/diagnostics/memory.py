@@ -1,0 +1,548 @@
+"""Memory of one training step, by component, for each precision recipe: where mixed precision saves bytes.
+
+:func:`memory_breakdown` copies the model into the recipe's dtypes, runs one forward pass and the loss under
+``torch.autograd.graph.saved_tensors_hooks`` and lets the optimizer create its state, then reports:
+
+- ``params`` / ``buffers``: the model's parameters and buffers (BatchNorm running statistics) in the
+  recipe's dtypes. Tied parameters count once.
+- ``masters``: fp32 copies of the half parameters, which the optimizer updates (O2).
+- ``grads``: one gradient per trainable parameter, in the parameter's dtype (autograd's contract);
+  ``master_grads``: the fp32 gradients of the masters.
+- ``optimizer_state``: every tensor in ``optimizer.state`` after one step (Adam: ``exp_avg`` and
+  ``exp_avg_sq`` -- twice the stepped parameters -- plus a 4-byte ``step`` counter per parameter).
+- ``activations``: tensors autograd saved for backward. We count **unique storages** (keyed by the storage,
+  not the tensor), whole: a saved view keeps its whole base storage alive, and a tensor saved by two ops
+  (ReLU's output is saved by ReLU and by the next Linear) or viewed twice is one storage. Storages of
+  parameters and buffers are left out (already counted). The input batch counts when an op saves it (the
+  first layer does, for its weight gradient), as do the loss's targets.
+- ``weight_copies``: copies of fp32 weights that autocast made (fp16/bf16 casts, or with mixprec.autocast's
+  fp16 emulation on CPU, fp32 round-trips) and autograd saved for backward (O1). They are activations by
+  lifetime but weights by size, so they get their own line: found by walking a saved tensor's autograd
+  history through casts and views back to a parameter.
+- ``total``: the sum. It is an upper bound on what one step holds at once, not a measured peak: autograd
+  frees activations as backward produces gradients, and temporaries and allocator slack are not counted.
+
+``estimate=True`` runs all of this under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`: tensors
+carry shapes, dtypes and storages but no data and no arithmetic, so VGG16 at batch 64 takes about a second.
+The estimate follows the same kernels' autograd formulas as a real run on the model's device, so it
+matches a measured run byte for byte (tested on a small CNN). It describes the device the model is on:
+e.g. CPU dropout saves a full-width noise tensor where CUDA saves a 1-byte mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixprec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = [
+    "AUTOCAST_IMPLS",
+    "COMPONENTS",
+    "PRECISIONS",
+    "MemoryBreakdown",
+    "Precision",
+    "get_precision",
+    "memory_breakdown",
+    "memory_breakdowns",
+    "memory_table",
+]
+
+MB = 1e6  # the published figures use decimal megabytes: 6,512,650 params x 4 B = 26.05 MB
+
+
+# ---------------------------------------------------------------------------------------------------------
+# precision recipes
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Which dtype each part of a training step uses.
+
+    ``param_dtype`` is the dtype of the model's parameters and of its input batch (apex's O2/O3 cast the
+    input to the model's dtype; O1 keeps both fp32 and lets autocast cast per op). Gradients take their
+    parameter's dtype; the optimizer state takes the dtype of the tensors it steps (the masters if any).
+    """
+
+    name: str
+    description: str
+    param_dtype: torch.dtype
+    keep_batchnorm_fp32: bool = False  # apex O2: BatchNorm's statistics need fp32's precision
+    master_weights: bool = False  # an fp32 copy of every half parameter is what the optimizer updates
+    autocast_dtype: torch.dtype | None = None  # forward runs under autocast to this dtype (O1)
+
+    def __post_init__(self) -> None:
+        if not self.param_dtype.is_floating_point:
+            raise ConfigError(f"param_dtype must be a floating dtype, got {self.param_dtype}.")
+        if self.master_weights and self.param_dtype == torch.float32:
+            raise ConfigError(
+                f"precision {self.name!r} asks for fp32 master weights of fp32 parameters.",
+                "use master_weights=True only with a half param_dtype.",
+            )
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", "fp32 params, grads and optimizer state", torch.float32),
+        Precision("fp16", "pure fp16: fp16 params, grads and optimizer state, no masters", torch.float16),
+        Precision("bf16", "pure bf16: bf16 params, grads and optimizer state, no masters", torch.bfloat16),
+        Precision("O0", "apex O0: fp32 training", torch.float32),
+        Precision("O1", "apex O1: fp32 params, autocast runs GEMMs/convs in fp16", torch.float32,
+                  autocast_dtype=torch.float16),
+        Precision("O2", "apex O2: fp16 params except BatchNorm, fp32 master weights and optimizer state",
+                  torch.float16, keep_batchnorm_fp32=True, master_weights=True),
+        Precision("O3", "apex O3: pure fp16, BatchNorm included, no masters", torch.float16),
+    )
+}
+
+
+def get_precision(precision: str | Precision) -> Precision:
+    """The :class:`Precision` named ``precision`` (case-insensitive), or ``precision`` itself."""
+    if isinstance(precision, Precision):
+        return precision
+    by_lower = {name.lower(): p for name, p in PRECISIONS.items()}
+    found = by_lower.get(str(precision).strip().lower())
+    if found is None:
+        raise ConfigError(
+            f"unknown precision {precision!r}.",
+            f"use one of {', '.join(PRECISIONS)}, or pass a mixprec.diagnostics.Precision.",
+        )
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# result
+# ---------------------------------------------------------------------------------------------------------
+
+# (field, label, what is counted), in the order the components stack in the plot (bottom first).
+COMPONENTS: tuple[tuple[str, str, str], ...] = (
+    ("params", "parameters", "model parameters in the recipe's dtypes; tied parameters once"),
+    ("masters", "fp32 master weights", "fp32 copies of the half parameters, stepped by the optimizer"),
+    ("buffers", "buffers", "non-parameter state such as BatchNorm running statistics"),
+    ("grads", "gradients", "one per trainable parameter, in the parameter's dtype"),
+    ("master_grads", "fp32 master gradients", "fp32 gradients of the master weights"),
+    ("optimizer_state", "optimizer state", "every tensor in optimizer.state after one step"),
+    ("weight_copies", "autocast weight copies", "copies of fp32 weights autocast made, saved for backward"),
+    ("activations", "activations (saved for backward)",
+     "unique storages autograd saved for backward, params excluded, input batch included if saved"),
+)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes of each component of one training step (see the module docstring for what each counts)."""
+
+    precision: str
+    params: int
+    masters: int
+    buffers: int
+    grads: int
+    master_grads: int
+    optimizer_state: int
+    weight_copies: int
+    activations: int
+    n_params: int
+    estimated: bool  # True: FakeTensorMode, nothing computed; False: measured on real tensors
+
+    @property
+    def total(self) -> int:
+        """Sum of all components: an upper bound on one step's live tensors (see the module docstring)."""
+        return sum(getattr(self, key) for key, _, _ in COMPONENTS)
+
+    @property
+    def weights(self) -> int:
+        """Parameters plus fp32 masters: the "model memory" of the published figures."""
+        return self.params + self.masters
+
+    def as_dict(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key, _, _ in COMPONENTS} | {"total": self.total}
+
+    def plot(self, path: str | Path, title: str | None = None) -> Path:
+        """A one-bar stacked chart of this breakdown as a PNG (see :func:`~.plots.plot_memory`)."""
+        from mixprec.diagnostics.plots import plot_memory
+
+        return plot_memory([self], path, title)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# autocast implementations
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _torch_autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _mixprec_autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    from mixprec.autocast import autocast
+
+    return autocast(device_type, dtype=dtype)
+
+
+# name -> (device_type, dtype) -> context manager. "torch" is the default because under fp16 on CPU
+# mixprec.autocast *emulates* fp16 GEMMs with fp32 arithmetic, and autograd then saves the fp32 upcasts:
+# the memory of that emulation, not of an fp16 device. For bf16, and on CUDA, the two agree.
+AUTOCAST_IMPLS: dict[str, Callable[[str, torch.dtype], contextlib.AbstractContextManager[Any]]] = {
+    "torch": _torch_autocast,
+    "mixprec": _mixprec_autocast,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building the step's tensors
+# ---------------------------------------------------------------------------------------------------------
+
+OptimizerLike = torch.optim.Optimizer | Callable[[list[Tensor]], torch.optim.Optimizer] | None
+Batch = Tensor | Sequence[Any]
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class _Maker:
+    """Makes the step's tensors: real copies (measured) or data-less fakes (estimated)."""
+
+    def __init__(self, fake: FakeTensorMode | None) -> None:
+        self.fake = fake
+
+    def like(self, t: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.fake is None:
+            if t.is_meta:
+                raise ConfigError(
+                    "the model or batch is on the meta device, which has no data to measure with.",
+                    "pass estimate=True (nothing is computed), or build the model on a real device.",
+                )
+            return t.detach().to(dtype=dtype, copy=True)
+        # Fake tensors describe the model's device; meta tensors (no device of their own) become CPU ones.
+        device = torch.device("cpu") if t.device.type == "meta" else t.device
+        with self.fake:
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.fake is None:
+            yield
+            return
+        with self.fake, _batch_norm_stats_fix():
+            yield
+
+
+def _param_dtype(module: nn.Module, t: Tensor, precision: Precision) -> torch.dtype:
+    if not t.is_floating_point():
+        return t.dtype  # e.g. BatchNorm's num_batches_tracked
+    if precision.keep_batchnorm_fp32 and isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return torch.float32
+    return precision.param_dtype
+
+
+def _copy_model(model: nn.Module, precision: Precision, maker: _Maker) -> nn.Module:
+    # deepcopy with the memo pre-filled: every parameter and buffer is replaced by its converted copy (made
+    # once, so tied weights stay tied); everything else about the model is copied as usual.
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(maker.like(p, _param_dtype(module, p, precision)), p.requires_grad)
+        for b in module.buffers(recurse=False):
+            if id(b) not in memo:
+                memo[id(b)] = maker.like(b, _param_dtype(module, b, precision))
+    return copy.deepcopy(model, memo)
+
+
+def _copy_batch(batch: Batch, precision: Precision, maker: _Maker) -> tuple[Any, Any]:
+    items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
+    if not items or not isinstance(items[0], Tensor):
+        raise ConfigError(
+            f"the example batch must be a tensor x or a tuple (x, y), got {type(batch).__name__}.",
+            "pass e.g. data.one_batch() or (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))).",
+        )
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        return maker.like(t, precision.param_dtype if t.is_floating_point() else t.dtype)
+
+    return convert(items[0]), convert(items[1]) if len(items) > 1 else None
+
+
+def _default_loss(output: Tensor, target: Tensor | None) -> Tensor:
+    """Cross-entropy on (logits, class ids); without targets, the sum of the outputs."""
+    if target is None:
+        return output.float().sum()
+    return F.cross_entropy(output, target)
+
+
+def _storage_key(t: Tensor) -> int:
+    # The address of the StorageImpl: shared by every view of a storage, distinct for fake storages too
+    # (data_ptr() is 0 for every fake and meta tensor).
+    return t.untyped_storage()._cdata
+
+
+def _unique_bytes(tensors: Iterable[Tensor], exclude: set[int] | None = None) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        key = _storage_key(t)
+        if exclude is None or key not in exclude:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what autograd saves
+# ---------------------------------------------------------------------------------------------------------
+
+# Autograd nodes that only view or cast their single input: walking through them from a saved tensor
+# to a parameter's AccumulateGrad finds the tensors that are a weight in another dtype.
+_VIEW_OR_CAST_NODES = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "AliasBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+})
+
+
+def _is_weight_copy(t: Tensor, param_ids: set[int]) -> bool:
+    """Whether ``t`` is a cast (possibly viewed) of one of the parameters, as autocast makes them."""
+    node, cast = t.grad_fn, False
+    while node is not None:
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return cast and id(node.variable) in param_ids
+        if name not in _VIEW_OR_CAST_NODES:
+            return False
+        cast = cast or name == "ToCopyBackward0"
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
+@dataclass
+class _SavedTensors:
+    """Unique storages seen by the pack hook, split into weight copies and activations."""
+
+    exclude: set[int]
+    param_ids: set[int]
+    activations: dict[int, int] = dataclasses.field(default_factory=dict)
+    weight_copies: dict[int, int] = dataclasses.field(default_factory=dict)
+    keep: list[Tensor] = dataclasses.field(default_factory=list)
+
+    def pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key in self.exclude or key in self.activations or key in self.weight_copies:
+            return t
+        bucket = self.weight_copies if _is_weight_copy(t, self.param_ids) else self.activations
+        bucket[key] = t.untyped_storage().nbytes()
+        # Hold the tensor until counting is done, so a freed storage's address cannot be reused by a
+        # later one and be mistaken for it.
+        self.keep.append(t)
+        return t
+
+
+def _saved_for_backward(
+    model: nn.Module, x: Any, y: Any, precision: Precision, loss_fn: LossFn, autocast: str
+) -> _SavedTensors:
+    tensors = [*model.parameters(), *model.buffers()]
+    saved = _SavedTensors({_storage_key(t) for t in tensors}, {id(p) for p in model.parameters()})
+    region: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if precision.autocast_dtype is not None:
+        device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+        region = AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
+    model.train()  # a training step: dropout active, BatchNorm on batch statistics
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), region:
+        loss_fn(model(x), y)
+    return saved
+
+
+# ---------------------------------------------------------------------------------------------------------
+# optimizer state
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[list[Tensor]], torch.optim.Optimizer] | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        if "optimizer" in vars(optimizer):  # a wrapper such as MasterWeights: its class needs the inner one
+            raise ConfigError(
+                f"cannot rebuild the wrapping optimizer {cls.__name__} on the breakdown's parameters.",
+                "pass the inner optimizer, or a function params -> optimizer (e.g. "
+                "lambda ps: torch.optim.Adam(ps, lr=1e-3)).",
+            )
+        return lambda params: cls(params, **defaults)
+    if callable(optimizer):
+        return optimizer
+    raise ConfigError(
+        f"optimizer must be a torch.optim.Optimizer, a function params -> optimizer, or None; got "
+        f"{type(optimizer).__name__}.",
+        "pass e.g. torch.optim.Adam or lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9).",
+    )
+
+
+def _optimizer_state_bytes(
+    factory: Callable[[list[Tensor]], torch.optim.Optimizer] | None, stepped: list[Tensor]
+) -> int:
+    """Bytes of the state the optimizer creates on its first step over ``stepped``."""
+    if factory is None or not stepped:
+        return 0
+    for t in stepped:
+        t.grad = torch.zeros_like(t)  # any gradient makes the state; these tensors are our own copies
+    optimizer = factory(stepped)
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    exclude = {_storage_key(t) for t in stepped} | {_storage_key(t.grad) for t in stepped}
+    return _unique_bytes(state, exclude)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the breakdown
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_breakdown(
+    model: nn.Module,
+    optimizer: OptimizerLike,
+    batch: Batch,
+    precision: str | Precision = "fp32",
+    *,
+    loss_fn: LossFn | None = None,
+    estimate: bool = False,
+    autocast: str = "torch",
+) -> MemoryBreakdown:
+    """Bytes of parameters, gradients, fp32 masters, optimizer state and saved activations of one step.
+
+    Args:
+        model: the model; it is copied (or, with ``estimate=True``, described by fake tensors) and never
+            changed. It may live on the meta device when ``estimate=True``.
+        optimizer: an optimizer instance (its class and defaults are rebuilt on the copied parameters; its
+            own state is not touched), a function ``params -> optimizer``, or None for no state.
+        batch: an example ``x`` or ``(x, y)``; only shapes and dtypes matter when ``estimate=True``.
+        precision: a name in :data:`PRECISIONS` (fp32, fp16, bf16, O0-O3) or a :class:`Precision`.
+        loss_fn: ``loss_fn(output, y)``; default cross-entropy, or ``output.sum()`` without ``y``.
+        estimate: compute nothing: run under FakeTensorMode (seconds for VGG16 at batch 64).
+        autocast: ``"torch"`` (torch.autocast) or ``"mixprec"`` (mixprec.autocast), for recipes with autocast.
+    """
+    recipe = get_precision(precision)
+    if autocast not in AUTOCAST_IMPLS:
+        raise ConfigError(f"unknown autocast {autocast!r}.", f"use one of {', '.join(AUTOCAST_IMPLS)}.")
+    factory = _optimizer_factory(optimizer)
+    maker = _Maker(_new_fake_mode() if estimate else None)
+    step_model = _copy_model(model, recipe, maker)
+    x, y = _copy_batch(batch, recipe, maker)
+    params = list(step_model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    masters, stepped = _masters_and_stepped(trainable, recipe, maker)
+    with maker.active():
+        saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or _default_loss, autocast)
+        state = _optimizer_state_bytes(factory, [t.detach().requires_grad_(True) for t in stepped])
+    return MemoryBreakdown(
+        precision=recipe.name,
+        params=_unique_bytes(params),
+        masters=_nbytes(masters),
+        buffers=_unique_bytes(step_model.buffers()),
+        grads=_nbytes(trainable),
+        master_grads=_nbytes(masters),
+        optimizer_state=state,
+        weight_copies=sum(saved.weight_copies.values()),
+        activations=sum(saved.activations.values()),
+        n_params=sum(p.numel() for p in params),
+        estimated=estimate,
+    )
+
+
+def _masters_and_stepped(
+    trainable: list[Tensor], precision: Precision, maker: _Maker
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The fp32 masters, and the tensors the optimizer steps: the masters plus the parameters already in
+    fp32 (apex steps kept-fp32 BatchNorm parameters directly, without a copy), or all parameters."""
+    if not precision.master_weights:
+        return [], trainable
+    masters = [maker.like(p, torch.float32) for p in trainable if p.dtype != torch.float32]
+    return masters, [*masters, *(p for p in trainable if p.dtype == torch.float32)]
+
+
+def _new_fake_mode() -> FakeTensorMode:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real tensors that are not parameters or buffers (constants a module keeps as plain attributes) are
+    # turned into fakes on first use instead of raising.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _batch_norm_stats_fix() -> contextlib.AbstractContextManager[Any]:
+    """A dispatch mode that corrects one fake-kernel dtype, so estimates match measurements.
+
+    torch's meta kernel of ``native_batch_norm`` returns the saved batch mean and inverse std in the input's
+    dtype. The CPU kernel, given a half input with fp32 weights or running statistics (O1, O2: BatchNorm
+    kept in fp32), returns them in the parameters' dtype, and autograd saves them: without this fix such
+    a BatchNorm would be under-counted by 4 bytes per channel. (Other devices keep torch's meta answer.)
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = {torch.ops.aten.native_batch_norm.default}
+
+    class _Fix(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func in ops and args[0].device.type == "cpu":
+                params = [t for t in args[1:5] if isinstance(t, Tensor)]
+                stats_dtype = params[0].dtype if params else args[0].dtype
+                result, mean, invstd = out
+                out = (result, mean.to(stats_dtype), invstd.to(stats_dtype))
+            return out
+
+    return _Fix()
+
+
+def memory_breakdowns(
+    model: nn.Module,
+    optimizer: OptimizerLike,
+    batch: Batch,
+    precisions: Sequence[str | Precision] = ("fp32", "fp16", "O1", "O2"),
+    **kwargs: Any,
+) -> list[MemoryBreakdown]:
+    """:func:`memory_breakdown` for each of ``precisions`` (same keyword arguments)."""
+    return [memory_breakdown(model, optimizer, batch, p, **kwargs) for p in precisions]
+
+
+def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None) -> Table:
+    """A rich table: one row per component, one column per precision, in MB (1e6 bytes)."""
+    from rich.table import Table
+
+    table = Table(title=title or "Memory of one training step (MB = 1e6 bytes)", title_justify="left")
+    table.add_column("component")
+    for b in breakdowns:
+        table.add_column(b.precision, justify="right")
+    table.add_column("what is counted", style="dim")
+    for key, label, what in COMPONENTS:
+        values = [getattr(b, key) for b in breakdowns]
+        if any(values):
+            table.add_row(label, *(f"{v / MB:,.2f}" for v in values), what)
+    table.add_section()
+    table.add_row("weights (params + masters)", *(f"{b.weights / MB:,.2f}" for b in breakdowns),
+                  "the published 'model memory'")
+    table.add_row("[bold]total[/bold]", *(f"[bold]{b.total / MB:,.2f}[/bold]" for b in breakdowns),
+                  "sum: upper bound of one step's live tensors")
+    if breakdowns:
+        base = breakdowns[0].total
+        table.add_row(f"vs {breakdowns[0].precision}", *(f"{b.total / base:.2f}x" if base else "-"
+                                                        for b in breakdowns), "")
+    return table

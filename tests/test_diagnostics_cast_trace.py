@@ -1,0 +1,106 @@
+"""mixprec.diagnostics.cast_trace: the dtypes it records must be the dtypes torch produced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.diagnostics.cast_trace import CastTrace, dtype_label, trace_casts
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _setup(device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    return model, torch.randn(4, 8, device=device), torch.randint(0, 4, (4,), device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_autocast_op_dtypes_match_torch(device: str, dtype: torch.dtype) -> None:
+    model, x, y = _setup(device)
+    with torch.autocast(device, dtype=dtype):  # the reference: what torch.autocast itself returns
+        ref_logits = model(x)
+        ref_log_probs = F.log_softmax(ref_logits, dim=1)
+    with torch.autocast(device, dtype=dtype), CastTrace() as trace:
+        F.log_softmax(model(x), dim=1)
+    assert trace.dtypes_of("addmm") == {dtype_label(ref_logits.dtype)} == {dtype_label(dtype)}
+    # log_softmax is on CUDA's fp32 list but not on CPU's: whatever torch did, the trace must say the same.
+    assert trace.dtypes_of("_log_softmax") == {dtype_label(ref_log_probs.dtype)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_casts_are_counted_with_their_bytes(device: str, dtype: torch.dtype) -> None:
+    model, x, _ = _setup(device)
+    with torch.autocast(device, dtype=dtype), CastTrace() as trace:
+        logits = model(x).float()
+    casts = {(c.source, c.target): c for c in trace.casts}
+    assert set(casts) == {("fp32", dtype_label(dtype)), (dtype_label(dtype), "fp32")}
+    # x, both weights and both biases go fp32 -> half once each: their elements at 2 bytes.
+    down = casts[("fp32", dtype_label(dtype))]
+    assert down.count == 5 and down.bytes == 2 * (x.numel() + sum(p.numel() for p in model.parameters()))
+    up = casts[(dtype_label(dtype), "fp32")]
+    assert up.count == 1 and up.bytes == logits.numel() * 4
+    assert "_to_copy" not in {r.op for r in trace.ops}
+
+
+def test_no_autocast_means_fp32_and_no_casts() -> None:
+    model, x, y = _setup("cpu")
+    with trace_casts() as trace:
+        F.cross_entropy(model(x), y)
+    assert trace.casts == []
+    assert set(trace.output_dtypes()) == {"fp32"}
+
+
+def test_backward_ops_are_marked_and_views_left_out_by_default() -> None:
+    model, x, y = _setup("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), CastTrace() as trace:
+        loss = F.cross_entropy(model(x), y)
+    with trace:  # re-entering starts a fresh record
+        loss.backward()
+    # Everything the engine ran is "backward"; only backward()'s seed gradient is made before it starts.
+    assert {r.op for r in trace.ops if r.phase == "forward"} == {"ones_like"}
+    assert "mm" in {r.op for r in trace.ops}
+    assert "t" not in {r.op for r in trace.ops}
+    with CastTrace(include_views=True) as with_views:
+        model(x)
+    assert "t" in {r.op for r in with_views.ops}
+
+
+def test_copy_between_dtypes_counts_as_a_cast() -> None:
+    master, half = torch.randn(10), torch.empty(10, dtype=torch.float16)
+    with CastTrace() as trace:
+        half.copy_(master)  # master weights copied back to the model
+        half.copy_(half.clone())  # same dtype: an ordinary op
+    assert [(c.source, c.target, c.count, c.bytes) for c in trace.casts] == [("fp32", "fp16", 1, 20)]
+    assert "copy_" in {r.op for r in trace.ops}
+
+
+def test_mixprec_autocast_bf16_matches_torch() -> None:
+    autocast = pytest.importorskip("mixprec.autocast").autocast
+    model, x, y = _setup("cpu")
+    with autocast("cpu", dtype=torch.bfloat16), CastTrace() as ours:
+        F.cross_entropy(model(x), y)
+    with torch.autocast("cpu", dtype=torch.bfloat16), CastTrace() as torchs:
+        F.cross_entropy(model(x), y)
+    assert ours.dtypes_of("addmm") == torchs.dtypes_of("addmm") == {"bf16"}
+
+
+def test_report_is_plain_text_with_both_tables() -> None:
+    model, x, y = _setup("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), CastTrace() as trace:
+        F.cross_entropy(model(x), y)
+    text = trace.report()
+    assert "addmm" in text and "Casts" in text and "bf16" in text and "\x1b[" not in text
+    assert str(trace) == text

@@ -1,0 +1,185 @@
+"""mixprec.diagnostics.gradients against hand-computed exponents and IEEE-754 fp16 rounding."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.commands import grads as grads_command
+from mixprec.diagnostics.gradients import (
+    EXPONENTS,
+    GradientMonitor,
+    analyze_grads,
+    grad_exponent_histogram,
+    suggest_loss_scale,
+)
+from mixprec.errors import ConfigError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+INF, NAN = float("inf"), float("nan")
+
+# Planted gradients, each with its floor(log2|g|) and its fate in fp16 at scale 1 and at scale 2, worked out
+# from IEEE-754 binary16 (min subnormal 2^-24, min normal 2^-14, max 65504) and round-to-nearest-even.
+PLANTED: list[tuple[float, int, str, str]] = [
+    (2.0**-30, -30, "underflow", "underflow"),  # x2: 2^-29, still below 2^-25
+    (-(2.0**-30), -30, "underflow", "underflow"),  # the sign does not matter
+    (2.0**-25, -25, "underflow", "subnormal"),  # tie 0 | 2^-24 -> 0 (even); x2 = 2^-24 exactly
+    (2.0**-25 * (1 + 2.0**-20), -25, "subnormal", "subnormal"),  # just above the tie: rounds to 2^-24
+    (2.0**-14 - 2.0**-24, -15, "subnormal", "normal"),  # the largest subnormal; x2 = 2^-13 - 2^-23
+    (2.0**-14 - 2.0**-25, -15, "normal", "normal"),  # tie largest subnormal | 2^-14 -> 2^-14 (even)
+    (2.0**-10, -10, "normal", "normal"),
+    (65519.0, 15, "normal", "overflow"),  # below the 65520 midpoint: 65504; x2 = 131038: inf
+    (65520.0, 15, "overflow", "overflow"),  # tie 65504 | 2^16 -> 2^16 (even) = inf
+]
+N_ZEROS, N_NONFINITE = 3, 2
+
+
+def _planted() -> torch.Tensor:
+    values = [v for v, *_ in PLANTED] + [0.0] * N_ZEROS + [INF, NAN]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_thresholds_in_the_docstring_are_what_torch_does() -> None:
+    # The reference for the classification: torch's own fp32 -> fp16 cast (IEEE round to nearest even).
+    half = torch.tensor([2.0**-25, 2.0**-25 * (1 + 2.0**-20), 2.0**-14 - 2.0**-25, 65519.0, 65520.0]).half()
+    assert half.tolist() == [0.0, 2.0**-24, 2.0**-14, 65504.0, INF]
+
+
+def test_planted_exponents_and_fp16_outcomes() -> None:
+    report = analyze_grads({"w": _planted()}, scales=(2.0,))
+    stats = report.layers[0]
+    expected_counts = {e: sum(1 for _, x, *_ in PLANTED if x == e) for e in EXPONENTS}
+    assert dict(zip(EXPONENTS, stats.counts, strict=True)) == expected_counts
+    assert (stats.zeros, stats.nonfinite, stats.nonzero) == (N_ZEROS, N_NONFINITE, len(PLANTED))
+    for scale, column in ((1.0, 2), (2.0, 3)):
+        outcome = stats.outcome(scale)
+        assert outcome is not None
+        for kind in ("underflow", "subnormal", "overflow"):
+            n = sum(1 for row in PLANTED if row[column] == kind)
+            assert getattr(outcome, kind) == n, (scale, kind)
+            assert outcome.fraction(kind) == n / len(PLANTED)
+    assert stats.max_abs == 65520.0 and stats.min_abs == 2.0**-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradient_dtype_does_not_change_the_report(dtype: torch.dtype) -> None:
+    # Powers of two in fp16's normal range are exact in every dtype: same histogram, same outcomes.
+    values = torch.tensor([2.0**-14, -(2.0**-3), 2.0**0, 2.0**7, 0.0, 2.0**-14])
+    ref = analyze_grads({"w": values}, scales=(2.0**10,))
+    got = analyze_grads({"w": values.to(dtype)}, scales=(2.0**10,))
+    assert got.overall.counts == ref.overall.counts and got.overall.outcomes == ref.overall.outcomes
+
+
+def test_overall_is_the_sum_of_layers() -> None:
+    a, b = _planted(), torch.tensor([2.0**-40, 1.0, 0.0])
+    report = analyze_grads([("a", a), ("b", b)], scales=(8.0,))
+    overall = report.overall
+    assert overall.name == "all"
+    assert overall.counts == tuple(x + y for x, y in zip(report.layers[0].counts, report.layers[1].counts,
+                                                         strict=True))
+    assert overall.zeros == N_ZEROS + 1 and overall.numel == a.numel() + b.numel()
+    assert overall.outcome(8.0).underflow == report.layers[0].outcome(8.0).underflow + 1  # 2^-37
+
+
+def test_suggested_scale_is_the_largest_power_of_two_under_the_margin() -> None:
+    # max|g| = 2^-3, margin 8: S * 2^-3 * 8 <= 65504 -> S <= 65504 -> 2^15.
+    assert suggest_loss_scale(2.0**-3, margin=8.0) == 2.0**15
+    # An exact boundary: max|g| * margin * 1024 == 65504 is allowed, 2048 is not.
+    assert suggest_loss_scale(65504.0 / 8 / 1024, margin=8.0) == 1024.0
+    assert suggest_loss_scale(65504.0 / 8 / 1024 * (1 + 2.0**-20), margin=8.0) == 512.0
+    assert suggest_loss_scale(0.0) is None and suggest_loss_scale(INF) is None
+    report = analyze_grads({"w": torch.tensor([2.0**-3, 2.0**-40, 2.0**-27])})
+    assert report.suggested_scale == 2.0**15 and 2.0**15 in report.scales
+    at = report.overall.outcome(2.0**15)
+    # x 2^15: 2^-40 -> 2^-25 (still underflows, the tie), 2^-27 -> 2^-12 (normal).
+    assert at is not None and (at.underflow, at.subnormal, at.overflow) == (1, 0, 0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_model_and_batch_match_autograd_and_leave_grad_alone() -> None:
+    model = _model()
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    report = grad_exponent_histogram(model, (x, y), loss_scale=1024.0)
+    assert all(p.grad is None for p in model.parameters())
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    expected = analyze_grads({n: p.grad for n, p in reference.named_parameters()}, scales=(1024.0,))
+    assert [s.name for s in report.layers] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert report.layers == expected.layers
+
+
+def test_existing_grads_are_unscaled_by_grad_scale() -> None:
+    model = _model()
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    (F.cross_entropy(model(x), y) * 2.0**10).backward()
+    scaled = grad_exponent_histogram(model, grad_scale=2.0**10)
+    plain = grad_exponent_histogram(_model(), (x, y))
+    assert scaled.overall.counts == plain.overall.counts
+
+
+def test_monitor_analyses_every_nth_step_at_the_current_scale() -> None:
+    model = _model()
+    scale = [4.0]
+    monitor = GradientMonitor(model, every=2, loss_scale=lambda: scale[0])
+    for _ in range(3):
+        model.zero_grad()
+        (F.cross_entropy(model(torch.randn(4, 12)), torch.randint(0, 3, (4,))) * scale[0]).backward()
+        monitor.after_backward()
+        scale[0] *= 2
+    assert [call for call, _ in monitor.reports] == [1, 3]
+    assert monitor.latest is not None and 16.0 in monitor.latest.scales
+    with pytest.raises(ConfigError, match="every"):
+        GradientMonitor(model, every=0)
+
+
+def test_user_errors() -> None:
+    with pytest.raises(ConfigError, match="backward"):
+        analyze_grads({})
+    with pytest.raises(ConfigError, match="positive"):
+        analyze_grads({"w": torch.ones(2)}, scales=(0.0,))
+    report = analyze_grads({"w": torch.ones(2)}, scales=(4.0,))
+    with pytest.raises(ConfigError, match="not evaluated"):
+        report.table(8.0)
+
+
+def _png_ok(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_table_summary_and_png(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    report = analyze_grads([("a", _planted()), ("b", torch.tensor([1e-3, 2e-5]))], scales=(1024.0,))
+    console = Console(width=200, record=True)
+    console.print(report.table())
+    text = console.export_text()
+    assert "underflow x1024" in text and "all" in text
+    summary = report.summary()
+    assert "exact zeros" in summary and "Suggested loss scale" in summary
+    _png_ok(report.plot(tmp_path / "grads.png"))
+
+
+def test_cli_grads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    grads_command.add_arguments(parser)
+    png = tmp_path / "g.png"
+    args = parser.parse_args(["--model", "mlp", "--data", "synthetic", "--batch-size", "16", "--loss-scale",
+                              "1024", "--png", str(png)])
+    assert grads_command.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Suggested loss scale" in out and "x1024" in out
+    _png_ok(png)
+    assert grads_command.run(parser.parse_args(["--loss-scale", "-1", "--no-png"])) == 2

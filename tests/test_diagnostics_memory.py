@@ -1,0 +1,206 @@
+"""mixprec.diagnostics.memory against hand-computed byte counts, the published figures, and itself
+(the no-compute estimate against a measured run)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+from mixprec.commands import memory as memory_command
+from mixprec.diagnostics.memory import (
+    Precision,
+    get_precision,
+    memory_breakdown,
+    memory_breakdowns,
+    memory_table,
+)
+from mixprec.errors import ConfigError
+from mixprec.models import mlp, simple_cnn, vgg16
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+# The published figures: the 784-8192-10 MLP and torchvision's VGG16 (1000 classes).
+MLP_PARAMS = 784 * 8192 + 8192 + 8192 * 10 + 10  # 6,512,650
+VGG16_PARAMS = 138_357_544
+
+
+def _batch(b: int, shape: tuple[int, ...], classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(b, *shape, generator=g), torch.randint(0, classes, (b,), generator=g)
+
+
+def _mlp_saved_bytes(b: int, n_in: int, hidden: int, n_out: int, elem: int, logits_elem: int) -> int:
+    """What autograd saves for Flatten -> Linear -> ReLU -> Linear -> cross_entropy, worked out by hand.
+
+    - Linear 1 (addmm): its input x (b x n_in), for the weight gradient. Not W1^T: x needs no gradient.
+    - ReLU: its output (b x hidden), for threshold_backward. Linear 2 saves the same tensor as its input:
+      one storage. Linear 2 also saves W2^T, a view of a parameter: not an activation.
+    - cross_entropy = log_softmax (saves its output, b x n_out) + nll_loss (saves the int64 target and
+      the 0-dim total_weight, in the logits' dtype).
+    """
+    return b * n_in * elem + b * hidden * elem + b * n_out * logits_elem + b * 8 + logits_elem
+
+
+@pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_mlp_activations_equal_the_hand_computed_sum(precision: str, estimate: bool) -> None:
+    b, n_in, hidden = 8, 64, 32
+    elem = torch.empty((), dtype=get_precision(precision).param_dtype).element_size()
+    result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), precision, estimate=estimate)
+    assert result.activations == _mlp_saved_bytes(b, n_in, hidden, 10, elem, elem)
+    assert result.weight_copies == 0
+
+
+@pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
+def test_o1_saves_half_activations_and_the_weight_copy_autocast_made(estimate: bool) -> None:
+    b, n_in, hidden = 8, 64, 32
+    result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), "O1", estimate=estimate)
+    # Under fp16 autocast the Linears run in fp16 (x and the ReLU output are saved as fp16) and
+    # log_softmax in fp32 (its output and total_weight are fp32). Linear 2 saves its fp16 weight copy.
+    assert result.activations == _mlp_saved_bytes(b, n_in, hidden, 10, elem=2, logits_elem=4)
+    assert result.weight_copies == hidden * 10 * 2
+    assert result.params == (n_in * hidden + hidden + hidden * 10 + 10) * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "O1", "O2", "O3"])
+def test_estimate_equals_measurement_on_a_small_cnn(precision: str) -> None:
+    torch.manual_seed(0)
+    model = simple_cnn((1, 8, 16, 10))  # conv + BatchNorm + ReLU blocks: O2 keeps BatchNorm fp32
+    batch = _batch(4, (1, 8, 8))
+    measured = memory_breakdown(model, torch.optim.Adam, batch, precision)
+    estimated = memory_breakdown(model, torch.optim.Adam, batch, precision, estimate=True)
+    assert estimated.as_dict() == measured.as_dict()
+    assert measured.activations > 0 and measured.optimizer_state > 0
+
+
+def test_published_mlp_figures() -> None:
+    with torch.device("meta"):  # 26 MB of parameters that are never allocated
+        model = mlp()
+    batch = (torch.empty(64, 1, 28, 28, device="meta"), torch.empty(64, dtype=torch.int64, device="meta"))
+    fp32, fp16, o2 = memory_breakdowns(model, None, batch, ("fp32", "fp16", "O2"), estimate=True)
+    assert fp32.n_params == MLP_PARAMS
+    assert fp32.params == MLP_PARAMS * 4 and round(fp32.weights / 1e6, 2) == 26.05
+    # fp16 weights plus fp32 masters: 2 + 4 bytes per parameter.
+    assert o2.weights == MLP_PARAMS * (2 + 4) and round(o2.weights / 1e6, 2) == 39.08
+    assert fp16.params == MLP_PARAMS * 2 and fp16.masters == 0
+    assert o2.grads == MLP_PARAMS * 2 and o2.master_grads == MLP_PARAMS * 4
+
+
+def test_published_vgg16_parameters_and_adam_state_is_twice_the_parameters() -> None:
+    with torch.device("meta"):
+        model = vgg16()
+    batch = (torch.empty(1, 3, 32, 32, device="meta"), torch.zeros(1, dtype=torch.int64, device="meta"))
+    result = memory_breakdown(model, torch.optim.Adam, batch, "fp32", estimate=True)
+    assert result.n_params == VGG16_PARAMS
+    assert result.params == VGG16_PARAMS * 4
+    assert math.isclose(result.params / 1e9, 0.553, abs_tol=5e-4)  # "about 0.5 GB"
+    # exp_avg + exp_avg_sq, plus Adam's per-parameter step counter (a 0-dim fp32 tensor).
+    n_tensors = len(list(model.parameters()))
+    assert result.optimizer_state == 2 * result.params + 4 * n_tensors
+
+
+def test_optimizer_state_follows_the_tensors_it_steps() -> None:
+    model = mlp(16, 8, 4)
+    batch = _batch(2, (16,), 4)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    momentum = memory_breakdown(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), batch, "fp16")
+    assert momentum.optimizer_state == n_params * 2  # one fp16 buffer per fp16 parameter
+    assert memory_breakdown(model, torch.optim.SGD(model.parameters(), lr=0.1), batch).optimizer_state == 0
+    # O2: Adam steps the fp32 masters, so its state is fp32 whatever the model's dtype.
+    o2 = memory_breakdown(model, torch.optim.Adam, batch, "O2")
+    assert o2.optimizer_state == 2 * n_params * 4 + 4 * n_tensors
+    assert memory_breakdown(model, None, batch).optimizer_state == 0
+
+
+def test_unique_storages_tied_weights_and_shared_saved_tensors() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6, bias=False)
+            self.b = nn.Linear(6, 6, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return (h * h).view(-1, 2).sum(1)
+
+    result = memory_breakdown(Tied(), None, torch.randn(3, 6), "fp32", loss_fn=lambda out, _: out.sum())
+    assert result.params == 6 * 6 * 4 and result.n_params == 36  # the tied weight once
+    # Saved: x by the matmul (for W's gradient) and h by the mul -- twice, as both of its inputs, but one
+    # storage. view and sum save nothing. 3x6 fp32 each.
+    assert result.activations == 2 * (3 * 6 * 4)
+
+
+def test_user_model_is_left_untouched() -> None:
+    model = simple_cnn((1, 4, 10))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    memory_breakdown(model, torch.optim.Adam, _batch(2, (1, 8, 8)), "O2")
+    memory_breakdown(model, torch.optim.Adam, _batch(2, (1, 8, 8)), "O2", estimate=True)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_custom_precision_and_mixprec_autocast_agree_with_torch(dtype: torch.dtype) -> None:
+    pytest.importorskip("mixprec.autocast")
+    recipe = Precision("mixed", "fp32 params, autocast", torch.float32, autocast_dtype=dtype)
+    model, batch = mlp(16, 8, 4), _batch(2, (16,), 4)
+    ours = memory_breakdown(model, None, batch, recipe, autocast="mixprec")
+    torchs = memory_breakdown(model, None, batch, recipe, autocast="torch")
+    if dtype == torch.bfloat16:  # fp16 on CPU is emulated by mixprec.autocast (fp32 upcasts are saved)
+        assert ours.as_dict() == torchs.as_dict()
+    assert torchs.activations > 0
+
+
+def test_user_errors_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match="use one of fp32"):
+        get_precision("fp12")
+    with torch.device("meta"):
+        model = mlp(4, 4, 2)
+    with pytest.raises(ConfigError, match="estimate=True"):
+        memory_breakdown(model, None, torch.empty(1, 4, device="meta"))
+    with pytest.raises(ConfigError, match="optimizer"):
+        memory_breakdown(mlp(4, 4, 2), "adam", torch.randn(1, 4))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="master"):
+        Precision("bad", "", torch.float32, master_weights=True)
+
+
+def test_table_and_png(tmp_path: object) -> None:
+    from rich.console import Console
+
+    from mixprec.diagnostics.plots import plot_memory
+
+    results = memory_breakdowns(mlp(16, 8, 4), torch.optim.Adam, _batch(2, (16,), 4), ("fp32", "O2"))
+    console = Console(width=200, record=True)
+    console.print(memory_table(results))
+    text = console.export_text()
+    assert "optimizer state" in text and "O2" in text and "total" in text
+    path = plot_memory(results, tmp_path / "memory.png")  # type: ignore[operator]
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    memory_command.add_arguments(parser)
+    return memory_command.run(parser.parse_args(argv))
+
+
+def test_cli_memory(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "m.png"  # type: ignore[operator]
+    code = _cli(["--model", "cnn", "--input", "1x16x16", "--batch-size", "4", "--precision", "fp32,fp16,O2",
+                 "--png", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "FakeTensorMode" in out and "O2" in out and png.read_bytes()[:8] == PNG_SIGNATURE
+    assert _cli(["--precision", "fp32,O7", "--no-png"]) == 2
+    assert "O7" in capsys.readouterr().out
+    assert _cli(["--model", "vgg16", "--input", "3x16x16", "--no-png"]) == 2

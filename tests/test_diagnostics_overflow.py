@@ -1,0 +1,158 @@
+"""mixprec.diagnostics.overflow: non-finite gradients by name, the first module whose output overflowed."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.diagnostics.overflow import (
+    NonfiniteTracer,
+    nonfinite_grads,
+    nonfinite_report,
+    tensor_range,
+    trace_nonfinite,
+)
+from mixprec.errors import ConfigError
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _model(device: str = "cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict([
+        ("layer1", nn.Linear(8, 16)),
+        ("act1", nn.ReLU()),
+        ("layer2", nn.Linear(16, 16)),
+        ("act2", nn.ReLU()),
+        ("layer3", nn.Linear(16, 16)),
+        ("head", nn.Linear(16, 4)),
+    ])).to(device)
+
+
+def _input(device: str = "cpu") -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _plant_overflow(model: nn.Sequential) -> None:
+    # layer3's outputs reach ~1e5 > 65504, while its weights (<= 7.5e3) and every earlier output stay
+    # well inside fp16's range.
+    with torch.no_grad():
+        model.layer2.weight.mul_(10.0)
+        model.layer3.weight.mul_(3e4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tracer_names_the_layer_that_overflowed_in_fp16(device: str) -> None:
+    model = _model(device)
+    _plant_overflow(model)
+    reference = model.layer3(model[:4](_input(device))).abs().max().item()  # fp32: finite, > fp16 max
+    assert reference > FP16_MAX
+    half = model.half()
+    with trace_nonfinite(half) as tracer:
+        half(_input(device).half())
+    event = tracer.event
+    assert event is not None and event.module == "layer3" and event.module_type == "Linear"
+    assert event.inputs_finite and not event.outputs[0].finite and event.outputs[0].dtype == torch.float16
+    assert event.fp32_outputs is not None and event.fp32_outputs[0].finite
+    # The fp32 re-run used the fp16 weights and inputs upcast, so it differs from the reference only by
+    # their rounding.
+    assert event.fp32_outputs[0].max_abs == pytest.approx(reference, rel=1e-2)
+    text = event.explain()
+    assert "layer3" in text and "overflowed in float16" in text and "65504" in text
+    assert "layer3" in tracer.report()
+    assert half.layer3.weight.dtype == torch.float16  # the re-run used a copy
+
+
+def test_tracer_under_autocast() -> None:
+    model = _model()
+    _plant_overflow(model)
+    with torch.autocast("cpu", dtype=torch.float16), trace_nonfinite(model) as tracer:
+        model(_input())
+    assert tracer.event is not None and tracer.event.module == "layer3"
+    assert tracer.event.fp32_outputs is not None and tracer.event.fp32_outputs[0].finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_inf_planted_in_a_weight_is_not_a_precision_problem(dtype: torch.dtype) -> None:
+    model = _model().to(dtype)
+    with torch.no_grad():
+        model.layer2.weight[0, 0] = float("inf")
+    with trace_nonfinite(model) as tracer:
+        model(_input().to(dtype))
+    event = tracer.event
+    assert event is not None and event.module == "layer2"
+    assert event.fp32_outputs is not None and not event.fp32_outputs[0].finite
+    assert "fp32 too" in event.explain()
+
+
+def test_non_finite_made_between_modules_is_reported_as_such() -> None:
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.log(self.a(x) * 0 - 1))  # log(-1) = NaN, outside any module
+
+    model = Parent()
+    with trace_nonfinite(model, compare_fp32=False) as tracer:
+        model(torch.randn(2, 4))
+    assert tracer.event is not None and tracer.event.module == "b"
+    assert not tracer.event.inputs_finite and tracer.event.fp32_outputs is None
+    assert "received non-finite input" in tracer.event.explain()
+
+
+def test_finite_forward_reports_nothing_and_hooks_are_removed() -> None:
+    model = _model()
+    with NonfiniteTracer(model) as tracer:
+        model(_input())
+    assert tracer.event is None and tracer.checked == len(list(model.modules()))
+    assert "No non-finite" in tracer.report()
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(ConfigError, match="nn.Module"):
+        NonfiniteTracer(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_tensor_range_counts_and_finite_extremes() -> None:
+    r = tensor_range(torch.tensor([1.0, -3.0, float("inf"), float("nan"), float("-inf")]).half())
+    assert (r.min, r.max, r.n_inf, r.n_nan, r.max_abs) == (-3.0, 1.0, 2, 1, 3.0)
+    empty = tensor_range(torch.tensor([float("nan")]))
+    assert empty.min is None and empty.max_abs is None and "no finite values" in str(empty)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_grads_names_and_counts(device: str) -> None:
+    model = _model(device)
+    grad = torch.zeros(16, 16, device=device)
+    grad[0, :3] = float("inf")
+    grad[1, 0] = float("-inf")
+    grad[2, :2] = float("nan")
+    model.layer2.weight.grad = grad
+    model.head.bias.grad = torch.ones(4, device=device)
+    bad = nonfinite_grads(model)
+    # Reference: torch's own counts on the one gradient we poisoned.
+    assert [(b.name, b.n_inf, b.n_nan, b.numel) for b in bad] == [
+        ("layer2.weight", int(grad.isinf().sum()), int(grad.isnan().sum()), grad.numel())
+    ]
+    assert "layer2.weight: 4 inf, 2 NaN of 256" in nonfinite_report(model)
+    model.layer2.weight.grad = None
+    assert nonfinite_grads(model) == [] and nonfinite_report(model) == "All gradients are finite."
+
+
+def test_nonfinite_grads_after_an_overflowing_scaled_backward() -> None:
+    model = _model()
+    (model(_input()).sum() * 3e38).backward()  # the loss scale overflows the fp32 gradients
+    bad = {b.name: b for b in nonfinite_grads(model.named_parameters())}
+    expected = {n for n, p in model.named_parameters() if not p.grad.isfinite().all()}
+    assert set(bad) == expected and expected
