@@ -5,17 +5,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import sys
 import types
-import unittest
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import load_torch_autocast_lists
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import policy as P
@@ -29,36 +27,13 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(autouse=True)
-def _clean_registry() -> Iterator[None]:
-    P.clear_registrations()
-    yield
-    P.clear_registrations()
+def _clean_registry(clean_registry: None) -> None:
+    """Every test here starts and ends without global registrations."""
 
 
 # ---- parity with torch.autocast over torch's own CPU op lists ------------------------------------------
 
 
-def _load_torch_lists() -> types.ModuleType:
-    """torch's own autocast op lists (shipped with torch), without torch's test-suite dependencies."""
-    path = Path(torch.testing.__file__).parent / "_internal" / "autocast_test_lists.py"
-    if not path.exists():
-        pytest.skip("this torch build does not ship autocast_test_lists.py")
-    stub = types.ModuleType("torch.testing._internal.common_utils")
-    stub.TEST_WITH_ROCM = False  # type: ignore[attr-defined]
-    stub.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-    saved = sys.modules.get(stub.__name__)
-    sys.modules[stub.__name__] = stub
-    try:
-        spec = importlib.util.spec_from_file_location("_torch_autocast_lists", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del sys.modules[stub.__name__]
-        else:
-            sys.modules[stub.__name__] = saved
-    return module
 
 
 Call = tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -76,7 +51,7 @@ def _variants(op: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _cpu_calls(dtype: torch.dtype) -> list[Call]:
     with torch.random.fork_rng(devices=[]):  # the lists draw random tensors: leave the global RNG alone
-        lists = _load_torch_lists().AutocastCPUTestLists("cpu")
+        lists = load_torch_autocast_lists().AutocastCPUTestLists("cpu")
     which = 1 if dtype is torch.bfloat16 else 2  # promote lists carry (bf16 args, fp16 args)
     calls: list[Call] = []
     by_module = ((torch, lists.torch_16 + lists.torch_fp32), (torch._C._nn, lists.nn_16 + lists.nn_fp32))

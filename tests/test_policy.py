@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 import types
-import unittest
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_torch_autocast_lists
 
 from mixprec import policy as P
 from mixprec.policy import Action, OpRule, PolicyError, Source
@@ -21,38 +17,13 @@ DISPATCH_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 
 @pytest.fixture(autouse=True)
-def _clean_registry() -> Iterator[None]:
-    P.clear_registrations()
-    yield
-    P.clear_registrations()
-
-
-def _load_torch_lists() -> types.ModuleType:
-    """torch's own autocast op lists (shipped with torch), without torch's test-suite dependencies."""
-    path = Path(torch.testing.__file__).parent / "_internal" / "autocast_test_lists.py"
-    if not path.exists():
-        pytest.skip("this torch build does not ship autocast_test_lists.py")
-    stub = types.ModuleType("torch.testing._internal.common_utils")
-    stub.TEST_WITH_ROCM = False  # type: ignore[attr-defined]
-    stub.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-    saved = sys.modules.get(stub.__name__)
-    sys.modules[stub.__name__] = stub
-    try:
-        spec = importlib.util.spec_from_file_location("_torch_autocast_lists", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del sys.modules[stub.__name__]
-        else:
-            sys.modules[stub.__name__] = saved
-    return module
+def _clean_registry(clean_registry: None) -> None:
+    """Every test here starts and ends without global registrations."""
 
 
 @pytest.fixture(scope="module")
 def torch_lists() -> types.ModuleType:
-    return _load_torch_lists()
+    return load_torch_autocast_lists()
 
 
 # ---- the tables mirror torch ---------------------------------------------------------------------------
