@@ -6,10 +6,12 @@ policy, implemented once, offered as torch.amp-style, apex-style and fastai-styl
 # scaler: loss scaling (drop-in for torch.amp.GradScaler)
 # master: fp32 master weights around any torch.optim optimizer
 # opt levels: apex's O0-O3 as presets over the same parts
+# checkpoints: atomic save/resume of model, masters, optimizer, scalers, schedulers, RNG
 # data & models: bundled data sets and reference models
 # errors: what mixprec raises for user mistakes
 from mixprec.amp import initialize, load_state_dict, master_params, scale_loss, state_dict
 from mixprec.autocast import AutocastError, BannedOpError, autocast, half_compute, keep_fp32
+from mixprec.checkpoint import ResumableLoader, load_checkpoint, save_checkpoint
 from mixprec.data import DataBunch, digits, mnist, synthetic
 from mixprec.errors import (
     ConfigError,
@@ -64,6 +66,10 @@ __all__ = [
     "master_params",
     "state_dict",
     "load_state_dict",
+    # checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    "ResumableLoader",
     # data & models
     "DataBunch",
     "digits",

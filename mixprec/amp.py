@@ -57,6 +57,8 @@ __all__ = [
     "initialize",
     "scale_loss",
     "master_params",
+    "loss_scaler",
+    "reset",
     "state_dict",
     "load_state_dict",
 ]
@@ -143,6 +145,7 @@ class _PendingStep:
 
     found_infs: list[torch.Tensor] = field(default_factory=list)
     unscaled: bool = False  # grads currently hold unscaled values from an earlier loss this iteration
+    stepped: bool = False  # step() has consumed these flags; another step() would reuse the gradients
 
 
 @dataclass
@@ -410,9 +413,16 @@ def _patch_step(opt: torch.optim.Optimizer) -> None:
 
 def _amp_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     plain = opt._mixprec_plain_step  # type: ignore[attr-defined]
-    pending = _STATE.pending.pop(id(opt), None) if _STATE is not None else None
+    pending = _STATE.pending.get(id(opt)) if _STATE is not None else None
     if pending is None or not pending.found_infs:
         return plain(*args, **kwargs)
+    if pending.stepped:
+        raise ScalerStateError(
+            "optimizer.step() was called twice for one scale_loss: the second step would apply the same "
+            "gradients again (and, after an overflow, write their inf/NaN into the weights).",
+            "call optimizer.zero_grad() and run the next forward/backward inside scale_loss before stepping.",
+        )
+    pending.stepped = True
     found = torch.stack([f.to(pending.found_infs[0].device) for f in pending.found_infs]).sum()
     if getattr(opt, "_step_supports_amp_scaling", False):
         # fused optimizers skip on the device: no host sync
@@ -448,6 +458,12 @@ def scale_loss(
     back after this loss's are unscaled. ``delay_unscale=True`` leaves the gradients scaled (accumulate,
     then let the last ``scale_loss`` of the iteration unscale them all with the same scale)."""
     state = _state()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(
+            f"scale_loss got a loss of shape {shape}; it scales one scalar loss.",
+            "reduce it first: loss.mean() (or loss.sum()).",
+        )
     if not 0 <= loss_id < len(state.scalers):
         raise ConfigError(
             f"loss_id {loss_id} is out of range: initialize was called with num_losses={len(state.scalers)}.",
@@ -455,6 +471,9 @@ def scale_loss(
         )
     opts, _ = _as_list(optimizers)
     scaler = state.scalers[loss_id]
+    for opt in opts:  # a new iteration for these optimizers: flags of a consumed step are done
+        if id(opt) in state.pending and state.pending[id(opt)].stepped:
+            del state.pending[id(opt)]
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     yield scaler.scale(loss)
     if delay_unscale:
@@ -498,6 +517,18 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         return
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+def loss_scaler(loss_id: int = 0) -> GradScaler:
+    """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty)."""
+    return _state().scalers[loss_id]
+
+
+def reset() -> None:
+    """Forget the state of the last ``initialize`` (its scalers and pending steps). The models keep their
+    dtype and hooks: build fresh models to initialize again."""
+    global _STATE
+    _STATE = None
 
 
 def state_dict() -> dict[str, Any]:

@@ -140,10 +140,8 @@ class MasterWeights(torch.optim.Optimizer):
         self.flat = flat
         self._groups = [self._rewire(group) for group in optimizer.param_groups]
         self._use_fused(optimizer, fused)
-        # Optimizer's bookkeeping, aliased to the wrapped optimizer so schedulers and hooks see one object.
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        # param_groups, state and defaults are properties reading the wrapped optimizer, so schedulers see
+        # one object even after load_state_dict replaces the wrapped optimizer's lists.
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
@@ -152,6 +150,31 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._patch_step_function()
         self._grads_copied = False
+
+    # ------------------------------------------------------------------ the wrapped optimizer's bookkeeping
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     # ------------------------------------------------------------------ construction
     def _rewire(self, group: dict[str, Any]) -> _GroupMasters:

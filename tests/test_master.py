@@ -241,6 +241,8 @@ def test_state_dict_resumes_without_rounding_through_half(flat: bool) -> None:
     train(m3, o3, range(4, 8))
     for a, b in zip(o1.master_views(), o3.master_views(), strict=True):
         assert torch.equal(a, b)
+    # load_state_dict replaced the wrapped optimizer's lists; the wrapper (what schedulers hold) shows the new
+    assert o3.param_groups is o3.optimizer.param_groups and o3.state is o3.optimizer.state
 
 
 def test_optimizer_of_another_model_is_named() -> None:

@@ -1,0 +1,103 @@
+"""Recipe: a gradient penalty (the norm of the gradients added to the loss) in mixed precision.
+
+The penalty needs the gradients as a differentiable graph: ``torch.autograd.grad(..., create_graph=True)``.
+Take them from the *scaled* loss, so small fp16 gradients do not underflow in this first backward either,
+then multiply them by 1/scale (out of place: they are part of the graph) before computing the penalty.
+The penalty itself is ordinary forward math: compute it under autocast like the rest of the loss. Then
+scale the total loss and run the usual backward / step / update; an inf in the first gradients makes the
+penalty inf, the final gradients inf, and the step is skipped.
+
+With opt levels: ``scale_loss(loss, opt, delay_unscale=True)`` yields the scaled loss for
+``autograd.grad`` without touching ``.grad``; the scale to divide by is ``mixprec.state_dict()``'s.
+
+Run:  python examples/grad_penalty.py --api scaler --precision fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+PENALTY = 0.1  # weight of the gradient-norm penalty
+
+
+def setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, mixprec.DataBunch]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))  # tanh: a smooth double backward
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    data = mixprec.synthetic(n=320, input_shape=(16,), n_classes=4, batch_size=32, seed=seed)
+    return model, opt, data
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    # Squares summed in fp32: a sum of squared gradients can leave fp16's range where the gradients did not.
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
+
+
+def train_scaler(half: bool, steps: int) -> dict[str, Any]:
+    model, opt, data = setup()
+    scaler = mixprec.GradScaler("cpu", enabled=half)
+    params = list(model.parameters())
+    losses, penalties = [], []
+    for x, y in itertools.islice(itertools.cycle(data.train), steps):
+        opt.zero_grad()
+        with mixprec.autocast("cpu", torch.float16, enabled=half):
+            loss = F.cross_entropy(model(x), y)
+        scaled_grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+        inv_scale = 1.0 / scaler.get_scale()  # a Python float: a constant in the graph (syncs once)
+        grads = [g * inv_scale for g in scaled_grads]  # out of place: keep the graph
+        with mixprec.autocast("cpu", torch.float16, enabled=half):
+            penalty = grad_norm(grads)
+            total = loss + PENALTY * penalty
+        scaler.scale(total).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+        penalties.append(penalty.item())
+    return {"model": model, "losses": losses, "penalties": penalties}
+
+
+def train_amp(half: bool, steps: int) -> dict[str, Any]:
+    model, opt, data = setup()
+    model, opt = mixprec.initialize(model, opt, opt_level="O1" if half else "O0", verbosity=0)
+    params = list(model.parameters())
+    losses, penalties = [], []
+    for x, y in itertools.islice(itertools.cycle(data.train), steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        with mixprec.scale_loss(loss, opt, delay_unscale=True) as scaled_loss:
+            scaled_grads = torch.autograd.grad(scaled_loss, params, create_graph=True)
+        inv_scale = 1.0 / mixprec.state_dict()["loss_scaler0"]["scale"]
+        grads = [g * inv_scale for g in scaled_grads]
+        with mixprec.autocast("cpu", torch.float16, enabled=half):  # apex's O1 patched these ops too
+            penalty = grad_norm(grads)
+            total = loss + PENALTY * penalty
+        with mixprec.scale_loss(total, opt) as scaled_total:
+            scaled_total.backward()
+        opt.step()
+        losses.append(loss.item())
+        penalties.append(penalty.item())
+    return {"model": model, "losses": losses, "penalties": penalties}
+
+
+def main(api: str = "scaler", precision: str = "fp16", steps: int = 30) -> dict[str, Any]:
+    """Train with a gradient penalty; returns the model, the losses and the penalties."""
+    train = {"scaler": train_scaler, "amp": train_amp}[api]
+    return train(precision == "fp16", steps)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--api", choices=["scaler", "amp"], default="scaler")
+    parser.add_argument("--precision", choices=["fp16", "fp32"], default="fp16")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    result = main(args.api, args.precision, args.steps)
+    print(f"final loss {result['losses'][-1]:.4f}, final penalty {result['penalties'][-1]:.4f}")

@@ -1,0 +1,226 @@
+"""Checkpoints: a save/load round trip restores every piece of state (checked by continuing training and
+comparing bit for bit with a run that never stopped), a crash mid-write leaves the previous checkpoint
+whole, the data order resumes mid-epoch, and a run killed with SIGKILL and resumed ends with the same bits
+as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec.checkpoint import CheckpointError, ResumableLoader, load_checkpoint, save_checkpoint
+from mixprec.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models; and the same thread count in every run keeps results bitwise
+    yield
+    torch.set_num_threads(n)
+
+
+class Run:
+    """A small fp16 run with every kind of state: fp32 masters and AdamW moments, a dynamic scaler whose
+    scale moves, an LR schedule, dropout (global RNG) and a shuffled loader (its own generator)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3)).half()
+        self.opt = mixprec.MasterWeights(torch.optim.AdamW(self.model.parameters(), lr=1e-2))
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
+        self.scaler = mixprec.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g))
+        shuffle = torch.Generator().manual_seed(2)
+        self.loader = ResumableLoader(DataLoader(data, batch_size=8, shuffle=True, generator=shuffle))
+        self.batches = self._batches()
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield from self.loader
+
+    def step(self) -> float:
+        x, y = next(self.batches)
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(x.half()).float(), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        return loss.item()
+
+    def save(self, path: Path, step: int, **extra: Any) -> None:
+        save_checkpoint(path, model=self.model, optimizer=self.opt, scaler=self.scaler, scheduler=self.sched,
+                        step=step, extra=extra, loader=self.loader)  # fmt: skip
+
+    def load(self, path: Path) -> Any:
+        return load_checkpoint(path, model=self.model, optimizer=self.opt, scaler=self.scaler,
+                               scheduler=self.sched, loader=self.loader)  # fmt: skip
+
+    def state(self) -> list[torch.Tensor]:
+        return [*self.model.state_dict().values(), *self.opt.master_views()]
+
+
+def test_round_trip_continues_bit_identically(tmp_path: Path) -> None:
+    """Save mid-epoch, load into fresh objects (after the global RNGs moved on), train on: every loss and
+    every bit of the weights, masters and scale equal those of the run that never stopped."""
+    a = Run()
+    for _ in range(7):  # 7 of the 5 batches per epoch: mid-epoch 2; the scale has moved
+        a.step()
+    a.save(tmp_path / "ck.pt", step=7, note="hello")
+    rng_after_save = (torch.rand(3), np.random.rand(), random.random())
+    losses_a = [a.step() for _ in range(6)]
+
+    b = Run()
+    torch.manual_seed(123)  # scramble the global RNGs: load must restore them
+    resumed = b.load(tmp_path / "ck.pt")
+    assert (resumed.step, resumed.extra) == (7, {"note": "hello"})
+    rng_after_load = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(rng_after_load[0], rng_after_save[0]) and rng_after_load[1:] == rng_after_save[1:]
+    # the RNG draws above moved both runs' generators alike; continue both
+    losses_b = [b.step() for _ in range(6)]
+    assert losses_b == losses_a
+    assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
+    assert a.scaler.state_dict() == b.scaler.state_dict()
+    assert b.sched.get_last_lr() == a.sched.get_last_lr()
+
+
+def test_lr_schedule_reaches_the_wrapped_optimizer_after_load(tmp_path: Path) -> None:
+    """torch's Optimizer.load_state_dict replaces param_groups; the scheduler must still drive the lr the
+    wrapped optimizer uses (it did not, before load_checkpoint re-aliased MasterWeights' groups)."""
+    a = Run()
+    a.step()
+    a.save(tmp_path / "ck.pt", step=1)
+    b = Run()
+    b.load(tmp_path / "ck.pt")
+    for _ in range(4):
+        b.step()
+    assert b.opt.optimizer.param_groups[0]["lr"] == b.sched.get_last_lr()[0] < 1e-2
+
+
+def test_crash_mid_write_leaves_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = Run()
+    run.step()
+    path = tmp_path / "last.pt"
+    run.save(path, step=1)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def torn_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        """Serialise for real, write the first half, then die as a full disk or a kill would."""
+        import io
+
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise OSError(28, "No space left on device")
+
+    run.step()
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="No space left"):
+        run.save(path, step=2)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # the temporary file was removed
+    assert Run().load(path).step == 1
+
+
+def test_torn_file_gives_a_checkpoint_error(tmp_path: Path) -> None:
+    run = Run()
+    path = tmp_path / "ck.pt"
+    run.save(path, step=0)
+    path.write_bytes(path.read_bytes()[:100])  # as a non-atomic writer could leave it
+    with pytest.raises(CheckpointError, match="not a readable mixprec checkpoint"):
+        run.load(path)
+    with pytest.raises(CheckpointError, match="No checkpoint at"):
+        run.load(tmp_path / "missing.pt")
+
+
+def test_mismatched_objects_are_refused(tmp_path: Path) -> None:
+    run = Run()
+    run.save(tmp_path / "ck.pt", step=0)
+    with pytest.raises(CheckpointError, match="1 model state"):
+        load_checkpoint(tmp_path / "ck.pt", model=[run.model, run.model], optimizer=run.opt,
+                        scaler=run.scaler, scheduler=run.sched)  # fmt: skip
+    with pytest.raises(ConfigError, match="does not exist"):
+        run.save(tmp_path / "no" / "such" / "dir.pt", step=0)
+
+
+def test_resumable_loader_replays_the_rest_of_the_epoch() -> None:
+    def loader() -> ResumableLoader:
+        data = TensorDataset(torch.arange(50))
+        return ResumableLoader(DataLoader(data, batch_size=4, shuffle=True,
+                                          generator=torch.Generator().manual_seed(0)))  # fmt: skip
+
+    a = loader()
+    seen = [batch[0] for epoch in range(3) for batch in a]  # the reference order, 3 epochs
+    b = loader()
+    it = (batch for _ in range(3) for batch in b)  # each `for` over a ResumableLoader is one epoch
+    for _ in range(20):  # 13 batches per epoch: stop 7 batches into epoch 2
+        next(it)
+    state = b.state_dict()
+    c = loader()
+    c.load_state_dict(state)
+    rest = [batch[0] for batch in c] + [batch[0] for batch in c]
+    assert all(torch.equal(x, y) for x, y in zip(seen[20:], rest, strict=True))
+
+
+def test_resumable_loader_refuses_global_rng_shuffling() -> None:
+    with pytest.raises(ConfigError, match="generator"):
+        ResumableLoader(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True))
+
+
+def _train_cmd(ckpt: Path, out: Path, *extra: str) -> list[str]:
+    script = ROOT / "examples" / "resume_training.py"
+    args = ["--ckpt", str(ckpt), "--out", str(out), "--steps", "60", "--every", "10", *extra]
+    return [sys.executable, str(script), *args]
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path) -> None:
+    """examples/resume_training.py for real: one run uninterrupted; one killed with SIGKILL between two
+    checkpoints, then resumed from its last one. Both end with the same bits."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "cut").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref = subprocess.Popen(_train_cmd(tmp_path / "ref" / "ck.pt", tmp_path / "ref" / "final.pt"), env=env,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+    ckpt, out = tmp_path / "cut" / "ck.pt", tmp_path / "cut" / "final.pt"
+    cmd = _train_cmd(ckpt, out, "--delay", "0.02")
+    cut = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    assert cut.stdout is not None
+    for line in cut.stdout:
+        if line.startswith("checkpoint 30"):
+            time.sleep(0.05)  # a few steps past the checkpoint: the kill lands mid-run, between checkpoints
+            os.kill(cut.pid, signal.SIGKILL)
+            break
+    assert cut.wait(timeout=60) == -signal.SIGKILL
+    assert not out.exists()
+    resumed = subprocess.run(_train_cmd(ckpt, out, "--resume"), env=env, capture_output=True, text=True,
+                             timeout=120, check=True)  # fmt: skip
+    step = int(resumed.stdout.split("resumed from step ")[1].split()[0])
+    assert 30 <= step < 60
+    assert ref.wait(timeout=120) == 0
+    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=False)
+    b = torch.load(out, weights_only=False)
+    assert a["skipped_steps"] > 0  # injected overflows happened, so the scaler state mattered
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
+    assert a["losses"] == b["losses"] and a["scales"] == b["scales"]

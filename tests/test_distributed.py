@@ -1,0 +1,129 @@
+"""Distributed mixed precision on CPU (gloo, world size 2, 127.0.0.1 only).
+
+* DDP through the documented torchrun line: both ranks end with identical weights, which match a
+  single-process run over the same global batches; an overflow on one rank makes every rank skip.
+* Sharded gradients (each rank checks only its own shard): with ``sync_found_inf`` every rank skips and
+  the run matches the single-process one; without it the ranks' scales diverge and so does training.
+* FSDP2 (``fully_shard`` + ``MixedPrecisionPolicy``) with the scaler: fp16 compute, fp32 sharded
+  gradients, skips agree across ranks, close to an fp32 single-process run.
+
+The last two share one spawned process group (one start-up, about 10 s on 2 cores, instead of two).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mixprec.distributed import DistInfo, free_port, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+STEPS, FAULT_STEP = 12, 4
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+)
+
+
+def example(name: str) -> ModuleType:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # also reaches the spawned processes (spawn copies sys.path)
+    return importlib.import_module(name)
+
+
+def single() -> DistInfo:
+    return DistInfo(0, 1, 0, torch.device("cpu"), None)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ------------------------------------------------------------------------------------------- DDP, torchrun
+def test_torchrun_ddp_two_ranks_match_single_process(tmp_path: Path) -> None:
+    script = EXAMPLES / "ddp_train.py"
+    args = ["--steps", "20", "--fault-step", "5"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           str(script), *args, "--fault-rank", "1", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    # identical on both ranks, bit for bit; the inf on rank 1 made both skip step 5
+    assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    assert r0["skipped_steps"] == r1["skipped_steps"] == 1
+    assert r0["scales"] == r1["scales"] and r0["scales"][6] == r0["scales"][5] / 2
+    # a single process over the same global batches, skipping the same step (its only rank is rank 0)
+    ref = example("ddp_train").main([*args, "--fault-rank", "0"])
+    assert ref["scales"] == r0["scales"]
+    # step 0, same weights: the mean of the ranks' losses is the global batch's loss
+    assert (r0["losses"][0] + r1["losses"][0]) / 2 == pytest.approx(ref["losses"][0], rel=1e-3)
+    assert max_diff(r0["weights"], ref["weights"]) < 1e-2  # fp16 rounding in different summation orders
+
+
+# ------------------------------------------------------------------------------- sharded and FSDP2, spawned
+def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
+    """Runs in each spawned rank: both sharded variants, then FSDP2 (if this torch has it)."""
+    out: dict[str, Any] = {"sharded": example("sharded_grads").compare(info, steps, fault_step)}
+    try:
+        fsdp = example("fsdp2_train")
+    except ImportError as exc:  # torch without torch.distributed.fsdp.fully_shard
+        out["fsdp2"] = f"unavailable: {exc}"
+        return out
+    out["fsdp2"] = fsdp.train(info, steps, half=True, fault_step=fault_step, fault_rank=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[str, Any]]:
+    example("sharded_grads")  # puts examples/ on sys.path before the processes are spawned
+    return launch(scenarios, 2, (STEPS, FAULT_STEP))
+
+
+def test_sharded_gradients_need_sync_found_inf(spawned: list[dict[str, Any]]) -> None:
+    ref = example("sharded_grads").train(single(), STEPS, sync=False, fault_step=FAULT_STEP)
+    synced = [r["sharded"][True] for r in spawned]
+    unsynced = [r["sharded"][False] for r in spawned]
+    # with sync_found_inf: the overflow in rank 1's shard made both ranks skip; scales agree; the run
+    # matches the single process that saw the whole gradient
+    assert [r["skipped_steps"] for r in synced] == [1, 1]
+    assert synced[0]["scales"] == synced[1]["scales"] == ref["scales"]
+    assert all(max_diff(r["weights"], ref["weights"]) < 1e-3 for r in synced)
+    # without it: rank 0 stepped, rank 1 skipped, the scales diverged, and training with them
+    assert [r["skipped_steps"] for r in unsynced] == [0, 1]
+    assert unsynced[0]["scales"][-1] != unsynced[1]["scales"][-1]
+    assert all(max_diff(r["weights"], ref["weights"]) > 1e-2 for r in unsynced)
+
+
+def test_fsdp2_mixed_precision_with_scaler(spawned: list[dict[str, Any]]) -> None:
+    results = [r["fsdp2"] for r in spawned]
+    if isinstance(results[0], str):
+        pytest.skip(results[0])
+    fsdp = example("fsdp2_train")
+    ref = fsdp.train(single(), STEPS, half=False, fault_step=FAULT_STEP, fault_rank=0)
+    for r in results:
+        assert r["grad_types"] == ["DTensor[torch.float32]"]  # sharded fp32 gradients (reduce_dtype)
+        assert r["skipped_steps"] == 1  # rank 1's local inf reached rank 0 through DTensor's found-inf reduce
+        assert r["scales"] == ref["scales"]
+        assert max_diff(r["weights"], ref["weights"]) < 2e-2  # fp16 params in compute vs fp32
+    assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in results[0]["weights"])

@@ -1,0 +1,124 @@
+"""The recipes in examples/ run, with GradScaler and with initialize/scale_loss, and each fp16 run lands
+where the same recipe lands in fp32 (the reference). Tolerances are about 2x the fp16 rounding drift
+measured over these short runs; a recipe done wrong (clipping scaled gradients, accumulating without
+dividing by N, a penalty on scaled gradients) misses them by 20x to 10000x."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+APIS = ["scaler", "amp"]
+
+
+def example(name: str) -> ModuleType:
+    """Import examples/<name>.py as a module (examples/ is a folder of scripts, not a package)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_amp_state() -> Iterator[None]:
+    yield
+    amp._STATE = None  # initialize() keeps process-wide state (as apex did); leave none behind
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Models of a few thousand parameters: a second thread only adds synchronisation, and on a shared
+    # 2-core runner it oversubscribes the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+def assert_weights_close(half: nn.Module, fp32: nn.Module, atol: float) -> None:
+    torch.testing.assert_close(weights(half), weights(fp32), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- clipping
+@pytest.mark.parametrize("api", APIS)
+def test_clipping_on_unscaled_gradients_matches_fp32(api: str) -> None:
+    recipe = example("grad_clipping")
+    half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    # The norms clipped are the true (unscaled) ones: equal to fp32's up to fp16 rounding, step after step.
+    torch.testing.assert_close(torch.tensor(half["norms"]), torch.tensor(ref["norms"]), rtol=0.05, atol=0)
+    assert sum(n > recipe.MAX_NORM for n in ref["norms"]) >= len(ref["norms"]) // 4  # clipping is active
+    assert_weights_close(half["model"], ref["model"], atol=0.05)
+
+
+# ------------------------------------------------------------------------------------ accumulation
+@pytest.mark.parametrize("api", APIS)
+def test_accumulation_matches_fp32(api: str) -> None:
+    recipe = example("grad_accumulation")
+    half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    assert half["skipped"] == []
+    torch.testing.assert_close(half["history"][-1], ref["history"][-1], atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_accumulation_overflow_skips_whole_effective_step(api: str) -> None:
+    recipe = example("grad_accumulation")
+    step = 3
+    clean = recipe.main(api, "fp16")
+    faulty = recipe.main(api, "fp16", fault_micro={recipe.ACCUM * step + 1})  # 2nd micro-batch of step 3
+    h = faulty["history"]  # h[i] = weights before effective step i
+    assert faulty["skipped"] == [step]  # one skip: the next accumulation did not inherit the inf
+    assert all(torch.equal(a, b) for a, b in zip(h[: step + 1], clean["history"][: step + 1], strict=True))
+    assert torch.equal(h[step + 1], h[step])  # the whole effective step was skipped
+    assert not torch.equal(h[step + 2], h[step + 1])  # the next one stepped...
+    assert all(bool(torch.isfinite(w).all()) for w in h)  # ...and nothing non-finite reached the weights
+    if api == "scaler":
+        scales = faulty["scales"]
+        assert scales[step + 1] == scales[step] / 2 and scales[step + 2] == scales[step + 1]
+
+
+# ----------------------------------------------------------------------------------------- penalty
+@pytest.mark.parametrize("api", APIS)
+def test_gradient_penalty_matches_fp32(api: str) -> None:
+    recipe = example("grad_penalty")
+    half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    # The penalty is computed from unscaled gradients: the first one (same weights) agrees with fp32's.
+    assert half["penalties"][0] == pytest.approx(ref["penalties"][0], rel=1e-2)
+    losses, ref_losses = torch.tensor(half["losses"]), torch.tensor(ref["losses"])
+    torch.testing.assert_close(losses, ref_losses, atol=0.01, rtol=0.02)
+    assert_weights_close(half["model"], ref["model"], atol=0.01)
+
+
+# ---------------------------------------------------------------------------------- several models
+@pytest.mark.parametrize("api", APIS)
+def test_multiple_models_match_fp32(api: str) -> None:
+    recipe = example("multiple_models")
+    half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    for m_half, m_ref in zip(half["models"], ref["models"], strict=True):
+        assert_weights_close(m_half, m_ref, atol=0.06)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_multiple_models_each_optimizer_skips_on_its_own(api: str) -> None:
+    recipe = example("multiple_models")
+    k = 5
+    run = recipe.main(api, "fp16", steps=k + 3, fault_at={k})  # an inf in model 1's gradient at iteration k
+    h = run["history"]  # h[i] = (model 0, model 1) weights before iteration i
+    assert not torch.equal(h[k + 1][0], h[k][0])  # optimizer 0 stepped: its gradients were finite
+    assert torch.equal(h[k + 1][1], h[k][1])  # optimizer 1 skipped
+    assert not torch.equal(h[k + 2][1], h[k + 1][1])  # and steps again at the next iteration
+    if api == "scaler":
+        scales = run["scales"]
+        assert scales[k + 1] == scales[k] / 2  # one update per iteration: backed off once, not per optimizer
