@@ -21,8 +21,8 @@ Two layouts:
     the per-parameter views of it.
 
 Cost: the copies are ``torch._foreach_copy_`` calls (one kernel each way per group), never a Python loop
-of small ops. When the wrapped optimizer supports torch's fused implementation (Adam, AdamW, SGD,
-Adagrad) and the user left both ``foreach`` and ``fused`` unset, the masters are updated with the fused
+of small ops. When the wrapped optimizer is Adam, AdamW or Adagrad and the user left both ``foreach`` and
+``fused`` unset, the masters are updated with the fused
 kernel: one pass over memory instead of the ~10 of the foreach path, and it can skip an overflowing step
 on the device (``GradScaler`` then never syncs). Pass ``fused=False`` to keep the optimizer as it was.
 """
@@ -101,11 +101,18 @@ def _make_masters(half: list[torch.Tensor], flat: bool) -> _GroupMasters:
         return _GroupMasters(half, _views_like(buffer.detach(), half), buffer)
 
 
+# Optimizers whose fused kernel we pick on the user's behalf. Not SGD: in torch 2.13 a fused SGD with
+# momentum whose *first* step is skipped (found_inf) leaves its momentum buffer uninitialized (torch.empty),
+# and the next step reads garbage -- exactly what a loss scaler's first overflows trigger.
+AUTO_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+
+
 def _fused_capable(optimizer: torch.optim.Optimizer) -> bool:
-    """True when the optimizer class has a fused kernel and the user chose neither foreach nor fused."""
+    """True when we may pick the fused kernel: a class on AUTO_FUSED and neither foreach nor fused chosen."""
     defaults = optimizer.defaults
     return (
-        "fused" in defaults
+        type(optimizer) in AUTO_FUSED
+        and "fused" in defaults
         and defaults.get("fused") is None
         and defaults.get("foreach") is None
         and not defaults.get("differentiable", False)

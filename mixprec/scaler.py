@@ -85,6 +85,22 @@ def _refresh_per_optimizer_state() -> _PerOptimizer:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
+def _device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a fused optimizer may be left to skip an overflowing step on the device.
+
+    Not a fused SGD with momentum before its momentum buffers exist: torch 2.13's fused SGD allocates them
+    with torch.empty and, when ``found_inf`` skips that first step, never fills them, so the next step
+    reads garbage. Then we decide on the host (one sync) and do not call step() at all."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # MasterWeights wraps the optimizer that steps
+    if not isinstance(inner, torch.optim.SGD):
+        return True
+    return all(
+        group.get("momentum", 0) == 0 or "momentum_buffer" in inner.state.get(p, {})
+        for group in inner.param_groups
+        for p in group["params"]
+    )
+
+
 def _check_positive_finite(name: str, value: float) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         raise ConfigError(
@@ -370,7 +386,7 @@ class GradScaler:
                 "step() has already been called since the last update().",
                 "call scaler.update() once at the end of each iteration, after stepping every optimizer.",
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and _device_skip_is_safe(optimizer):
             return self._step_self_skipping(optimizer, state, *args, **kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)

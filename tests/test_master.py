@@ -138,7 +138,7 @@ def test_fused_matches_foreach() -> None:
     for fused in (None, False):
         m = _net().to(torch.bfloat16)
         opt = MasterWeights(torch.optim.AdamW(m.parameters(), lr=1e-2), fused=fused)
-        assert opt.param_groups[0]["fused"] is (True if fused is None else None)
+        assert opt.param_groups[0]["fused"] is (True if fused is None else None)  # AdamW: auto-fused
         for i in range(5):
             x, y = _data(i)
             nn.functional.cross_entropy(m(x.bfloat16()).float(), y).backward()

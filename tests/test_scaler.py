@@ -368,3 +368,27 @@ def test_skip_limit_reports_persistent_nan_instead_of_skipping_forever() -> None
     assert scaler.skipped_steps == 5
     # isolated overflows (never 5 in a row) do not trip it
     _run(GradScaler("cpu", init_scale=2.0**10, skip_limit=5), "cpu", 20, OPTIMIZERS["sgd"])
+
+
+def test_fused_sgd_momentum_survives_a_skipped_first_step() -> None:
+    """torch 2.13's fused SGD leaves its momentum buffer uninitialized when found_inf skips the first step;
+    the scaler must not hand that step to the device-side skip."""
+    for trial in range(5):
+        torch.manual_seed(trial)
+        scales, model = _run(
+            GradScaler("cpu", init_scale=2.0**10),
+            "cpu",
+            4,
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True),
+            inf_at={0},
+        )
+        ref_scales, ref = _run(
+            GradScaler("cpu", init_scale=2.0**10),
+            "cpu",
+            4,
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=True),
+            inf_at={0},
+        )
+        assert scales == ref_scales
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
