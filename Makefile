@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mixprec formats 3.14159 1e-4 2**-25 65520
+	$(VENV)/bin/mixprec compare --out runs/compare
 
 lint: $(STAMP)
 	$(PY) -m ruff check mixprec tests benchmarks examples tools

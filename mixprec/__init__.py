@@ -6,11 +6,20 @@ policy, implemented once, offered as torch.amp-style, apex-style and fastai-styl
 # scaler: loss scaling (drop-in for torch.amp.GradScaler)
 # master: fp32 master weights around any torch.optim optimizer
 # opt levels: apex's O0-O3 as presets over the same parts
+# learner: a fastai-style training loop whose MixedPrecision callback uses the same parts
 # checkpoints: atomic save/resume of model, masters, optimizer, scalers, schedulers, RNG
 # data & models: bundled data sets and reference models
 # errors: what mixprec raises for user mistakes
 from mixprec.amp import initialize, load_state_dict, master_params, scale_loss, state_dict
 from mixprec.autocast import AutocastError, BannedOpError, autocast, half_compute, keep_fp32
+from mixprec.callbacks import (
+    AutocastMixedPrecision,
+    Callback,
+    CancelStepException,
+    CancelTrainException,
+    MixedPrecision,
+    Recorder,
+)
 from mixprec.checkpoint import ResumableLoader, load_checkpoint, save_checkpoint
 from mixprec.data import DataBunch, digits, mnist, synthetic
 from mixprec.errors import (
@@ -22,6 +31,7 @@ from mixprec.errors import (
     ScalerStateError,
 )
 from mixprec.formats import FORMATS, Decoded, FloatFormat, FormatInfo, decode, get_format, info
+from mixprec.learner import Learner, accuracy, error_rate
 from mixprec.master import MasterWeights
 from mixprec.models import build as build_model
 from mixprec.policy import (
@@ -66,6 +76,16 @@ __all__ = [
     "master_params",
     "state_dict",
     "load_state_dict",
+    # learner (fastai style)
+    "Learner",
+    "accuracy",
+    "error_rate",
+    "Callback",
+    "MixedPrecision",
+    "AutocastMixedPrecision",
+    "Recorder",
+    "CancelStepException",
+    "CancelTrainException",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 # subcommand name -> module implementing it (imported when the parser is built; modules keep their
 # heavy imports inside run() so `mixprec --help` stays fast).
 COMMANDS: dict[str, str] = {
+    "compare": "mixprec.commands.compare",
+    "train": "mixprec.commands.train",
     "formats": "mixprec.commands.formats",
     "memory": "mixprec.commands.memory",
     "grads": "mixprec.commands.grads",

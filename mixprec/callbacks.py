@@ -1,0 +1,628 @@
+"""Callbacks of the :class:`~mixprec.learner.Learner` loop: the base class, mixed precision, recording.
+
+The loop fires fastai v1's events, in this order (:data:`EVENTS`; validation batches fire only
+on_batch_begin, on_loss_begin and on_batch_end, with ``learn.training`` False)::
+
+    on_train_begin
+      on_epoch_begin
+        on_batch_begin      xb, yb are on the device
+        (forward)           pred = model(xb)
+        on_loss_begin       pred may be changed (e.g. cast to fp32)
+        (loss)              loss = loss_func(pred, yb); loss_grad = loss
+        on_backward_begin   loss_grad may be changed (e.g. scaled)
+        (backward)
+        on_backward_end     gradients are ready; raise CancelStepException to skip the step
+        (step)              opt.step()
+        on_step_end         runs whether the step was taken or skipped (learn.step_skipped)
+        (zero_grad)
+        on_batch_end
+      on_epoch_end          after validation: learn.valid_loss, learn.valid_metrics
+    on_train_end            also when training stopped with an exception
+
+A callback reads the learner's state as its own attributes (``self.loss`` is ``self.learn.loss``) and writes
+it through ``self.learn``. Callbacks run in ascending ``order``.
+
+Mixed precision as callbacks, each event one short method over the core parts (``GradScaler``,
+``MasterWeights``, ``mixprec.autocast``): no numerics live here.
+
+- :class:`MixedPrecision` -- fastai v1's ``to_fp16``: half model (BatchNorm fp32), fp32 master weights,
+  loss scaling. apex's O2.
+- :class:`AutocastMixedPrecision` -- fp32 weights, forward under a cast policy, loss scaling. apex's O1,
+  fastai v2's ``MixedPrecision``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mixprec.autocast import autocast, half_compute
+from mixprec.errors import ConfigError
+from mixprec.master import HALF_DTYPES, MasterWeights
+from mixprec.scaler import GradScaler
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+
+    from mixprec.learner import Learner
+
+__all__ = [
+    "EVENTS",
+    "Callback",
+    "CancelStepException",
+    "CancelTrainException",
+    "LossScaling",
+    "MixedPrecision",
+    "AutocastMixedPrecision",
+    "Recorder",
+    "EpochResult",
+    "ProgressBar",
+    "OneCycleScheduler",
+    "StepTimer",
+    "DEFAULT_MAX_SCALE",
+    "DEFAULT_MAX_NOSKIP",
+]
+
+# The loop's events, in the order they fire (see the module docstring).
+EVENTS: tuple[str, ...] = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_batch_begin",
+    "on_loss_begin",
+    "on_backward_begin",
+    "on_backward_end",
+    "on_step_end",
+    "on_batch_end",
+    "on_epoch_end",
+    "on_train_end",
+)
+
+# fastai v1's to_fp16 defaults, with their reasons:
+DEFAULT_MAX_NOSKIP = 1000  # clean steps before a dynamic scale doubles: overflow is rare once tuned
+DEFAULT_MAX_SCALE = 2.0**24  # a ceiling: beyond it a scaled fp16 gradient of 2**-24 would already be 1
+
+
+class CancelStepException(Exception):
+    """Raised in on_backward_end to skip this iteration's optimizer step (e.g. inf/NaN gradients).
+
+    The loop catches it; on_step_end still runs, with ``learn.step_skipped`` True."""
+
+
+class CancelTrainException(Exception):
+    """Raised by a callback to stop training early; on_train_end still runs."""
+
+
+class Callback:
+    """Base class: override the events you need (:data:`EVENTS`); every event is a no-op here."""
+
+    order: int = 0  # callbacks run in ascending order
+    learn: Learner
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the callback does not have: read them from the learner (fastai v2 style).
+        if name == "learn" or "learn" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.__dict__["learn"], name)
+
+    def on_train_begin(self) -> None: ...
+    def on_epoch_begin(self) -> None: ...
+    def on_batch_begin(self) -> None: ...
+    def on_loss_begin(self) -> None: ...
+    def on_backward_begin(self) -> None: ...
+    def on_backward_end(self) -> None: ...
+    def on_step_end(self) -> None: ...
+    def on_batch_end(self) -> None: ...
+    def on_epoch_end(self) -> None: ...
+    def on_train_end(self) -> None: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixed precision
+
+
+class _StepGate:
+    """What GradScaler unscales and steps in place of the optimizer.
+
+    It shows the scaler the optimizer's param groups (fp32 masters, or the model's own parameters), and its
+    ``step()`` does nothing but answer True: ``scaler.step(gate)`` calls it only when every gradient is
+    finite, so its return value tells the callback whether the loop may take the step. One scaler protocol
+    (unscale, check, skip, update), no second implementation of it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def step(self) -> bool:
+        return True
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _clip_grads(gate: _StepGate, max_norm: float | None) -> None:
+    if max_norm is not None:
+        # Clip what the optimizer steps (fp32 masters), after unscaling: the norm is the true one.
+        nn.utils.clip_grad_norm_(gate.params(), max_norm)
+
+
+class LossScaling(Callback):
+    """Loss scaling with a :class:`~mixprec.scaler.GradScaler`: scale the loss, hand the gradients to fp32
+    masters (when the optimizer keeps them), unscale and check them, skip the step on inf/NaN, update.
+
+    ``loss_scale=None`` turns scaling off (``GradScaler(enabled=False)``: every call a pass-through).
+    """
+
+    # Late: the loss is scaled after other callbacks changed it; callbacks ordered after this one see the
+    # gradients unscaled (in the fp32 masters), those before it see them scaled, as backward left them.
+    order = 100
+
+    def __init__(
+        self,
+        loss_scale: float | None,
+        dynamic: bool = True,
+        max_noskip: int = DEFAULT_MAX_NOSKIP,
+        max_scale: float | None = DEFAULT_MAX_SCALE,
+        clip: float | None = None,
+        allow_fp16_grads: bool = False,
+    ) -> None:
+        self.loss_scale, self.dynamic, self.max_noskip = loss_scale, dynamic, max_noskip
+        self.max_scale, self.clip, self.allow_fp16_grads = max_scale, clip, allow_fp16_grads
+        self.scaler: GradScaler | None = None
+
+    def _make_scaler(self) -> GradScaler:
+        device = next(self.learn.model.parameters()).device.type
+        return GradScaler(
+            device,
+            init_scale=self.loss_scale if self.loss_scale is not None else 1.0,
+            growth_interval=self.max_noskip,
+            enabled=self.loss_scale is not None,
+            dynamic=self.dynamic,
+            max_scale=self.max_scale if self.dynamic else None,
+            allow_fp16_grads=self.allow_fp16_grads,
+        )
+
+    def _start_scaling(self) -> None:
+        self.learn.scaler = self.scaler = self._make_scaler()
+        self.gate = _StepGate(self.learn.opt)
+
+    def on_backward_begin(self) -> None:
+        self.learn.loss_grad = self.scaler.scale(self.loss_grad)
+
+    def on_backward_end(self) -> None:
+        if isinstance(self.opt, MasterWeights):
+            self.opt.copy_grads_to_master()  # half -> fp32 is exact; the scaler unscales the fp32 copies
+        self.scaler.unscale_(self.gate)  # divide by the scale in fp32; find inf/NaN
+        _clip_grads(self.gate, self.clip)
+        if not self.scaler.step(self.gate):  # one host sync: were all gradients finite?
+            raise CancelStepException()
+
+    def on_step_end(self) -> None:
+        self.scaler.update()  # back off after an overflow, grow after max_noskip clean steps
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """One tensor MixedPrecision turned to half precision, and how to turn it back."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    dtype: torch.dtype  # its dtype before
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[_Converted]:
+    """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
+    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
+
+    BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
+    loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
+    converted, for :func:`model_to_float`.
+    """
+    converted = []
+    with torch.no_grad():
+        for module in model.modules():
+            if keep_bn_fp32 and _is_batchnorm(module):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    converted.append(_Converted(module, name, True, param.dtype))
+                    param.data = param.data.to(dtype)
+                    param.grad = None
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    converted.append(_Converted(module, name, False, buf.dtype))
+                    setattr(module, name, buf.to(dtype))
+    return converted
+
+
+def model_to_float(converted: list[_Converted], masters: MasterWeights | None) -> None:
+    """Undo :func:`model_to_half`; parameters with an fp32 master take the master's value, not the
+    rounded half value (so leaving mixed precision loses nothing the optimizer accumulated)."""
+    values = {}
+    if masters is not None:
+        values = {id(p): m for p, m in zip(masters.model_params(), masters.master_views(), strict=True)}
+    with torch.no_grad():
+        for c in converted:
+            tensor = getattr(c.module, c.name)
+            if c.is_param:
+                master = values.get(id(tensor), tensor)
+                tensor.data = master.detach().to(c.dtype, copy=True)
+                tensor.grad = None
+            else:
+                setattr(c.module, c.name, tensor.to(c.dtype))
+
+
+class MixedPrecision(LossScaling):
+    """fastai v1's mixed precision training: a half model, fp32 master weights, loss scaling (apex O2).
+
+    Events: on_train_begin -- model to ``dtype`` with BatchNorm kept fp32, fp32 masters of the half
+    parameters (from the fp32 values, not their rounding); on_batch_begin -- inputs to ``dtype``;
+    forward under ``mixprec.autocast.half_compute`` (fp16 GEMMs as a tensor core computes them, on a CPU
+    too); on_loss_begin -- output to fp32, so the loss and its reductions run
+    in fp32; on_backward_begin -- scale the loss; on_backward_end -- gradients to the masters, unscaled and
+    checked, the step skipped (``CancelStepException``) on inf/NaN; the step updates the masters and copies
+    them back into the model (``MasterWeights.step``), the loop zeroes both gradients; on_step_end -- update
+    the scale; on_train_end -- the model back to fp32, holding the masters' values.
+
+    Args:
+        dtype: torch.float16 or torch.bfloat16.
+        loss_scale: the initial (dynamic) or fixed (static) loss scale; None: no loss scaling (bf16 has
+            fp32's range and needs none).
+        flat_master: one contiguous fp32 master buffer per param group (one long optimizer kernel).
+        dynamic: adjust the scale: halve it on overflow, double it after ``max_noskip`` clean steps.
+        max_noskip: clean steps before the scale doubles.
+        clip: clip the masters' gradient norm to this, after unscaling.
+        max_scale: the dynamic scale never grows beyond this.
+        loss_fp32: compute the loss from an fp32 copy of the output.
+        master_weights: False lets the optimizer update the half parameters themselves (apex O3; the
+            "naive fp16" rung of ``mixprec compare``): updates below half an ulp of a weight are lost.
+        keep_bn_fp32: keep BatchNorm parameters and statistics in fp32.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float16,
+        loss_scale: float | None = 512.0,
+        flat_master: bool = False,
+        dynamic: bool = True,
+        max_noskip: int = DEFAULT_MAX_NOSKIP,
+        clip: float | None = None,
+        max_scale: float | None = DEFAULT_MAX_SCALE,
+        loss_fp32: bool = True,
+        master_weights: bool = True,
+        keep_bn_fp32: bool = True,
+    ) -> None:
+        if dtype not in HALF_DTYPES:
+            raise ConfigError(
+                f"MixedPrecision trains in half precision; dtype={dtype} is not one.",
+                "use dtype=torch.float16 or torch.bfloat16 (for fp32, remove the callback: learn.to_fp32()).",
+            )
+        fp16_grads = not master_weights  # without masters the scaler unscales the half gradients in place
+        super().__init__(loss_scale, dynamic, max_noskip, max_scale, clip, allow_fp16_grads=fp16_grads)
+        self.dtype, self.flat_master, self.loss_fp32 = dtype, flat_master, loss_fp32
+        self.master_weights, self.keep_bn_fp32 = master_weights, keep_bn_fp32
+        self.converted: list[_Converted] = []
+        self.masters: MasterWeights | None = None
+        self.forward = ExitStack()
+
+    def on_train_begin(self) -> None:
+        fp32_values = {id(p): p.detach() for p in self.learn.model.parameters()}  # before rounding
+        self.converted = model_to_half(self.learn.model, self.dtype, self.keep_bn_fp32)
+        if self.master_weights:
+            self.learn.opt = self.masters = MasterWeights(
+                self.learn.opt, flat=self.flat_master, model=self.learn.model
+            )
+            with torch.no_grad():
+                for p, m in zip(self.masters.model_params(), self.masters.master_views(), strict=True):
+                    m.copy_(fp32_values[id(p)])
+        self._start_scaling()
+
+    def on_batch_begin(self) -> None:
+        if self.xb.is_floating_point():
+            self.learn.xb = self.xb.to(self.dtype)
+        self.forward.enter_context(half_compute(self.xb.device.type, self.dtype))
+
+    def on_loss_begin(self) -> None:
+        self.forward.close()
+        if self.loss_fp32:
+            self.learn.pred = self.pred.float()  # reductions (log-softmax, mean) in fp32
+
+    def on_train_end(self) -> None:
+        self.forward.close()
+        model_to_float(self.converted, self.masters)
+        self.converted, self.masters = [], None
+
+    def __repr__(self) -> str:
+        scaling = "off" if self.loss_scale is None else f"{'dynamic' if self.dynamic else 'static'} "
+        scaling += "" if self.loss_scale is None else f"{self.loss_scale:g}"
+        return (
+            f"MixedPrecision({self.dtype}, loss scale {scaling}, master_weights={self.master_weights}, "
+            f"flat_master={self.flat_master})"
+        )
+
+
+class AutocastMixedPrecision(LossScaling):
+    """fp32 weights; the forward runs under ``mixprec.autocast`` (a per-op cast policy); loss scaling
+    (apex O1; fastai v2's MixedPrecision). No master copies: the weights are fp32 already.
+
+    Args: ``dtype`` and ``policy`` as ``mixprec.autocast``; ``loss_scale`` (None: off) and the rest as
+    :class:`MixedPrecision`. The default starts dynamic scaling at 2**16, as torch.amp and apex do.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float16,
+        loss_scale: float | None = 2.0**16,
+        dynamic: bool = True,
+        max_noskip: int = 2000,
+        clip: float | None = None,
+        policy: Any = None,
+    ) -> None:
+        super().__init__(loss_scale, dynamic, max_noskip, None, clip)
+        self.dtype, self.policy = dtype, policy
+        self.forward = ExitStack()
+
+    def on_train_begin(self) -> None:
+        self._start_scaling()
+
+    def on_batch_begin(self) -> None:
+        self.forward.enter_context(autocast(self.xb.device.type, self.dtype, policy=self.policy))
+
+    def on_loss_begin(self) -> None:
+        self.forward.close()
+        self.learn.pred = self.pred.float()  # the loss outside the region, in fp32
+
+    def on_train_end(self) -> None:
+        self.forward.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recording and display
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """One row of the results table."""
+
+    epoch: int
+    train_loss: float  # mean of the epoch's batch losses (unscaled)
+    valid_loss: float
+    metrics: tuple[tuple[str, float], ...]
+    seconds: float
+
+    def metric(self, name: str) -> float:
+        return dict(self.metrics)[name]
+
+
+class Recorder(Callback):
+    """Keeps, per training batch, the loss, the learning rate, the loss scale the step used (1.0 without
+    scaling) and whether the step was skipped; per epoch, an :class:`EpochResult`. Reset by each fit."""
+
+    order = -10  # first: sees the scale of this step before the scaler updates it
+
+    def on_train_begin(self) -> None:
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+        self.loss_scales: list[float] = []
+        self.skipped: list[bool] = []
+        self.epochs: list[EpochResult] = []
+
+    def on_epoch_begin(self) -> None:
+        self.epoch_start, self.epoch_first_batch = time.perf_counter(), len(self.losses)
+
+    def on_step_end(self) -> None:
+        scaler = self.learn.scaler
+        self.lrs.append(float(self.opt.param_groups[0]["lr"]))
+        self.loss_scales.append(scaler.get_scale() if scaler is not None else 1.0)
+        self.skipped.append(self.learn.step_skipped)
+
+    def on_batch_end(self) -> None:
+        if self.training:
+            self.losses.append(float(self.loss.detach()))  # syncs: one float per batch, for the curve
+
+    def on_epoch_end(self) -> None:
+        batch_losses = self.losses[self.epoch_first_batch :]
+        train_loss = sum(batch_losses) / len(batch_losses) if batch_losses else math.nan
+        metrics = tuple(zip(self.learn.metric_names, self.learn.valid_metrics, strict=True))
+        seconds = time.perf_counter() - self.epoch_start
+        self.epochs.append(EpochResult(self.epoch, train_loss, self.learn.valid_loss, metrics, seconds))
+
+    @property
+    def skipped_steps(self) -> int:
+        return sum(self.skipped)
+
+    def plot_losses(self, path: str | Path, title: str | None = None) -> Path:
+        """Write a PNG of the batch losses and, when scaled, the loss scale per step (matplotlib, Agg)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(8, 4.5), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        ax.plot(self.losses, lw=1, label="train loss (per batch)")
+        steps = [len(self.losses) * (r.epoch + 1) / len(self.epochs) for r in self.epochs]
+        ax.plot(steps, [r.valid_loss for r in self.epochs], "o-", label="valid loss (per epoch)")
+        ax.set(xlabel="step", ylabel="loss", yscale="log", title=title or "")
+        ax.legend(loc="upper right")
+        if any(s != 1.0 for s in self.loss_scales):
+            scale_ax = ax.twinx()
+            scale_ax.plot(self.loss_scales, color="grey", lw=1, ls="--")
+            scale_ax.set(ylabel="loss scale (dashed)", yscale="log")
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+        return path
+
+
+class StepTimer(Callback):
+    """Wall time of each training step, forward to optimizer step (data loading excluded), in seconds.
+    On CUDA it synchronizes at both ends so the time covers the kernels, not just their launch."""
+
+    order = -20
+
+    def on_train_begin(self) -> None:
+        self.times: list[float] = []
+
+    def _now(self) -> float:
+        if self.xb.device.type == "cuda":
+            torch.cuda.synchronize(self.xb.device)
+        return time.perf_counter()
+
+    def on_batch_begin(self) -> None:
+        if self.training:
+            self.start = self._now()
+
+    def on_batch_end(self) -> None:
+        if self.training:
+            self.times.append(self._now() - self.start)
+
+
+def _fmt_time(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes:02d}:{secs:02d}"
+
+
+class ProgressBar(Callback):
+    """A rich progress bar over each epoch's batches (on a terminal) and fastai's results table, one row per
+    epoch (epoch, train_loss, valid_loss, metrics, time), printed as each epoch ends."""
+
+    order = -5  # after the Recorder, whose epoch result it prints
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console
+
+    def on_train_begin(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.out = self.console or Console(highlight=False)
+        self.columns = ["epoch", "train_loss", "valid_loss", *self.learn.metric_names, "time"]
+        self.widths = [max(len(c), 10) for c in self.columns]
+        self.bar: Progress | None = None
+        if self.out.is_terminal:  # a live bar only where it can redraw; logs get the rows alone
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                console=self.out, transient=True,
+            )
+            self.bar.start()
+        self._print(self.columns, style="bold")
+
+    def _print(self, cells: list[str], style: str = "") -> None:
+        line = "  ".join(c.ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+        self.out.print(line, style=style, highlight=False)
+
+    def on_epoch_begin(self) -> None:
+        if self.bar is not None:
+            description = f"epoch {self.epoch + 1}/{self.n_epochs}"
+            self.task: TaskID = self.bar.add_task(description, total=len(self.data.train))
+
+    def on_batch_end(self) -> None:
+        if self.training and self.bar is not None:
+            self.bar.advance(self.task)
+
+    def on_epoch_end(self) -> None:
+        if self.bar is not None:
+            self.bar.remove_task(self.task)
+        r = self.learn.recorder.epochs[-1]
+        values = [f"{v:.6f}" for v in (r.train_loss, r.valid_loss, *(m for _, m in r.metrics))]
+        self._print([str(r.epoch), *values, _fmt_time(r.seconds)])
+
+    def on_train_end(self) -> None:
+        bar = self.__dict__.get("bar")
+        if bar is not None:
+            bar.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schedules
+
+
+def _cos_anneal(start: float, end: float, pct: float) -> float:
+    return start + (end - start) * (1 - math.cos(math.pi * pct)) / 2
+
+
+class OneCycleScheduler(Callback):
+    """fastai's 1cycle policy: the learning rate rises from ``lr_max / div_factor`` to ``lr_max`` over the
+    first ``pct_start`` of the steps, then falls to ``lr_max / final_div``, both on cosine curves (the
+    schedule of torch's OneCycleLR with ``final_div_factor = final_div / div_factor``); momentum
+    (or Adam's beta1) moves the opposite way between ``moms``. High lr with low momentum explores, the long
+    descent settles. Momentum is scheduled only for optimizers that use it (betas, or momentum > 0)."""
+
+    order = -15  # before anything that reads the learning rate of this step
+
+    def __init__(
+        self,
+        lr_max: float,
+        div_factor: float = 25.0,
+        pct_start: float = 0.3,
+        final_div: float | None = None,
+        moms: tuple[float, float] = (0.95, 0.85),
+    ) -> None:
+        if not 0.0 <= pct_start <= 1.0:
+            raise ConfigError(f"pct_start must be in [0, 1], got {pct_start}.", "e.g. pct_start=0.3.")
+        self.lr_max, self.div_factor, self.pct_start, self.moms = lr_max, div_factor, pct_start, moms
+        # fastai's default: end 1e4 times below the start, so the last steps barely move the weights
+        self.final_div = final_div if final_div is not None else div_factor * 1e4
+
+    def on_train_begin(self) -> None:
+        self.total = max(1, self.n_epochs * len(self.data.train))
+        # Step indices where the rise ends and the fall ends: both ends are reached exactly, as in
+        # torch.optim.lr_scheduler.OneCycleLR (two phases), which the tests compare against.
+        self.peak = max(0.0, self.pct_start * self.total - 1)
+        self.step_no = 0
+        self.setters = [_momentum_setter(g) for g in self.opt.param_groups]
+
+    def _at(self, i: int) -> tuple[float, float]:
+        lr_start, lr_end = self.lr_max / self.div_factor, self.lr_max / self.final_div
+        if i <= self.peak:
+            pct = i / self.peak if self.peak > 0 else 1.0
+            return _cos_anneal(lr_start, self.lr_max, pct), _cos_anneal(*self.moms, pct)
+        pct = (i - self.peak) / max(1e-12, self.total - 1 - self.peak)
+        return _cos_anneal(self.lr_max, lr_end, pct), _cos_anneal(self.moms[1], self.moms[0], pct)
+
+    def on_batch_begin(self) -> None:
+        if not self.training:
+            return
+        lr, mom = self._at(min(self.step_no, self.total - 1))
+        for group, set_momentum in zip(self.opt.param_groups, self.setters, strict=True):
+            group["lr"] = lr
+            set_momentum(group, mom)
+
+    def on_batch_end(self) -> None:
+        if self.training:
+            self.step_no += 1
+
+
+def _set_beta1(group: dict[str, Any], mom: float) -> None:
+    group["betas"] = (mom, group["betas"][1])
+
+
+def _set_momentum(group: dict[str, Any], mom: float) -> None:
+    group["momentum"] = mom
+
+
+def _momentum_setter(group: dict[str, Any]) -> Callable[[dict[str, Any], float], None]:
+    if "betas" in group:
+        return _set_beta1
+    if group.get("momentum", 0) > 0:
+        return _set_momentum
+    return lambda group, mom: None  # plain SGD: leave it without momentum

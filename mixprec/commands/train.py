@@ -1,0 +1,289 @@
+"""``mixprec train``: train a reference model with the Learner in fp32, fp16 or bf16, or at an apex opt level.
+
+Shows fastai's progress bar and results table, then writes under ``--out``: ``metrics.json`` (settings,
+per-epoch results, per-step loss, learning rate, loss scale and skipped flag), ``metrics.csv`` (one row
+per epoch) and ``losses.png`` (the loss curve, and the loss scale when there is one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from mixprec.callbacks import Callback
+    from mixprec.data import DataBunch
+    from mixprec.learner import Learner
+
+HELP = "Train a reference model (mlp, cnn, vgg16, transformer) in fp32, fp16 or bf16 and save its metrics."
+
+MODELS = ("mlp", "cnn", "vgg16", "transformer")
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+DATA_HELP = "digits (bundled, no download), mnist:PATH (a folder with the four IDX files) or synthetic"
+
+# Image side per model (None: the data set's own). The MLP is the fp16-from-scratch write-up's 784-8192-10,
+# so it sees 28x28; VGG16 halves the image five times and needs at least 32x32 (224 as in the paper is
+# 50x the work, too slow on a CPU); the CNN and the transformer take digits' own 8x8.
+DEFAULT_SIZE: dict[str, int | None] = {"mlp": 28, "cnn": None, "vgg16": 32, "transformer": None}
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; the message says what to pass instead."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arguments shared with `mixprec compare`
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, model_default: str, size_help: str) -> None:
+    parser.add_argument("--model", choices=MODELS, default=model_default, help="reference model")
+    parser.add_argument("--data", default="digits", metavar="SOURCE", help=DATA_HELP)
+    parser.add_argument("--size", type=int, default=None, help=size_help)
+    parser.add_argument("--batch-size", type=int, default=64, metavar="B")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="data split/order and model init")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What --data, --size, --batch-size and --seed ask for; ``load()`` builds it (cheap: call it again for
+    a fresh copy with the same batch order)."""
+
+    source: str  # digits | mnist | synthetic
+    path: str | None
+    size: int | None
+    batch_size: int
+    seed: int
+
+    def load(self) -> DataBunch:
+        return _LOADERS[self.source](self)
+
+    @property
+    def name(self) -> str:
+        side = f"@{self.size}x{self.size}" if self.size is not None else ""
+        return f"{self.source}{side}"
+
+
+def _digits(spec: DataSpec) -> DataBunch:
+    from mixprec.data import digits
+
+    return digits(batch_size=spec.batch_size, size=spec.size, seed=spec.seed)
+
+
+def _mnist(spec: DataSpec) -> DataBunch:
+    from mixprec.data import mnist
+
+    return mnist(spec.path or ".", batch_size=spec.batch_size, size=spec.size, seed=spec.seed)
+
+
+def _synthetic(spec: DataSpec) -> DataBunch:
+    from mixprec.data import synthetic
+
+    side = spec.size or 8  # images, so that every model (CNNs included) can take them
+    return synthetic(input_shape=(1, side, side), batch_size=spec.batch_size, seed=spec.seed)
+
+
+_LOADERS = {"digits": _digits, "mnist": _mnist, "synthetic": _synthetic}
+
+
+def data_spec(args: argparse.Namespace) -> DataSpec:
+    source, _, path = args.data.partition(":")
+    if source not in _LOADERS:
+        raise UsageError(f"unknown --data {args.data!r}: use {DATA_HELP}.")
+    if (source == "mnist") != bool(path):
+        raise UsageError(
+            "mnist needs a folder, and only mnist takes one: --data mnist:PATH (e.g. mnist:~/data/mnist)."
+        )
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    size = args.size if args.size is not None else DEFAULT_SIZE[args.model]
+    return DataSpec(source, str(Path(path).expanduser()) if path else None, size, args.batch_size, args.seed)
+
+
+def build_model(name: str, data: DataBunch, seed: int) -> torch.nn.Module:
+    import torch
+
+    from mixprec.models import build
+
+    torch.manual_seed(seed)
+    return build(name, data)
+
+
+def fail(err: Exception) -> int:
+    """Print a user error (what was wrong, and the fix) and return the exit status 2."""
+    print(f"mixprec: error: {err}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# mixprec train
+
+
+def _loss_scale_arg(text: str) -> float | str:
+    if text == "dynamic":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number like 512, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a loss scale must be > 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp16: fp32 masters + loss scaling (Learner.to_fp16); "
+                        "bf16: fp32 masters, no scaling")
+    parser.add_argument("--opt-level", choices=OPT_LEVELS, default=None,
+                        help="an apex opt level through mixprec.initialize, instead of --precision")
+    parser.add_argument("--loss-scale", type=_loss_scale_arg, default=None, metavar="dynamic|NUMBER",
+                        help="fp16 only: 'dynamic' (start at 512, back off on overflow; the default) or a "
+                        "fixed scale such as 512")
+    parser.add_argument("--flat-master", action="store_true", help="one flat fp32 master buffer (fp16/bf16)")
+    parser.add_argument("--epochs", type=int, default=3, metavar="N")
+    parser.add_argument("--lr", type=float, default=3e-3, metavar="X", help="peak learning rate")
+    parser.add_argument("--opt", choices=("adamw", "sgd"), default="adamw",
+                        help="AdamW(betas 0.9/0.99, wd 0.01) as fastai, or SGD with momentum 0.9")
+    parser.add_argument("--schedule", choices=("one-cycle", "constant"), default="one-cycle")
+    parser.add_argument("--out", type=Path, default=Path("runs/train"), metavar="DIR",
+                        help="where metrics.json, metrics.csv and losses.png go (default: runs/train)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {args.epochs}.")
+    if args.opt_level is not None and (args.precision != "fp32" or args.loss_scale is not None):
+        raise UsageError(
+            "--opt-level chooses the precision and loss scaling itself: drop --precision/--loss-scale, "
+            "or drop --opt-level."
+        )
+    if args.loss_scale is not None and args.precision != "fp16":
+        raise UsageError(
+            f"--loss-scale applies to fp16 only; {args.precision} has fp32's exponent range and needs no "
+            "scaling. Drop --loss-scale, or use --precision fp16."
+        )
+    if args.flat_master and args.precision == "fp32" and args.opt_level is None:
+        raise UsageError("--flat-master needs half precision master weights: add --precision fp16 or bf16.")
+
+
+def _opt_func(name: str) -> Any:
+    import functools
+
+    import torch
+
+    from mixprec.learner import default_opt_func
+
+    # SGD's momentum 0.9: the classic value; the one-cycle schedule moves it between 0.95 and 0.85.
+    return {"adamw": default_opt_func, "sgd": functools.partial(torch.optim.SGD, momentum=0.9)}[name]
+
+
+def _set_precision(learn: Learner, args: argparse.Namespace) -> None:
+    if args.opt_level is not None:
+        learn.add_cb(_opt_level_callback(args.opt_level))
+    elif args.precision == "fp16":
+        scale = args.loss_scale
+        dynamic = scale is None or scale == "dynamic"
+        learn.to_fp16(loss_scale=512.0 if dynamic else float(scale), dynamic=dynamic,
+                      flat_master=args.flat_master)
+    elif args.precision == "bf16":
+        learn.to_bf16(flat_master=args.flat_master)
+
+
+def _opt_level_callback(opt_level: str) -> Callback:
+    try:
+        from mixprec import amp
+    except ImportError as err:
+        raise UsageError(
+            f"--opt-level needs mixprec.amp (mixprec.initialize), which this installation lacks ({err}). "
+            "Use --precision fp16|bf16 instead."
+        ) from None
+    from mixprec.callbacks import Callback
+
+    class OptLevel(Callback):
+        """mixprec.initialize at on_train_begin; the backward inside mixprec.scale_loss."""
+
+        order = 100
+
+        def on_train_begin(self) -> None:
+            self.learn.model, self.learn.opt = amp.initialize(
+                self.learn.model, self.learn.opt, opt_level=opt_level, verbosity=0
+            )
+
+        def on_backward_begin(self) -> None:
+            self.scaled = amp.scale_loss(self.loss_grad, self.opt)
+            self.learn.loss_grad = self.scaled.__enter__()
+
+        def on_backward_end(self) -> None:
+            self.scaled.__exit__(None, None, None)  # unscale, check; opt.step() skips on inf/NaN
+
+    return OptLevel()
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mixprec.errors import MixprecError
+    from mixprec.learner import Learner, accuracy
+
+    console = Console(highlight=False)
+    try:
+        _check(args)
+        spec = data_spec(args)
+        data = spec.load()
+        model = build_model(args.model, data, args.seed)
+        learn = Learner(data, model, opt_func=_opt_func(args.opt), metrics=[accuracy], console=console)
+        _set_precision(learn, args)
+    except (UsageError, MixprecError, FileNotFoundError, ValueError) as err:
+        return fail(err)
+    precision = args.opt_level or args.precision
+    if args.opt_level == "O3" and args.opt == "adamw":
+        # Measured: torch's AdamW on fp16 weights turns them inf/NaN in its first step (eps=1e-8 and the
+        # second-moment terms underflow in fp16); O3 keeps no fp32 masters to do that arithmetic in.
+        console.print("[yellow]warning:[/] O3 updates fp16 weights directly; AdamW's arithmetic underflows "
+                      "in fp16 and produces NaN. Use --opt sgd, or O2 (fp32 masters).")
+    console.print(f"[bold]{args.model}[/] on [bold]{spec.name}[/], {precision}, {args.opt} lr {args.lr:g}, "
+                  f"{args.schedule}, batch {args.batch_size}, seed {args.seed}")
+    if args.schedule == "one-cycle":
+        learn.fit_one_cycle(args.epochs, args.lr)
+    else:
+        learn.fit(args.epochs, args.lr)
+    paths = write_metrics(learn, args, spec, precision)
+    scaler = learn.scaler
+    if scaler is not None and scaler.is_enabled():
+        skipped = learn.recorder.skipped_steps
+        console.print(f"skipped steps {skipped}, final loss scale {scaler.get_scale():g}")
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def write_metrics(learn: Learner, args: argparse.Namespace, spec: DataSpec, precision: str) -> list[Path]:
+    import csv
+    import json
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rec = learn.recorder
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k[0] != "_"}
+    epochs = [
+        {"epoch": r.epoch, "train_loss": r.train_loss, "valid_loss": r.valid_loss, **dict(r.metrics),
+         "seconds": r.seconds}
+        for r in rec.epochs
+    ]
+    steps = {"loss": rec.losses, "lr": rec.lrs, "loss_scale": rec.loss_scales, "skipped": rec.skipped}
+    payload = {"settings": settings | {"data_name": spec.name, "precision_run": precision},
+               "epochs": epochs, "skipped_steps": rec.skipped_steps, "steps": steps}
+    json_path, csv_path, png_path = out / "metrics.json", out / "metrics.csv", out / "losses.png"
+    json_path.write_text(json.dumps(payload, indent=1) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(epochs[0]))
+        writer.writeheader()
+        writer.writerows(epochs)
+    rec.plot_losses(png_path, title=f"{args.model} on {spec.name}, {precision}")
+    return [json_path, csv_path, png_path]

@@ -1,0 +1,313 @@
+"""A fastai-style ``Learner``: data + model + loss + optimizer, a training loop with fastai v1's callback
+events, and one-line switches between fp32, fp16 and bf16 training.
+
+    learn = Learner(mixprec.digits(), model, metrics=[accuracy]).to_fp16()
+    learn.fit_one_cycle(3, 1e-3)
+
+The loop itself (:meth:`Learner.fit`) knows no precision: mixed precision is a callback
+(:class:`~mixprec.callbacks.MixedPrecision`) arranged from the same GradScaler and MasterWeights that the
+other interfaces use. The event order is documented in :mod:`mixprec.callbacks`.
+
+State a callback can read during training (``self.<name>`` inside a callback): ``model``, ``data``,
+``opt``, ``epoch``, ``n_epochs``, ``iteration`` (training batches so far in this fit), ``training``,
+``xb``, ``yb``, ``pred``, ``loss`` (unscaled), ``loss_grad`` (what backward runs on), ``step_skipped``,
+``scaler`` (the loss scaler in use, or None), ``valid_loss`` and ``valid_metrics`` (at on_epoch_end).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixprec.callbacks import (
+    DEFAULT_MAX_NOSKIP,
+    DEFAULT_MAX_SCALE,
+    Callback,
+    CancelStepException,
+    CancelTrainException,
+    MixedPrecision,
+    OneCycleScheduler,
+    ProgressBar,
+    Recorder,
+)
+from mixprec.data import DataBunch
+from mixprec.errors import ConfigError
+from mixprec.scaler import GradScaler
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from torch.utils.data import DataLoader
+
+__all__ = ["Learner", "accuracy", "error_rate", "DEFAULT_LR", "default_opt_func"]
+
+Metric = Callable[[Tensor, Tensor], Tensor]
+OptFunc = Callable[..., torch.optim.Optimizer]
+
+DEFAULT_LR = 3e-3  # fastai's default learning rate for Adam-style optimizers
+
+# fastai v1's default optimizer: Adam with beta2 0.99 (quicker to adapt than 0.999 on short schedules) and
+# decoupled ("true") weight decay 0.01.
+default_opt_func: OptFunc = functools.partial(torch.optim.AdamW, betas=(0.9, 0.99), weight_decay=0.01)
+
+
+def accuracy(pred: Tensor, targ: Tensor) -> Tensor:
+    """Fraction of rows whose largest output is the target class."""
+    return (pred.argmax(dim=-1) == targ).float().mean()
+
+
+def error_rate(pred: Tensor, targ: Tensor) -> Tensor:
+    """1 - accuracy."""
+    return 1 - accuracy(pred, targ)
+
+
+class Learner:
+    """Trains ``model`` on ``data`` with ``loss_func`` and an optimizer made by ``opt_func(params, lr=lr)``.
+
+    Args:
+        data: a :class:`~mixprec.data.DataBunch` (train and valid loaders).
+        model: the model; it stays where it is (batches are moved to its device).
+        loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch).
+        opt_func: builds the optimizer; each ``fit`` builds a fresh one, so optimizer state does not carry
+            over from one ``fit`` call to the next.
+        metrics: ``metric(pred, yb)`` -> scalar tensor, averaged over the validation set (weighted by batch
+            size) and shown per epoch under the function's name.
+        callbacks: extra callbacks, kept for every fit.
+        silent: no progress bar and no results table.
+        console: the rich console to print to (default: a new one on stdout).
+    """
+
+    def __init__(
+        self,
+        data: DataBunch,
+        model: nn.Module,
+        loss_func: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+        opt_func: OptFunc = default_opt_func,
+        metrics: Sequence[Metric] = (),
+        callbacks: Iterable[Callback] = (),
+        silent: bool = False,
+        console: Console | None = None,
+    ) -> None:
+        self.data, self.model, self.loss_func, self.opt_func = data, model, loss_func, opt_func
+        self.metrics = list(metrics)
+        self.callbacks: list[Callback] = []
+        self.recorder = Recorder()
+        self.mp_cb: Callback | None = None
+        for cb in (self.recorder, *([] if silent else [ProgressBar(console)]), *callbacks):
+            self.add_cb(cb)
+        self.opt: torch.optim.Optimizer | None = None
+        self.scaler: GradScaler | None = None
+        self.epoch = self.n_epochs = self.iteration = 0
+        self.training = self.step_skipped = False
+        self.valid_loss, self.valid_metrics = math.nan, [math.nan] * len(self.metrics)
+
+    # ------------------------------------------------------------------ callbacks
+    def add_cb(self, cb: Callback) -> Learner:
+        cb.learn = self
+        self.callbacks.append(cb)
+        self.callbacks.sort(key=lambda c: c.order)  # stable: equal orders keep the order they were added
+        return self
+
+    def remove_cb(self, cb: Callback) -> Learner:
+        self.callbacks.remove(cb)
+        return self
+
+    def _event(self, name: str) -> None:
+        for cb in list(self.callbacks):
+            getattr(cb, name)()
+
+    @property
+    def metric_names(self) -> list[str]:
+        return [getattr(m, "__name__", type(m).__name__) for m in self.metrics]
+
+    @property
+    def device(self) -> torch.device:
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    # ------------------------------------------------------------------ precision
+    def to_fp16(
+        self,
+        loss_scale: float = 512.0,
+        flat_master: bool = False,
+        dynamic: bool = True,
+        max_noskip: int = DEFAULT_MAX_NOSKIP,
+        clip: float | None = None,
+        max_scale: float = DEFAULT_MAX_SCALE,
+        loss_fp32: bool = True,
+    ) -> Learner:
+        """Train in fp16 with fp32 master weights and loss scaling (fastai v1's signature).
+
+        ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
+        overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
+        ``max_scale``. This differs from fastai v1, whose dynamic scaling ignored ``loss_scale`` and
+        started at 2**16: here the number you pass means the same in both modes, and 512 already lifts
+        the gradients that underflow in practice without the first steps being skipped while a 2**16
+        scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start. ``dynamic=False`` keeps
+        ``loss_scale`` fixed (steps with inf/NaN gradients are still skipped).
+        """
+        return self._set_mixed_precision(
+            MixedPrecision(
+                torch.float16, loss_scale, flat_master, dynamic, max_noskip, clip, max_scale, loss_fp32
+            )
+        )
+
+    def to_bf16(
+        self, flat_master: bool = False, clip: float | None = None, loss_fp32: bool = True
+    ) -> Learner:
+        """Train in bf16 with fp32 master weights. No loss scaling: bf16 has fp32's exponent range, so
+        gradients do not underflow; its 8-bit significand is why the fp32 masters matter even more."""
+        return self._set_mixed_precision(
+            MixedPrecision(torch.bfloat16, None, flat_master, clip=clip, loss_fp32=loss_fp32)
+        )
+
+    def to_fp32(self) -> Learner:
+        """Back to plain fp32 training (removes the mixed precision callback)."""
+        if self.mp_cb is not None:
+            self.remove_cb(self.mp_cb)
+            self.mp_cb = None
+        return self
+
+    def _set_mixed_precision(self, cb: Callback) -> Learner:
+        self.to_fp32()
+        self.mp_cb = cb
+        return self.add_cb(cb)
+
+    # ------------------------------------------------------------------ training
+    def fit(self, epochs: int, lr: float = DEFAULT_LR, callbacks: Iterable[Callback] = ()) -> None:
+        """Train for ``epochs`` epochs at learning rate ``lr``; ``callbacks`` apply to this fit only."""
+        if not (isinstance(epochs, int) and epochs >= 1):
+            raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}.", "e.g. learn.fit(3).")
+        extra = list(callbacks)
+        for cb in extra:
+            self.add_cb(cb)
+        try:
+            self.opt = self.opt_func(self.model.parameters(), lr=lr)
+            self.scaler, self.n_epochs, self.iteration = None, epochs, 0
+            self._fit(epochs)
+        finally:
+            for cb in extra:
+                self.remove_cb(cb)
+
+    def fit_one_cycle(
+        self,
+        epochs: int,
+        lr_max: float = DEFAULT_LR,
+        div_factor: float = 25.0,
+        pct_start: float = 0.3,
+        final_div: float | None = None,
+        moms: tuple[float, float] = (0.95, 0.85),
+    ) -> None:
+        """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`)."""
+        sched = OneCycleScheduler(lr_max, div_factor, pct_start, final_div, moms)
+        self.fit(epochs, lr_max / div_factor, callbacks=[sched])
+
+    def _fit(self, epochs: int) -> None:
+        try:
+            self._event("on_train_begin")
+            for self.epoch in range(epochs):
+                self._event("on_epoch_begin")
+                self._train_epoch()
+                self.valid_loss, self.valid_metrics = self._evaluate(self.data.valid, events=True)
+                self._event("on_epoch_end")
+        except CancelTrainException:
+            pass
+        finally:
+            self.training = False
+            self._event("on_train_end")
+
+    def _train_epoch(self) -> None:
+        self.model.train()
+        self.training = True
+        for xb, yb in self.data.train:
+            self._train_batch(xb, yb)
+            self.iteration += 1
+
+    def _train_batch(self, xb: Tensor, yb: Tensor) -> None:
+        self._forward(xb, yb, events=True)
+        self.loss_grad = self.loss
+        self._event("on_backward_begin")
+        self.loss_grad.backward()
+        self._step()
+        self._event("on_batch_end")
+
+    def _forward(self, xb: Tensor, yb: Tensor, events: bool) -> None:
+        device = self.device
+        self.xb, self.yb = xb.to(device), yb.to(device)
+        if events:
+            self._event("on_batch_begin")
+        self.pred = self.model(self.xb)
+        if events:
+            self._event("on_loss_begin")
+        self.loss = self.loss_func(self.pred, self.yb)
+
+    def _step(self) -> None:
+        self.step_skipped = False
+        try:
+            self._event("on_backward_end")  # a callback may cancel the step (inf/NaN gradients)
+            self._optimizer.step()  # callbacks may have wrapped learn.opt (MasterWeights): read it now
+        except CancelStepException:
+            self.step_skipped = True
+        self._event("on_step_end")
+        self._optimizer.zero_grad()
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer:
+        assert self.opt is not None, "fit() creates the optimizer before the first batch"
+        return self.opt
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def _evaluate(self, dl: DataLoader, events: bool) -> tuple[float, list[float]]:
+        self.model.eval()
+        self.training = False
+        total, loss_sum = 0, 0.0
+        metric_sums = [0.0] * len(self.metrics)
+        for xb, yb in dl:
+            self._forward(xb, yb, events)
+            n = len(self.yb)
+            total += n
+            loss_sum += float(self.loss) * n
+            for i, metric in enumerate(self.metrics):
+                metric_sums[i] += float(metric(self.pred, self.yb)) * n
+            if events:
+                self._event("on_batch_end")
+        if total == 0:
+            raise ConfigError("The validation set is empty.", "build the data with a valid_pct > 0.")
+        return loss_sum / total, [s / total for s in metric_sums]
+
+    def validate(self, dl: DataLoader | None = None) -> list[float]:
+        """``[loss, *metrics]`` on ``dl`` (default: the validation set), with the model as it is now.
+
+        Outside ``fit`` no callback runs: after mixed precision training the model is fp32 again (holding
+        the masters' values), so this evaluates in fp32."""
+        loss, metrics = self._evaluate(self.data.valid if dl is None else dl, events=False)
+        return [loss, *metrics]
+
+    @torch.no_grad()
+    def predict(self, x: Tensor) -> Tensor:
+        """The model's output (fp32, eval mode) for a batch ``x``, or for one sample (then without the batch
+        dimension); ``predict(x).argmax(-1)`` is the class."""
+        single = tuple(x.shape) == tuple(self.data.input_shape)
+        xb = x.unsqueeze(0) if single else x
+        self.model.eval()
+        out = self.model(xb.to(self.device)).float()
+        return out[0] if single else out
+
+    def get_preds(self, split: str = "valid") -> tuple[Tensor, Tensor]:
+        """(outputs, targets) over a whole split, "valid" or "train" (in loader order)."""
+        loaders = {"valid": self.data.valid, "train": self.data.train}
+        if split not in loaders:
+            raise ConfigError(f"split must be 'valid' or 'train', got {split!r}.", "use split='valid'.")
+        preds, targs = zip(*[(self.predict(xb), yb) for xb, yb in loaders[split]], strict=True)
+        return torch.cat(preds), torch.cat(targs)
+
+    def __repr__(self) -> str:
+        cbs = ", ".join(repr(c) for c in self.callbacks)
+        return f"Learner(data={self.data.name!r}, model={type(self.model).__name__}, callbacks=[{cbs}])"
+

@@ -1,0 +1,309 @@
+"""Callbacks: MixedPrecision's state at every event, against a hand-written loop over the same core parts;
+overflow skipping; AutocastMixedPrecision; the Recorder and the progress table."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.autocast import half_compute
+from mixprec.callbacks import AutocastMixedPrecision, Callback, MixedPrecision, model_to_half
+from mixprec.learner import Learner, accuracy
+from mixprec.master import MasterWeights
+from mixprec.scaler import GradScaler
+
+HALF = [torch.float16, torch.bfloat16]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
+    # two cores (measured: 2 threads on a loaded machine made these steps ~100x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cnn_learner(batch_size: int = 128, device: str = "cpu", **kw: object) -> Learner:
+    """simple_cnn has BatchNorm: the case where MixedPrecision must keep some parameters fp32."""
+    data = mixprec.digits(batch_size=batch_size, seed=0)
+    torch.manual_seed(0)
+    model = mixprec.build_model("cnn", data).to(device)
+    return Learner(data, model, opt_func=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+                   metrics=[accuracy], silent=True, **kw)  # type: ignore[arg-type]
+
+
+def _is_bn_param(model: nn.Module) -> dict[int, bool]:
+    return {
+        id(p): isinstance(m, nn.BatchNorm2d) for m in model.modules() for p in m.parameters(recurse=False)
+    }
+
+
+class StateSpy(Callback):
+    """Runs after MixedPrecision at every event and checks the state that event promises."""
+
+    order = 1000
+
+    def __init__(self, dtype: torch.dtype, scale: float | None) -> None:
+        self.dtype, self.scale = dtype, scale
+        self.seen: set[str] = set()
+
+    def _params_are_mixed(self) -> None:
+        bn = _is_bn_param(self.learn.model)
+        for p in self.learn.model.parameters():
+            assert p.dtype == (torch.float32 if bn[id(p)] else self.dtype)
+        masters = list(self.opt.master_params())
+        assert masters and all(m.dtype == torch.float32 for m in masters)
+
+    def on_train_begin(self) -> None:
+        self.seen.add("on_train_begin")
+        assert isinstance(self.opt, MasterWeights)
+        self._params_are_mixed()
+        for half, master in zip(self.opt.model_params(), self.opt.master_views(), strict=True):
+            assert torch.equal(master.to(self.dtype), half)  # the half weights are the masters rounded
+
+    def on_batch_begin(self) -> None:
+        self.seen.add("on_batch_begin")
+        assert self.xb.dtype == self.dtype
+        self._params_are_mixed()
+
+    def on_loss_begin(self) -> None:
+        self.seen.add("on_loss_begin")
+        assert self.pred.dtype == torch.float32  # the loss and its reductions run in fp32
+
+    def on_backward_begin(self) -> None:
+        self.seen.add("on_backward_begin")
+        assert self.loss.dtype == torch.float32
+        torch.testing.assert_close(self.loss_grad, self.loss * (self.scale or 1.0), rtol=0, atol=0)
+
+    def on_backward_end(self) -> None:
+        self.seen.add("on_backward_end")
+        scale = self.scale or 1.0
+        for half, master in zip(self.opt.model_params(), self.opt.master_views(), strict=True):
+            assert half.grad is not None and half.grad.dtype == self.dtype
+            assert master.grad is not None and master.grad.dtype == torch.float32
+            # the fp32 master gradient is the half gradient, unscaled (powers of two: exact)
+            torch.testing.assert_close(master.grad, half.grad.float() / scale, rtol=0, atol=0)
+
+    def on_step_end(self) -> None:
+        self.seen.add("on_step_end")
+        self._params_are_mixed()
+        for half, master in zip(self.opt.model_params(), self.opt.master_views(), strict=True):
+            assert torch.equal(master.detach().to(self.dtype), half)  # masters copied back, rounded
+        self.last_masters = [m.detach().clone() for m in self.opt.master_views()]
+
+    def on_train_end(self) -> None:
+        self.seen.add("on_train_end")
+        assert all(p.dtype == torch.float32 for p in self.learn.model.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF)
+def test_mixed_precision_state_at_every_event(dtype: torch.dtype, device: str) -> None:
+    learn = _cnn_learner(device=device)
+    scale = 512.0 if dtype == torch.float16 else None
+    learn.add_cb(MixedPrecision(dtype, loss_scale=scale))
+    spy = StateSpy(dtype, scale)
+    fp32_before = {id(p): p.detach().clone() for p in learn.model.parameters()}
+    learn.add_cb(_FirstMasters(fp32_before))
+    learn.fit(1, 0.05, callbacks=[spy])
+    assert spy.seen == {"on_train_begin", "on_batch_begin", "on_loss_begin", "on_backward_begin",
+                        "on_backward_end", "on_step_end", "on_train_end"}
+    # after training the model holds the masters' fp32 values, not their half rounding
+    half_params = [p for p in learn.model.parameters() if not _is_bn_param(learn.model)[id(p)]]
+    for p, master in zip(half_params, spy.last_masters, strict=True):
+        assert torch.equal(p, master)
+
+
+class _FirstMasters(Callback):
+    """The masters start from the fp32 weights themselves, not from their rounding to half precision."""
+
+    order = 999
+
+    def __init__(self, fp32_before: dict[int, torch.Tensor]) -> None:
+        self.fp32_before = fp32_before
+
+    def on_train_begin(self) -> None:
+        for half, master in zip(self.opt.model_params(), self.opt.master_views(), strict=True):
+            assert torch.equal(master, self.fp32_before[id(half)])
+
+
+def test_mixed_precision_equals_the_loop_written_by_hand() -> None:
+    """MixedPrecision is an arrangement of GradScaler + MasterWeights: the same steps written out give the
+    same weights, bit for bit."""
+    steps, lr = 5, 0.05
+    learn = _cnn_learner()
+    learn.to_fp16(loss_scale=1024.0, dynamic=True, max_noskip=2)
+
+    class StopAfter(Callback):
+        def on_batch_end(self) -> None:
+            if self.training and self.iteration + 1 == steps:
+                from mixprec.callbacks import CancelTrainException
+
+                raise CancelTrainException()
+
+    learn.fit(1, lr, callbacks=[StopAfter()])
+
+    data = mixprec.digits(batch_size=128, seed=0)
+    torch.manual_seed(0)
+    model = mixprec.build_model("cnn", data)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    fp32 = {id(p): p.detach() for p in model.parameters()}
+    model_to_half(model, torch.float16)
+    opt = MasterWeights(opt, model=model)
+    with torch.no_grad():
+        for p, m in zip(opt.model_params(), opt.master_views(), strict=True):
+            m.copy_(fp32[id(p)])
+    scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=2, max_scale=2.0**24)
+    model.train()
+    for i, (x, y) in enumerate(data.train):
+        if i == steps:
+            break
+        with half_compute("cpu", torch.float16):
+            out = model(x.half())
+        loss = nn.functional.cross_entropy(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    masters = list(opt.master_views())
+    half_params = [p for p in learn.model.parameters() if not _is_bn_param(learn.model)[id(p)]]
+    for p, m in zip(half_params, masters, strict=True):
+        assert torch.equal(p, m)
+    assert learn.recorder.loss_scales == scaler.scale_history()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overflow_skips_the_step_and_backs_off(device: str) -> None:
+    """A loss scale of 2**23 overflows fp16 (max 65504) in backward: the step is skipped, nothing moves,
+    the scale halves; once it is small enough, training proceeds."""
+    learn = _cnn_learner(device=device).to_fp16(loss_scale=2.0**23)
+    first: list[torch.Tensor] = []
+
+    class Snapshot(Callback):
+        order = -100
+
+        def on_batch_begin(self) -> None:
+            if self.training and self.iteration == 0:
+                first.extend(p.detach().clone() for p in self.learn.model.parameters())
+
+        def on_step_end(self) -> None:
+            if self.iteration == 0:
+                assert self.learn.step_skipped
+                now = self.learn.model.parameters()
+                assert all(torch.equal(a, b) for a, b in zip(first, now, strict=True))
+
+    learn.fit(1, 0.05, callbacks=[Snapshot()])
+    rec = learn.recorder
+    assert rec.skipped[0] and 0 < rec.skipped_steps < len(rec.skipped)
+    # the rule: halve after a skipped step, else keep (max_noskip=1000 clean steps are not reached)
+    for i in range(len(rec.skipped) - 1):
+        assert rec.loss_scales[i + 1] == rec.loss_scales[i] / (2 if rec.skipped[i] else 1)
+    assert rec.loss_scales[-1] < 2.0**23 and rec.losses[-1] < rec.losses[rec.skipped.index(False)]
+
+
+def test_static_scale_stays_fixed() -> None:
+    learn = _cnn_learner().to_fp16(loss_scale=256.0, dynamic=False, max_noskip=1)
+    learn.fit(1, 0.05)
+    assert set(learn.recorder.loss_scales) == {256.0}
+    assert learn.scaler is not None and not learn.scaler.is_dynamic
+
+
+def test_flat_master_trains_like_per_parameter_masters() -> None:
+    weights = []
+    for flat in (False, True):
+        learn = _cnn_learner().to_fp16(flat_master=flat)
+        learn.fit(1, 0.05)
+        weights.append([p.detach().clone() for p in learn.model.parameters()])
+    for a, b in zip(*weights, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_without_master_weights_the_optimizer_updates_half_weights() -> None:
+    learn = _cnn_learner()
+    mp = MixedPrecision(torch.float16, loss_scale=None, master_weights=False, keep_bn_fp32=False)
+    learn.add_cb(mp)
+
+    class Check(Callback):
+        order = 1000
+
+        def on_step_end(self) -> None:
+            assert not isinstance(self.opt, MasterWeights)
+            assert all(p.dtype == torch.float16 for g in self.opt.param_groups for p in g["params"])
+
+    learn.fit(1, 0.05, callbacks=[Check()])
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+
+def test_clip_bounds_the_unscaled_master_gradient_norm() -> None:
+    norms: list[float] = []
+
+    class Norm(Callback):
+        order = 1000
+
+        def on_backward_end(self) -> None:
+            grads = [m.grad for m in self.opt.master_params() if m.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))))
+
+    learn = _cnn_learner().to_fp16(clip=0.1)
+    learn.fit(1, 0.05, callbacks=[Norm()])
+    assert max(norms) <= 0.1 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_mixed_precision_keeps_fp32_weights(device: str) -> None:
+    learn = _cnn_learner(device=device)
+    learn.add_cb(AutocastMixedPrecision(torch.float16))
+
+    class Check(Callback):
+        order = 1000
+
+        def on_loss_begin(self) -> None:
+            assert self.xb.dtype == torch.float32 and self.pred.dtype == torch.float32
+
+        def on_backward_end(self) -> None:
+            assert all(p.grad.dtype == torch.float32 for p in self.learn.model.parameters())
+
+    learn.fit(1, 0.05, callbacks=[Check()])
+    assert learn.scaler is not None and learn.scaler.is_enabled()
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    assert learn.recorder.epochs[-1].metric("accuracy") > 0.3
+
+
+def test_recorder_keeps_one_entry_per_step_and_plots(tmp_path: Path) -> None:
+    learn = _cnn_learner().to_fp16()
+    learn.fit(2, 0.05)
+    rec = learn.recorder
+    n = 2 * len(learn.data.train)
+    assert len(rec.losses) == len(rec.lrs) == len(rec.loss_scales) == len(rec.skipped) == n
+    assert [r.epoch for r in rec.epochs] == [0, 1]
+    assert rec.epochs[0].train_loss == pytest.approx(sum(rec.losses[: n // 2]) / (n // 2))
+    path = rec.plot_losses(tmp_path / "losses.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_prints_fastais_results_table() -> None:
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    data = mixprec.digits(seed=0)
+    torch.manual_seed(0)
+    learn = Learner(data, mixprec.build_model("mlp", data, n_hidden=32), metrics=[accuracy],
+                    console=Console(file=buffer, width=120))
+    learn.fit(2)
+    lines = buffer.getvalue().strip().splitlines()
+    assert lines[0].split() == ["epoch", "train_loss", "valid_loss", "accuracy", "time"]
+    rows = [line.split() for line in lines[1:]]
+    assert [r[0] for r in rows] == ["0", "1"]
+    for row, result in zip(rows, learn.recorder.epochs, strict=True):
+        assert float(row[1]) == pytest.approx(result.train_loss, abs=1e-6)
+        assert float(row[3]) == pytest.approx(result.metric("accuracy"), abs=1e-6)

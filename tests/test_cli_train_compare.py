@@ -1,0 +1,113 @@
+"""`mixprec train` and `mixprec compare` on tiny settings: the files they write and their user errors."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import cli
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits on a shared machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _main(argv: list[str]) -> int:
+    """mixprec.cli.main once the command is in its COMMANDS table; until then the module's own parser."""
+    command, *rest = argv
+    if command in cli.COMMANDS:
+        return cli.main(argv)
+    module = importlib.import_module(f"mixprec.commands.{command}")
+    parser = argparse.ArgumentParser(prog=f"mixprec {command}")
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)))
+
+
+def test_train_writes_metrics_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    code = _main(["train", "--model", "mlp", "--data", "digits", "--size", "8", "--precision", "fp16",
+                  "--loss-scale", "dynamic", "--epochs", "2", "--batch-size", "128", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "train_loss" in printed and "valid_loss" in printed and "accuracy" in printed
+    payload = json.loads((out / "metrics.json").read_text())
+    assert [e["epoch"] for e in payload["epochs"]] == [0, 1]
+    n_steps = len(payload["steps"]["loss"])
+    assert n_steps == 2 * 12 and payload["steps"]["loss_scale"][0] == 512.0
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["valid_loss"]) for r in rows] == [e["valid_loss"] for e in payload["epochs"]]
+    assert (out / "losses.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--precision", "bf16", "--loss-scale", "512"], "needs no"),
+        (["--data", "mnist"], "mnist:PATH"),
+        (["--data", "mnist:/nonexistent/mnist"], "MNIST not found"),
+        (["--data", "imagenet"], "unknown --data"),
+        (["--opt-level", "O2", "--precision", "fp16"], "drop --precision"),
+    ],
+)
+def test_train_user_errors_exit_2_with_the_fix(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _main(["train", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_at_an_opt_level(tmp_path: Path) -> None:
+    pytest.importorskip("mixprec.amp")
+    out = tmp_path / "o2"
+    code = _main(["train", "--model", "mlp", "--size", "8", "--opt-level", "O2", "--epochs", "1",
+                  "--batch-size", "128", "--out", str(out)])
+    assert code == 0
+    payload = json.loads((out / "metrics.json").read_text())
+    assert payload["epochs"][0]["accuracy"] > 0.5
+
+
+def test_compare_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cmp"
+    code = _main(["compare", "--size", "8", "--epochs", "1", "--batch-size", "256",
+                  "--rungs", "fp32,fp16-naive,fp16-dynamic,bf16", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "fp16 naive" in printed and "wall time" in printed
+    with (out / "compare.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["rung"] for r in rows] == ["fp32", "fp16 naive", "+ dynamic scale (O2)", "bf16 + master"]
+    assert rows[2]["final scale"] == "65536" and rows[0]["final scale"] == "—"
+    payload = json.loads((out / "compare.json").read_text())
+    assert payload["settings"]["epochs"] == 1 and len(payload["results"]) == 4
+    assert (out / "compare.md").read_text().count("\n| ") == 1 + 4  # header + rows
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_rejects_unknown_rungs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _main(["compare", "--rungs", "fp32,fp8"])
+    assert "fp8" in capsys.readouterr().err
+
+
+def test_compare_defaults_are_the_ladder_defaults() -> None:
+    from mixprec import ladder
+    from mixprec.commands import compare, train
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args([])
+    assert compare.settings_from(args, train.data_spec(args)) == ladder.CompareSettings()
+    assert compare.RUNG_KEYS == tuple(ladder.RUNGS)

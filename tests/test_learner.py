@@ -1,0 +1,240 @@
+"""The Learner's loop: event order, step cancelling, evaluation, precision switches; fp16/bf16 training
+matches the fp32 run on digits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.callbacks import (
+    EVENTS,
+    Callback,
+    CancelStepException,
+    CancelTrainException,
+    MixedPrecision,
+)
+from mixprec.errors import ConfigError
+from mixprec.learner import Learner, accuracy, error_rate
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
+    # two cores (measured: 2 threads on a loaded machine made these steps ~100x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _learner(n_hidden: int = 128, batch_size: int = 64, device: str = "cpu", **kw: object) -> Learner:
+    data = mixprec.digits(batch_size=batch_size, seed=0)
+    torch.manual_seed(0)
+    model = mixprec.build_model("mlp", data, n_hidden=n_hidden).to(device)
+    return Learner(data, model, metrics=[accuracy], silent=True, **kw)  # type: ignore[arg-type]
+
+
+class EventLog(Callback):
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bool]] = []
+
+    def __getattribute__(self, name: str) -> object:
+        if name in EVENTS:
+            return lambda: self.log.append((name, self.learn.training))
+        return super().__getattribute__(name)
+
+
+# ------------------------------------------------------------------------------------------ accuracy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_reaches_fp32_accuracy_on_digits(precision: str, device: str) -> None:
+    accs = {}
+    for mode in ("fp32", precision):
+        learn = _learner(device=device)
+        getattr(learn, f"to_{mode}")()
+        learn.fit_one_cycle(4, 1e-2)
+        accs[mode] = learn.recorder.epochs[-1].metric("accuracy")
+        assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # on_train_end undid it
+    assert accs["fp32"] >= 0.95, accs
+    assert accs[precision] >= 0.95, accs
+    assert abs(accs["fp32"] - accs[precision]) <= 0.01, accs
+
+
+# ------------------------------------------------------------------------------------------ the loop
+def test_events_fire_in_the_documented_order() -> None:
+    learn = _learner(batch_size=512)
+    log = EventLog()
+    learn.fit(1, callbacks=[log])
+    n_train, n_valid = len(learn.data.train), len(learn.data.valid)
+    batch = ["on_batch_begin", "on_loss_begin", "on_backward_begin", "on_backward_end", "on_step_end",
+             "on_batch_end"]
+    expected = [("on_train_begin", False), ("on_epoch_begin", False)]
+    expected += [(e, True) for e in batch] * n_train
+    expected += [(e, False) for e in ("on_batch_begin", "on_loss_begin", "on_batch_end")] * n_valid
+    expected += [("on_epoch_end", False), ("on_train_end", False)]
+    assert log.log == expected
+    assert log not in learn.callbacks  # fit(callbacks=...) are for that fit only
+
+
+class SkipEveryStep(Callback):
+    def on_backward_end(self) -> None:
+        raise CancelStepException()
+
+    def on_step_end(self) -> None:
+        self.seen_skipped = self.learn.step_skipped
+
+
+def test_cancel_step_skips_the_update_but_not_on_step_end() -> None:
+    learn = _learner()
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    skip = SkipEveryStep()
+    learn.fit(1, callbacks=[skip])
+    assert skip.seen_skipped is True
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters(), strict=True))
+    assert learn.recorder.skipped_steps == len(learn.data.train)
+    assert all(p.grad is None for p in learn.model.parameters())  # zero_grad still ran
+
+
+class StopAfter(Callback):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_batch_end(self) -> None:
+        if self.training and self.iteration + 1 >= self.n:
+            raise CancelTrainException()
+
+
+def test_cancel_train_stops_and_still_ends_training() -> None:
+    learn = _learner().to_fp16()
+    log = EventLog()
+    learn.fit(3, callbacks=[StopAfter(2), log])
+    assert len(learn.recorder.losses) == 2
+    assert log.log[-1] == ("on_train_end", False)
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+
+class Boom(Callback):
+    def on_backward_begin(self) -> None:
+        raise RuntimeError("boom")
+
+
+def test_an_error_mid_training_leaves_the_model_fp32() -> None:
+    learn = _learner().to_fp16()
+    with pytest.raises(RuntimeError, match="boom"):
+        learn.fit(1, callbacks=[Boom()])
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+
+
+def test_validate_matches_a_manual_evaluation() -> None:
+    learn = _learner()
+    learn.fit(1)
+    learn.metrics.append(error_rate)
+    loss, acc, err = learn.validate()
+    xs, ys = zip(*learn.data.valid, strict=True)
+    x, y = torch.cat(xs), torch.cat(ys)
+    with torch.no_grad():
+        out = learn.model(x)
+    assert loss == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-5)
+    assert acc == pytest.approx((out.argmax(1) == y).float().mean().item())
+    assert err == pytest.approx(1 - acc)
+
+
+def test_predict_one_sample_and_a_batch() -> None:
+    learn = _learner()
+    xb, _ = learn.data.one_batch("valid")
+    batch = learn.predict(xb)
+    assert batch.shape == (len(xb), 10) and batch.dtype == torch.float32
+    torch.testing.assert_close(learn.predict(xb[3]), batch[3])
+    preds, targs = learn.get_preds()
+    assert len(preds) == len(targs) == len(learn.data.valid.dataset)
+
+
+def test_precision_switches_keep_one_callback() -> None:
+    learn = _learner()
+    learn.to_fp16().to_bf16()
+    mps = [cb for cb in learn.callbacks if isinstance(cb, MixedPrecision)]
+    assert len(mps) == 1 and mps[0].dtype == torch.bfloat16
+    learn.to_fp32()
+    assert not any(isinstance(cb, MixedPrecision) for cb in learn.callbacks)
+
+
+def test_to_fp16_keeps_fastais_signature_and_documented_scaling() -> None:
+    learn = _learner().to_fp16()
+    mp = learn.mp_cb
+    assert isinstance(mp, MixedPrecision)
+    settings = (mp.loss_scale, mp.dynamic, mp.flat_master, mp.max_noskip, mp.clip)
+    assert settings == (512.0, True, False, 1000, None)
+    learn.fit(1)
+    assert learn.scaler is not None and learn.scaler.is_dynamic
+    assert learn.recorder.loss_scales[0] == 512.0  # dynamic scaling starts at loss_scale
+
+
+class MomentumLog(Callback):
+    def on_train_begin(self) -> None:
+        self.moms: list[float] = []
+
+    def on_step_end(self) -> None:
+        group = self.opt.param_groups[0]
+        self.moms.append(group["betas"][0] if "betas" in group else group["momentum"])
+
+
+OPTS = {
+    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr),
+    "sgd": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_one_cycle_schedule_matches_torch_onecyclelr(opt: str) -> None:
+    learn = _learner(opt_func=OPTS[opt])
+    log = MomentumLog()
+    learn.add_cb(log)
+    learn.fit_one_cycle(2, 1e-2, div_factor=25.0, pct_start=0.25)
+    total = len(learn.recorder.lrs)
+    ref_opt = OPTS[opt]([nn.Parameter(torch.zeros(1))], 1.0)
+    ref = torch.optim.lr_scheduler.OneCycleLR(
+        ref_opt, max_lr=1e-2, total_steps=total, pct_start=0.25, div_factor=25.0, final_div_factor=1e4
+    )
+    ref_lrs, ref_moms = [], []
+    for _ in range(total):
+        group = ref_opt.param_groups[0]
+        ref_lrs.append(group["lr"])
+        ref_moms.append(group["betas"][0] if "betas" in group else group["momentum"])
+        ref_opt.step()
+        ref.step()
+    torch.testing.assert_close(torch.tensor(learn.recorder.lrs), torch.tensor(ref_lrs), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(log.moms), torch.tensor(ref_moms), rtol=1e-6, atol=0)
+
+
+def test_one_cycle_leaves_plain_sgd_without_momentum() -> None:
+    learn = _learner(opt_func=lambda ps, lr: torch.optim.SGD(ps, lr=lr))
+    learn.fit_one_cycle(1, 1e-2)
+    assert learn.opt is not None and learn.opt.param_groups[0]["momentum"] == 0
+
+
+def test_bad_arguments_raise_config_errors() -> None:
+    learn = _learner()
+    with pytest.raises(ConfigError, match="epochs"):
+        learn.fit(0)
+    with pytest.raises(ConfigError, match="float16 or torch.bfloat16"):
+        MixedPrecision(torch.float32)
+    with pytest.raises(ConfigError, match="split"):
+        learn.get_preds("test")
+
+
+def test_learner_trains_a_model_with_batchnorm_in_fp16() -> None:
+    data = mixprec.digits(seed=0)
+    torch.manual_seed(0)
+    model = mixprec.build_model("cnn", data)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    learn = Learner(data, model, metrics=[accuracy], silent=True).to_fp16()
+    learn.fit_one_cycle(2, 1e-2)
+    assert learn.recorder.epochs[-1].metric("accuracy") > 0.5  # learns (10 classes: chance is 0.1)
