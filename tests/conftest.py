@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import types
@@ -12,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec import amp
 from mixprec import policy as P
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture
@@ -44,3 +48,27 @@ def load_torch_autocast_lists() -> types.ModuleType:
         else:
             sys.modules[stub.__name__] = saved
     return module
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
+    two cores (measured: two threads on a loaded machine made such steps ~100x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fresh_amp_state() -> Iterator[None]:
+    """initialize() keeps process-wide state (as apex did): leave none behind."""
+    yield
+    amp.reset()
+
+
+def example(name: str) -> types.ModuleType:
+    """Import examples/<name>.py as a module (examples/ is a folder of scripts, not a package)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)

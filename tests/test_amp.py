@@ -14,6 +14,9 @@ from mixprec import amp
 from mixprec.errors import ConfigError, ParameterMismatchError
 from mixprec.master import MasterWeights
 
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
+
+
 LEVELS = ["O0", "O1", "O2", "O3"]
 
 
@@ -28,12 +31,6 @@ def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for _ in range(n):
         x = torch.randn(64, 10, generator=g)
         yield x, (x @ teacher).argmax(1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_amp_state() -> Iterator[None]:
-    yield
-    amp._STATE = None
 
 
 def test_opt_levels_are_apex_table() -> None:

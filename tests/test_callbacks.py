@@ -4,7 +4,6 @@ overflow skipping; AutocastMixedPrecision; the Recorder and the progress table."
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,12 @@ from mixprec.learner import Learner, accuracy
 from mixprec.master import MasterWeights
 from mixprec.scaler import GradScaler
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 HALF = [torch.float16, torch.bfloat16]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
-    # two cores (measured: 2 threads on a loaded machine made these steps ~100x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _cnn_learner(batch_size: int = 128, device: str = "cpu", **kw: object) -> Learner:

@@ -26,15 +26,10 @@ import mixprec
 from mixprec.checkpoint import CheckpointError, ResumableLoader, load_checkpoint, save_checkpoint
 from mixprec.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; and the same thread count in every run keeps results bitwise
-    yield
-    torch.set_num_threads(n)
 
 
 class Run:

@@ -12,46 +12,32 @@ The last two share one spawned process group (one start-up, about 10 s on 2 core
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import EXAMPLES, example
 
 from mixprec.distributed import DistInfo, free_port, launch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 STEPS, FAULT_STEP = 12, 4
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
-)
-
-
-def example(name: str) -> ModuleType:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))  # also reaches the spawned processes (spawn copies sys.path)
-    return importlib.import_module(name)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+    ),
+]
 
 
 def single() -> DistInfo:
     return DistInfo(0, 1, 0, torch.device("cpu"), None)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -3,19 +3,13 @@ and the errors misuse gets (wrong dtypes, mixed devices, a non-scalar loss, a do
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import example
 from torch import nn
 
 import mixprec
-from mixprec import amp
 from mixprec.errors import (
     ConfigError,
     DeviceMismatchError,
@@ -31,27 +25,7 @@ from mixprec.faults import (
     nonfinite_optimizer_state,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def example(name: str) -> ModuleType:
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_amp_state() -> Iterator[None]:
-    yield
-    amp._STATE = None  # initialize() keeps process-wide state (as apex did); leave none behind
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # small models: one thread is faster, and does not fight other processes
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_amp_state")
 
 
 def _net(seed: int = 0) -> nn.Sequential:

@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,11 @@ from mixprec import ladder
 from mixprec.callbacks import AutocastMixedPrecision, MixedPrecision
 from mixprec.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 N_HIDDEN = 64
 SETTINGS = ladder.CompareSettings(size=None, epochs=2, lr=0.002, batch_size=128)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
-    # two cores (measured: 2 threads on a loaded machine made these steps ~100x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _data() -> mixprec.DataBunch:

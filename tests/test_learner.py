@@ -3,8 +3,6 @@ matches the fp32 run on digits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,18 +19,11 @@ from mixprec.callbacks import (
 from mixprec.errors import ConfigError
 from mixprec.learner import Learner, accuracy, error_rate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models: one thread is as fast, and immune to OpenMP spin-waits when other processes share the
-    # two cores (measured: 2 threads on a loaded machine made these steps ~100x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _learner(n_hidden: int = 128, batch_size: int = 64, device: str = "cpu", **kw: object) -> Learner:

@@ -5,43 +5,15 @@ dividing by N, a penalty on scaled gradients) misses them by 20x to 10000x."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
+from conftest import example
 from torch import nn
 
-from mixprec import amp
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_amp_state")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
 APIS = ["scaler", "amp"]
-
-
-def example(name: str) -> ModuleType:
-    """Import examples/<name>.py as a module (examples/ is a folder of scripts, not a package)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_amp_state() -> Iterator[None]:
-    yield
-    amp._STATE = None  # initialize() keeps process-wide state (as apex did); leave none behind
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Models of a few thousand parameters: a second thread only adds synchronisation, and on a shared
-    # 2-core runner it oversubscribes the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
