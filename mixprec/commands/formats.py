@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, NamedTuple
 
 from mixprec import formats
+from mixprec.commands.console import make_console
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,10 +31,6 @@ DEFAULT_FORMATS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 SIGN_STYLE = "bold magenta"
 EXPONENT_STYLE = "bold green"
 MANTISSA_STYLE = "bold cyan"
-
-# Non-terminal output (pipes, files, tests) gets no colour from rich and this width, so that rows
-# do not wrap in the middle of a bit pattern.
-PLAIN_WIDTH = 200
 
 
 class ValueSyntaxError(ValueError):
@@ -215,11 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = PLAIN_WIDTH
+    console = make_console()
     chosen: list[formats.FloatFormat] | None = args.dtype
     if not args.values:
         fmts = _unique(chosen or list(formats.FORMATS.values()))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mixprec.commands.console import make_console
+
 HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
 
 DATA_SETS = ("digits", "synthetic")
@@ -80,12 +82,11 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
 
     from mixprec.diagnostics.gradients import grad_exponent_histogram
     from mixprec.models import build
 
-    console = Console()
+    console = make_console()
     problem = _check(args)
     if problem is not None:
         console.print(f"[red]error:[/red] {problem}")

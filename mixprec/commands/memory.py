@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from mixprec.commands.console import make_console
+
 HELP = "Memory of one training step (params, grads, masters, optimizer state, activations) per precision."
 
 # The input each model is usually trained on here: the 784-8192-10 MLP and the small models on 28x28 digits
@@ -133,12 +135,10 @@ def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from rich.console import Console
-
     from mixprec.diagnostics.memory import get_precision, memory_breakdowns, memory_table
     from mixprec.errors import ConfigError
 
-    console = Console()
+    console = make_console()
     shape = args.input or DEFAULT_INPUT[args.model]
     problem = _check(args, shape)
     if problem is not None:
