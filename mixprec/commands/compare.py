@@ -2,7 +2,9 @@
 
 fp32 | fp16 naive | + fp32 master weights | + static loss scaling | + dynamic loss scaling (O2) |
 O1 cast policy | bf16: one table and one PNG of every rung's loss curve. Writes compare.csv, compare.json
-(with every per-step loss), compare.md and compare.png under ``--out``.
+(with every per-step loss), compare.md and compare.png under ``--out``; with ``--report DIR`` also one page
+(:mod:`mixprec.report`): report.md and a self-contained report.html with the table, loss curves, memory
+bars and gradient histogram.
 
 The defaults are the demo: the 784-8192-10 MLP on the bundled digits resized to 28x28, plain SGD at lr
 0.01, 6 epochs (about a minute for the seven rungs on 2 CPU cores). Plain SGD makes the update exactly
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(RUNG_KEYS)} (default: all)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), metavar="DIR",
                         help="where compare.{csv,json,md,png} go (default: runs/compare)")
+    parser.add_argument("--report", type=Path, default=None, metavar="DIR",
+                        help="also write one page, DIR/report.md and a self-contained DIR/report.html: the "
+                             "table, loss curves, memory per precision and the gradient histogram")
 
 
 def settings_from(args: argparse.Namespace, spec: DataSpec) -> CompareSettings:
@@ -91,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
     results = ladder.run_ladder(rungs, spec.load, model, settings, on_result=progress)
     notes = [*ladder.NOTES, *_platform_notes(results)]
     paths = ladder.write_outputs(results, settings, args.out, notes)
+    if args.report is not None:
+        from mixprec.report import write_report
+
+        # The same initial model run_ladder copied, and the first batch of a fresh copy of the same data.
+        report = write_report(results, settings, model, spec.load().one_batch(), args.report, notes)
+        paths |= {f"report {k}": report.paths[k] for k in ("md", "html")}
     console.print(_table(results, settings))
     for note in notes:
         console.print(f"[dim]- {note}[/]")
