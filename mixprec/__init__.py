@@ -17,6 +17,7 @@ from mixprec.callbacks import (
     Callback,
     CancelStepException,
     CancelTrainException,
+    Checkpoint,
     MixedPrecision,
     Recorder,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "ResumableLoader",
+    "Checkpoint",
     # data & models
     "DataBunch",
     "digits",

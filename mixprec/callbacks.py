@@ -34,6 +34,7 @@ Mixed precision as callbacks, each event one short method over the core parts (`
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 
 from mixprec.autocast import autocast, half_compute
+from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.errors import ConfigError
 from mixprec.master import HALF_DTYPES, MasterWeights
 from mixprec.scaler import GradScaler
@@ -68,6 +70,7 @@ __all__ = [
     "ProgressBar",
     "OneCycleScheduler",
     "StepTimer",
+    "Checkpoint",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MAX_NOSKIP",
 ]
@@ -451,6 +454,15 @@ class Recorder(Callback):
     def skipped_steps(self) -> int:
         return sum(self.skipped)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The history so far, so that a resumed fit records (and plots) the whole run."""
+        names = ("losses", "lrs", "loss_scales", "skipped", "epochs")
+        return {name: list(getattr(self, name)) for name in names}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, values in state_dict.items():
+            setattr(self, name, list(values))
+
     def plot_losses(self, path: str | Path, title: str | None = None) -> Path:
         """Write a PNG of the batch losses and, when scaled, the loss scale per step (matplotlib, Agg)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -611,6 +623,12 @@ class OneCycleScheduler(Callback):
         if self.training:
             self.step_no += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_no": self.step_no}  # the rest is rebuilt from the arguments and n_epochs
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step_no = int(state_dict["step_no"])
+
 
 def _set_beta1(group: dict[str, Any], mom: float) -> None:
     group["betas"] = (mom, group["betas"][1])
@@ -626,3 +644,75 @@ def _momentum_setter(group: dict[str, Any]) -> Callable[[dict[str, Any], float],
     if group.get("momentum", 0) > 0:
         return _set_momentum
     return lambda group, mom: None  # plain SGD: leave it without momentum
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _stateful_callbacks(learn: Learner) -> list[Callback]:
+    """Callbacks with their own state (the Recorder, schedules), in the learner's order. Looked up on the
+    class: an instance would forward a missing ``state_dict`` to the learner (``Callback.__getattr__``)."""
+    return [cb for cb in learn.callbacks if callable(getattr(type(cb), "state_dict", None))]
+
+
+class Checkpoint(Callback):
+    """Save at every epoch end, and resume at an epoch boundary, bit for bit.
+
+    Events: on_train_begin -- with ``resume_from``, load model, optimizer (under ``MasterWeights`` its
+    fp32 masters too), loss scaler, the state of stateful callbacks (Recorder, OneCycleScheduler), the
+    global RNGs and the train loader's shuffle generator, and set ``learn.start_epoch`` and
+    ``learn.iteration``: the loop continues with the next epoch. on_epoch_end -- write all of that to
+    ``path`` with :func:`~mixprec.checkpoint.save_checkpoint` (atomic: a crash mid-write keeps the last
+    good file). Saved after validation, so the RNG and the generator are where the next epoch starts.
+
+    The resumed fit must be set up as the saved one: same model, precision (``to_fp16``/``to_bf16``,
+    ``flat_master``), optimizer, callbacks with state, and ``epochs`` (a one-cycle schedule spans all
+    epochs; resumed with another count it continues a different schedule).
+    """
+
+    order = 200  # last: MixedPrecision (100) has wrapped the optimizer and made the scaler before a load
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, resume_from: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.path = None if path is None else Path(path)
+        self.resume_from = None if resume_from is None else Path(resume_from)
+        if self.resume_from is not None and not self.resume_from.is_file():
+            raise CheckpointError(
+                f"Cannot resume: there is no checkpoint at {self.resume_from}.",
+                "check the path; fit(..., checkpoint=PATH) and `mixprec train --out DIR` (DIR/checkpoint.pt) "
+                "write one at every epoch end. Or train from the start without resume.",
+            )
+
+    def _objects(self) -> dict[str, Any]:
+        scaler = self.learn.scaler
+        return {"model": self.learn.model, "optimizer": self.learn.opt,
+                "scaler": [] if scaler is None else [scaler], "scheduler": _stateful_callbacks(self.learn)}
+
+    def on_train_begin(self) -> None:
+        if self.resume_from is None:
+            return
+        # RNG last of all: nothing may draw from it between this load and the first batch.
+        resumed = load_checkpoint(self.resume_from, **self._objects())
+        epoch = int(resumed.extra["epoch"])
+        if epoch > self.n_epochs:
+            raise ConfigError(
+                f"{self.resume_from} is at epoch {epoch}, beyond this fit's {self.n_epochs} epochs.",
+                f"resume with epochs >= {epoch} (the same count as the saved run for an identical result).",
+            )
+        generator, state = self.data.train.generator, resumed.extra["train_generator"]
+        if generator is not None and state is not None:
+            generator.set_state(state)
+        self.learn.start_epoch, self.learn.iteration = epoch, int(resumed.extra["iteration"])
+
+    def on_epoch_end(self) -> None:
+        if self.path is None:
+            return
+        generator = self.data.train.generator  # the shuffle order of the epochs to come
+        extra = {"epoch": self.epoch + 1, "n_epochs": self.n_epochs, "iteration": self.iteration,
+                 "train_generator": None if generator is None else generator.get_state()}
+        save_checkpoint(self.path, step=self.iteration, extra=extra, **self._objects())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(path={self.path}, resume_from={self.resume_from})"

@@ -8,9 +8,13 @@ The loop itself (:meth:`Learner.fit`) knows no precision: mixed precision is a c
 (:class:`~mixprec.callbacks.MixedPrecision`) arranged from the same GradScaler and MasterWeights that the
 other interfaces use. The event order is documented in :mod:`mixprec.callbacks`.
 
+Checkpoints: ``fit(..., checkpoint="run.pt")`` saves at every epoch end; ``fit(..., resume="run.pt")``
+continues from it, bit for bit (see :class:`~mixprec.callbacks.Checkpoint`).
+
 State a callback can read during training (``self.<name>`` inside a callback): ``model``, ``data``,
-``opt``, ``epoch``, ``n_epochs``, ``iteration`` (training batches so far in this fit), ``training``,
-``xb``, ``yb``, ``pred``, ``loss`` (unscaled), ``loss_grad`` (what backward runs on), ``step_skipped``,
+``opt``, ``epoch``, ``n_epochs``, ``start_epoch`` (the first epoch of this fit: > 0 when resumed),
+``iteration`` (training batches so far in this fit), ``training``, ``xb``, ``yb``, ``pred``, ``loss``
+(unscaled), ``loss_grad`` (what backward runs on), ``step_skipped``,
 ``scaler`` (the loss scaler in use, or None), ``valid_loss`` and ``valid_metrics`` (at on_epoch_end).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -31,6 +36,7 @@ from mixprec.callbacks import (
     Callback,
     CancelStepException,
     CancelTrainException,
+    Checkpoint,
     MixedPrecision,
     OneCycleScheduler,
     ProgressBar,
@@ -102,7 +108,7 @@ class Learner:
             self.add_cb(cb)
         self.opt: torch.optim.Optimizer | None = None
         self.scaler: GradScaler | None = None
-        self.epoch = self.n_epochs = self.iteration = 0
+        self.epoch = self.n_epochs = self.iteration = self.start_epoch = 0
         self.training = self.step_skipped = False
         self.valid_loss, self.valid_metrics = math.nan, [math.nan] * len(self.metrics)
 
@@ -179,16 +185,30 @@ class Learner:
         return self.add_cb(cb)
 
     # ------------------------------------------------------------------ training
-    def fit(self, epochs: int, lr: float = DEFAULT_LR, callbacks: Iterable[Callback] = ()) -> None:
-        """Train for ``epochs`` epochs at learning rate ``lr``; ``callbacks`` apply to this fit only."""
+    def fit(
+        self,
+        epochs: int,
+        lr: float = DEFAULT_LR,
+        callbacks: Iterable[Callback] = (),
+        checkpoint: str | os.PathLike[str] | None = None,
+        resume: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Train for ``epochs`` epochs at learning rate ``lr``; ``callbacks`` apply to this fit only.
+
+        ``checkpoint``: save everything that decides the next epoch to this file at every epoch end.
+        ``resume``: load such a file and train the epochs after it (up to ``epochs`` in all); the fit must
+        be set up as the saved one. A resumed fit keeps saving to ``resume`` unless ``checkpoint`` names
+        another file."""
         if not (isinstance(epochs, int) and epochs >= 1):
             raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}.", "e.g. learn.fit(3).")
         extra = list(callbacks)
+        if checkpoint is not None or resume is not None:
+            extra.append(Checkpoint(checkpoint if checkpoint is not None else resume, resume_from=resume))
         for cb in extra:
             self.add_cb(cb)
         try:
             self.opt = self.opt_func(self.model.parameters(), lr=lr)
-            self.scaler, self.n_epochs, self.iteration = None, epochs, 0
+            self.scaler, self.n_epochs, self.iteration, self.start_epoch = None, epochs, 0, 0
             self._fit(epochs)
         finally:
             for cb in extra:
@@ -202,15 +222,19 @@ class Learner:
         pct_start: float = 0.3,
         final_div: float | None = None,
         moms: tuple[float, float] = (0.95, 0.85),
+        checkpoint: str | os.PathLike[str] | None = None,
+        resume: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`)."""
+        """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`); ``checkpoint``
+        and ``resume`` as in :meth:`fit` (resume with the same ``epochs``: the schedule spans them all)."""
         sched = OneCycleScheduler(lr_max, div_factor, pct_start, final_div, moms)
-        self.fit(epochs, lr_max / div_factor, callbacks=[sched])
+        self.fit(epochs, lr_max / div_factor, callbacks=[sched], checkpoint=checkpoint, resume=resume)
 
     def _fit(self, epochs: int) -> None:
         try:
             self._event("on_train_begin")
-            for self.epoch in range(epochs):
+            start = self.start_epoch  # after on_train_begin: a Checkpoint resume moves it
+            for self.epoch in range(start, epochs):
                 self._event("on_epoch_begin")
                 self._train_epoch()
                 self.valid_loss, self.valid_metrics = self._evaluate(self.data.valid, events=True)

@@ -2,7 +2,9 @@
 
 Shows fastai's progress bar and results table, then writes under ``--out``: ``metrics.json`` (settings,
 per-epoch results, per-step loss, learning rate, loss scale and skipped flag), ``metrics.csv`` (one row
-per epoch) and ``losses.png`` (the loss curve, and the loss scale when there is one).
+per epoch) and ``losses.png`` (the loss curve, and the loss scale when there is one). At every epoch end
+it saves ``checkpoint.pt`` there (``--precision`` runs); ``--resume`` continues from it with the same
+arguments, to the same bits as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from mixprec.callbacks import Callback
     from mixprec.data import DataBunch
     from mixprec.learner import Learner
+
+CHECKPOINT_NAME = "checkpoint.pt"  # under --out, rewritten atomically at every epoch end
 
 HELP = "Train a reference model (mlp, cnn, vgg16, transformer) in fp32, fp16 or bf16 and save its metrics."
 
@@ -153,7 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW(betas 0.9/0.99, wd 0.01) as fastai, or SGD with momentum 0.9")
     parser.add_argument("--schedule", choices=("one-cycle", "constant"), default="one-cycle")
     parser.add_argument("--out", type=Path, default=Path("runs/train"), metavar="DIR",
-                        help="where metrics.json, metrics.csv and losses.png go (default: runs/train)")
+                        help="where metrics.json, metrics.csv, losses.png and checkpoint.pt go "
+                        "(default: runs/train)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from DIR/checkpoint.pt of an interrupted run with the same arguments")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -171,6 +178,14 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.flat_master and args.precision == "fp32" and args.opt_level is None:
         raise UsageError("--flat-master needs half precision master weights: add --precision fp16 or bf16.")
+    if args.resume and args.opt_level is not None:
+        raise UsageError("--resume works with --precision runs only (--opt-level runs write no checkpoint).")
+    if args.resume and not (args.out / CHECKPOINT_NAME).is_file():
+        raise UsageError(
+            f"--resume: there is no checkpoint at {args.out / CHECKPOINT_NAME}. Check --out (a "
+            f"`mixprec train --out {args.out}` run writes it at every epoch end), or drop --resume to start "
+            "afresh."
+        )
 
 
 def _opt_func(name: str) -> Any:
@@ -250,10 +265,15 @@ def run(args: argparse.Namespace) -> int:
                       "in fp16 and produces NaN. Use --opt sgd, or O2 (fp32 masters).")
     console.print(f"[bold]{args.model}[/] on [bold]{spec.name}[/], {precision}, {args.opt} lr {args.lr:g}, "
                   f"{args.schedule}, batch {args.batch_size}, seed {args.seed}")
-    if args.schedule == "one-cycle":
-        learn.fit_one_cycle(args.epochs, args.lr)
-    else:
-        learn.fit(args.epochs, args.lr)
+    # amp.initialize's optimizer and scalers are not ours to save: --opt-level runs write no checkpoint.
+    ckpt = {} if args.opt_level is not None else _checkpoint_args(args)
+    try:
+        if args.schedule == "one-cycle":
+            learn.fit_one_cycle(args.epochs, args.lr, **ckpt)
+        else:
+            learn.fit(args.epochs, args.lr, **ckpt)
+    except MixprecError as err:  # a checkpoint of another model, precision or epoch count
+        return fail(err)
     paths = write_metrics(learn, args, spec, precision)
     scaler = learn.scaler
     if scaler is not None and scaler.is_enabled():
@@ -261,6 +281,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"skipped steps {skipped}, final loss scale {scaler.get_scale():g}")
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _checkpoint_args(args: argparse.Namespace) -> dict[str, Path]:
+    path = args.out / CHECKPOINT_NAME
+    args.out.mkdir(parents=True, exist_ok=True)
+    return {"checkpoint": path, "resume": path} if args.resume else {"checkpoint": path}
 
 
 def write_metrics(learn: Learner, args: argparse.Namespace, spec: DataSpec, precision: str) -> list[Path]:
