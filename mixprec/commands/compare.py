@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mixprec.commands.console import make_console
 from mixprec.commands.train import DataSpec, UsageError, add_data_arguments, build_model, data_spec, fail
 
 if TYPE_CHECKING:
@@ -68,12 +69,11 @@ def settings_from(args: argparse.Namespace, spec: DataSpec) -> CompareSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from mixprec import ladder
     from mixprec.errors import MixprecError
 
-    console = Console(highlight=False)
+    console = make_console()
     if not console.is_terminal:
         console.width = PLAIN_WIDTH
     start = time.perf_counter()

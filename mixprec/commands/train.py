@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec.commands.console import make_console
+
 if TYPE_CHECKING:
     import torch
 
@@ -242,12 +244,11 @@ def _opt_level_callback(opt_level: str) -> Callback:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from mixprec.errors import MixprecError
     from mixprec.learner import Learner, accuracy
 
-    console = Console(highlight=False)
+    console = make_console()
     try:
         _check(args)
         spec = data_spec(args)
