@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from mixprec.autocast import autocast, half_compute
-from mixprec.errors import ConfigError, ParameterMismatchError, ScalerStateError
-from mixprec.master import MasterWeights
+from mixprec.errors import ConfigError, ScalerStateError
+from mixprec.master import MasterWeights, check_params_belong
 from mixprec.scaler import GradScaler
 
 __all__ = [
@@ -275,20 +275,13 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[torch
                 f"(opt level {model._mixprec_opt_level}).",
                 "call mixprec.initialize once per model, with every optimizer and the number of losses.",
             )
-    owned = {id(p) for m in models for p in m.parameters()}
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, MasterWeights):
             raise ConfigError(
                 f"optimizers[{i}] is a {type(opt).__name__}, not a plain torch.optim.Optimizer.",
                 "pass the optimizer you built over the model's parameters; initialize adds master weights.",
             )
-        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in owned]
-        if foreign:
-            raise ParameterMismatchError(
-                f"optimizers[{i}] updates {len(foreign)} tensor(s) that are not parameters of the given "
-                "model(s).",
-                "build each optimizer from the parameters of the models you pass to initialize.",
-            )
+        check_params_belong(opt, models, label=f"optimizers[{i}]")
 
 
 def _device_type(models: list[nn.Module]) -> str:

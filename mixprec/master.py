@@ -39,7 +39,7 @@ from torch import nn
 
 from mixprec.errors import ConfigError, ParameterMismatchError
 
-__all__ = ["MasterWeights", "HALF_DTYPES"]
+__all__ = ["MasterWeights", "HALF_DTYPES", "check_params_belong"]
 
 # The dtypes that get an fp32 master. Everything else floating (fp32, fp64) is updated in place.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -343,11 +343,16 @@ def _check_wrappable(optimizer: torch.optim.Optimizer, model: nn.Module | None) 
             "wrap the optimizer right after building it, before its first step.",
         )
     if model is not None:
-        owned = {id(p) for p in model.parameters()}
-        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
-        if foreign:
-            raise ParameterMismatchError(
-                f"{len(foreign)} of the optimizer's parameters (e.g. shape {tuple(foreign[0].shape)}) are "
-                "not parameters of the given model.",
-                "build the optimizer from this model's parameters (after any model.half()/.to() call).",
-            )
+        check_params_belong(optimizer, [model])
+
+
+def check_params_belong(optimizer: torch.optim.Optimizer, models: list[nn.Module], label: str = "") -> None:
+    """Raise if ``optimizer`` updates a tensor that is not a parameter of one of ``models``."""
+    owned = {id(p) for m in models for p in m.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign:
+        raise ParameterMismatchError(
+            f"{len(foreign)} of the {label or 'optimizer'}'s parameters (e.g. shape "
+            f"{tuple(foreign[0].shape)}) are not parameters of the given model(s).",
+            "build the optimizer from the model's parameters (after any model.half()/.to() call).",
+        )

@@ -73,34 +73,27 @@ def _legacy_message(device: str) -> str:
     )
 
 
-class _LegacyCpuGradScaler(GradScaler):
-    """Stands in for ``torch.cpu.amp.GradScaler``: the device is fixed, the rest is mixprec's."""
+def _legacy_scaler(device: str) -> type[GradScaler]:
+    """A stand-in for ``torch.<device>.amp.GradScaler``: the device is fixed, the rest is mixprec's."""
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-    ) -> None:
-        warnings.warn(_legacy_message("cpu"), FutureWarning, stacklevel=2)
-        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+    class LegacyGradScaler(GradScaler):
+        def __init__(
+            self,
+            init_scale: float = 2.0**16,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            growth_interval: int = 2000,
+            enabled: bool = True,
+        ) -> None:
+            warnings.warn(_legacy_message(device), FutureWarning, stacklevel=2)
+            super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+
+    LegacyGradScaler.__name__ = LegacyGradScaler.__qualname__ = f"_Legacy{device.capitalize()}GradScaler"
+    return LegacyGradScaler
 
 
-class _LegacyCudaGradScaler(GradScaler):
-    """Stands in for ``torch.cuda.amp.GradScaler``: the device is fixed, the rest is mixprec's."""
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-    ) -> None:
-        warnings.warn(_legacy_message("cuda"), FutureWarning, stacklevel=2)
-        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+_LegacyCpuGradScaler = _legacy_scaler("cpu")
+_LegacyCudaGradScaler = _legacy_scaler("cuda")
 
 
 LEGACY_CLASSES: dict[str, type[GradScaler]] = {"cpu": _LegacyCpuGradScaler, "cuda": _LegacyCudaGradScaler}
