@@ -49,7 +49,7 @@ from torch import nn
 from mixprec.autocast import autocast, half_compute
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.master import MasterWeights, check_params_belong
-from mixprec.scaler import GradScaler
+from mixprec.scaler import GradScaler, device_skip_is_safe
 
 __all__ = [
     "Properties",
@@ -298,7 +298,9 @@ def _make_scaler(
     props: Properties, device_type: str, min_scale: float | None, max_scale: float
 ) -> GradScaler:
     if props.loss_scale == DYNAMIC:
-        return GradScaler(device_type, min_scale=min_scale, max_scale=max_scale)
+        return GradScaler(
+            device_type, min_scale=min_scale, max_scale=max_scale, allow_fp16_grads=not props.master_weights
+        )
     static = float(props.loss_scale)
     # Pure-half levels step on fp16 gradients in place: allow it explicitly. A static 1.0 scale is still
     # run through the scaler so overflowing steps are skipped rather than written into the weights.
@@ -417,7 +419,7 @@ def _amp_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         )
     pending.stepped = True
     found = torch.stack([f.to(pending.found_infs[0].device) for f in pending.found_infs]).sum()
-    if getattr(opt, "_step_supports_amp_scaling", False):
+    if getattr(opt, "_step_supports_amp_scaling", False) and device_skip_is_safe(opt):
         # fused optimizers skip on the device: no host sync
         opt.found_inf, opt.grad_scale = found, None  # type: ignore[attr-defined]
         try:
@@ -428,11 +430,6 @@ def _amp_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         return plain(*args, **kwargs)
     opt._opt_called = True  # type: ignore[attr-defined]  # skipped, but called in order (see GradScaler.step)
     return None
-
-
-def _grad_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The gradients ``step`` will read: fp32 master grads for MasterWeights, param grads otherwise."""
-    return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
 
 
 @contextlib.contextmanager
@@ -473,32 +470,31 @@ def scale_loss(
         return
     for opt in opts:
         scaler.unscale_(opt)
-        _add_stash(opt, stashes[id(opt)])
+        _add_stash(stashes[id(opt)])
         pending = state.pending.setdefault(id(opt), _PendingStep())
         pending.found_infs.extend(scaler._found_inf_per_device(opt).values())
         pending.unscaled = True
     scaler.update()
 
 
-def _stash_unscaled(state: _AmpState, opt: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+def _stash_unscaled(state: _AmpState, opt: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor] | None:
+    """Set aside the gradients an earlier loss of this iteration left unscaled, keyed by the tensor they
+    belong to (fp32 masters under O2): this loss's backward must start from zero."""
     pending = state.pending.get(id(opt))
     if pending is None or not pending.unscaled:
         return None
-    stash = [g.clone() for g in _grad_tensors(opt)]
+    stash = {p: p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None}
     opt.zero_grad(set_to_none=True)
     return stash or None
 
 
-def _add_stash(opt: torch.optim.Optimizer, stash: list[torch.Tensor] | None) -> None:
-    if stash is None:
-        return
-    grads = _grad_tensors(opt)
-    if len(grads) != len(stash):
-        raise ScalerStateError(
-            "The second loss of this iteration produced gradients for a different set of parameters.",
-            "let every loss that feeds one optimizer reach the same parameters, or step in between.",
-        )
-    torch._foreach_add_(grads, stash)
+@torch.no_grad()
+def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
+    for param, grad in (stash or {}).items():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
 
 
 # ------------------------------------------------------------------------------------------------ access

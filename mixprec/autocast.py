@@ -293,8 +293,16 @@ def _run_lower(region: Region, op: str, func: Callable[..., Any], args: Any, kwa
 
 def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     cast = _round_to_half(region)
-    out = _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs))
-    return _map_tensors(_to_half, out)
+    out = kwargs.get("out")
+    if out is not None:  # compute into a fresh fp32 result, then write the caller's fp16 tensor
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    result = _map_tensors(_to_half, _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs)))
+    if out is None:
+        return result
+    with torch.no_grad():
+        for dst, src in zip(_iter_tensors(out), _iter_tensors(result), strict=True):
+            dst.copy_(src)
+    return out
 
 
 def _run_fp32(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:

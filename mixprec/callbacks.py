@@ -210,13 +210,17 @@ class LossScaling(Callback):
     def on_backward_end(self) -> None:
         if isinstance(self.opt, MasterWeights):
             self.opt.copy_grads_to_master()  # half -> fp32 is exact; the scaler unscales the fp32 copies
+        self.checked = True  # this iteration's gradients reached the scaler
         self.scaler.unscale_(self.gate)  # divide by the scale in fp32; find inf/NaN
         _clip_grads(self.gate, self.clip)
         if not self.scaler.step(self.gate):  # one host sync: were all gradients finite?
             raise CancelStepException()
 
     def on_step_end(self) -> None:
-        self.scaler.update()  # back off after an overflow, grow after max_noskip clean steps
+        # An earlier callback may have cancelled the step before our on_backward_end: nothing to update.
+        if getattr(self, "checked", False):
+            self.scaler.update()  # back off after an overflow, grow after max_noskip clean steps
+        self.checked = False
 
 
 @dataclass(frozen=True)

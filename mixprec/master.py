@@ -318,7 +318,12 @@ class MasterWeights(torch.optim.Optimizer):
             )
         with torch.no_grad():
             torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
+        # torch's load_state_dict restores each group's saved settings, fused/foreach included; keep the
+        # implementation this wrapper chose (the scaler relies on it to skip on the device).
+        chosen = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        for group, (fused, foreach) in zip(self.optimizer.param_groups, chosen, strict=True):
+            group["fused"], group["foreach"] = fused, foreach
         self.copy_master_to_model()
 
     def __repr__(self) -> str:

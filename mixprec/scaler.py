@@ -85,7 +85,7 @@ def _refresh_per_optimizer_state() -> _PerOptimizer:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
+def device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a fused optimizer may be left to skip an overflowing step on the device.
 
     Not a fused SGD with momentum before its momentum buffers exist: torch 2.13's fused SGD allocates them
@@ -386,7 +386,7 @@ class GradScaler:
                 "step() has already been called since the last update().",
                 "call scaler.update() once at the end of each iteration, after stepping every optimizer.",
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and _device_skip_is_safe(optimizer):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and device_skip_is_safe(optimizer):
             return self._step_self_skipping(optimizer, state, *args, **kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)

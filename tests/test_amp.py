@@ -215,3 +215,55 @@ def test_structure_in_structure_out_and_verbosity(capsys: pytest.CaptureFixture[
     single = mixprec.initialize(nn.Linear(2, 2), opt_level="O0", verbosity=0)
     assert isinstance(single, nn.Linear)
     assert capsys.readouterr().out == ""
+
+
+def test_losses_reaching_different_parameters_keep_their_own_gradients() -> None:
+    """Loss 0 reaches only `a`, loss 1 only `b` (same shapes): each keeps its own gradient."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4, bias=False), "b": nn.Linear(4, 4, bias=False)})
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = mixprec.initialize(
+        model, opt, opt_level="O0", loss_scale="dynamic", num_losses=2, verbosity=0
+    )
+    x = torch.randn(2, 4)
+    with mixprec.scale_loss(model["a"](x).sum(), opt, loss_id=0) as s:
+        s.backward()
+    with mixprec.scale_loss(model["b"](x).sum(), opt, loss_id=1) as s:
+        s.backward()
+    (ref["a"](x).sum() + ref["b"](x).sum()).backward()
+    for name in ("a", "b"):
+        torch.testing.assert_close(model[name].weight.grad, ref[name].weight.grad)
+
+
+@pytest.mark.parametrize("overrides", [dict(opt_level="O3"), dict(opt_level="O2", master_weights=False)])
+def test_dynamic_scaling_of_half_gradients_without_masters(overrides: dict[str, object]) -> None:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = mixprec.initialize(model, opt, loss_scale="dynamic", verbosity=0, **overrides)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fused_sgd_momentum_survives_a_skipped_first_step_under_o2() -> None:
+    """torch's fused SGD leaves its momentum buffer uninitialized when found_inf skips its first step."""
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=fused, foreach=not fused)
+        model, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+        for i, (x, y) in enumerate(_batches(3)):
+            with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+                scaled.backward()
+                if i == 0:
+                    model[0].weight.grad.view(-1)[0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        runs[fused] = list(mixprec.master_params(opt))
+        amp.reset()
+    for a, b in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(a, b)

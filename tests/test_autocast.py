@@ -460,3 +460,13 @@ def test_cuda_default_policy_is_torch_autocast(dtype: torch.dtype) -> None:
         assert y.dtype == dtype and F.softmax(y, -1).dtype == torch.float32
         with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
             F.binary_cross_entropy(torch.rand(3, device="cuda"), torch.rand(3, device="cuda"))
+
+
+
+def test_half_compute_writes_out_tensors() -> None:
+    a, b = torch.randn(8, 16).half(), torch.randn(16, 4).half()
+    out = torch.zeros(8, 4, dtype=torch.float16)
+    with A.half_compute("cpu"):
+        returned = torch.mm(a, b, out=out)
+    assert returned is out
+    torch.testing.assert_close(out, (a.double() @ b.double()).half(), rtol=1e-3, atol=1e-3)

@@ -299,3 +299,24 @@ def test_progress_prints_fastais_results_table() -> None:
     for row, result in zip(rows, learn.recorder.epochs, strict=True):
         assert float(row[1]) == pytest.approx(result.train_loss, abs=1e-6)
         assert float(row[3]) == pytest.approx(result.metric("accuracy"), abs=1e-6)
+
+
+def test_a_step_cancelled_before_the_scaler_saw_it_is_not_updated() -> None:
+    """A callback ordered before MixedPrecision may cancel the step (CancelStepException); the scaler then
+    has no inf check for that iteration and must not be updated, as a plain fp32 run is unaffected."""
+    from mixprec.callbacks import CancelStepException
+
+    class SkipOdd(Callback):
+        order = 0
+
+        def on_backward_end(self) -> None:
+            if self.learn.iteration % 2 == 1:
+                raise CancelStepException()
+
+    data = mixprec.digits(batch_size=256, seed=0)
+    skipper = SkipOdd()
+    learn = Learner(data, mixprec.build_model("cnn", data), silent=True, callbacks=[skipper]).to_fp16()
+    learn.fit(1)
+    steps = len(data.train)
+    assert learn.scaler is not None
+    assert len(learn.scaler.scale_history()) == (steps + 1) // 2  # one update per step the scaler checked

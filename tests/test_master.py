@@ -262,3 +262,20 @@ def test_wrapping_twice_or_after_stepping_is_an_error() -> None:
     opt2.step()
     with pytest.raises(ConfigError, match="before its first step"):
         MasterWeights(opt2)
+
+
+def test_load_state_dict_keeps_the_implementation_the_wrapper_chose() -> None:
+    """A checkpoint from a non-fused run loaded into an auto-fused wrapper must still step under a scaler."""
+    saved_model = _net().half()
+    saved = MasterWeights(torch.optim.Adam(saved_model.parameters(), lr=1e-3), fused=False)
+    saved_model(torch.randn(2, 6).half()).float().sum().backward()
+    saved.step()
+    model = _net().half()
+    opt = MasterWeights(torch.optim.Adam(model.parameters(), lr=1e-3))  # auto-fused
+    opt.load_state_dict(saved.state_dict())
+    assert opt.param_groups[0]["fused"] is True
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 6).half()).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(m).all() for m in opt.master_views())
