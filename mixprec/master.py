@@ -52,29 +52,38 @@ class _GroupMasters:
     model: list[torch.Tensor]  # half-precision model parameters, in group order
     views: list[torch.Tensor]  # their fp32 masters (per-parameter tensors, or views of `flat`)
     flat: torch.Tensor | None  # the contiguous fp32 buffer in flat mode, else None
+    # fp32 gradient storage, allocated once and re-attached as `.grad` after each zero_grad(set_to_none):
+    # users see None between iterations, the step does not allocate a model-sized buffer every time.
+    grad_buffers: list[torch.Tensor] | None = None  # aligned with `model` (views of one buffer when flat)
+    flat_grad: torch.Tensor | None = None
+
+    def _buffers(self) -> list[torch.Tensor]:
+        if self.grad_buffers is None:
+            if self.flat is not None:
+                self.flat_grad = torch.empty_like(self.flat)
+                self.grad_buffers = _views_like(self.flat_grad, self.model)
+            else:
+                self.grad_buffers = [torch.empty_like(m) for m in self.views]
+        return self.grad_buffers
 
     def grads_to_fill(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(fp32 master grads, half model grads) to copy, pairwise. Master grads are allocated on first use
-        after ``zero_grad``. A model parameter without a gradient leaves its master gradient None
+        """(fp32 master grads, half model grads) to copy, pairwise, with the buffers attached as the
+        masters' ``.grad``. A model parameter without a gradient leaves its master gradient None
         (per-parameter) or zero (flat: the buffer has no holes)."""
         have = [p.grad is not None for p in self.model]
         src = [cast(torch.Tensor, p.grad) for p in self.model if p.grad is not None]
+        if not src:
+            return [], []
+        buffers = self._buffers()
         if self.flat is not None:
-            if not src:
-                return [], []
-            if self.flat.grad is None:
-                self.flat.grad = torch.empty_like(self.flat)
-            views = _views_like(self.flat.grad, self.model)
-            holes = [v for v, h in zip(views, have, strict=True) if not h]
+            self.flat.grad = self.flat_grad
+            holes = [b for b, h in zip(buffers, have, strict=True) if not h]
             if holes:
                 torch._foreach_zero_(holes)
-            return [v for v, h in zip(views, have, strict=True) if h], src
-        for master, h in zip(self.views, have, strict=True):
-            if not h:
-                master.grad = None
-            elif master.grad is None:
-                master.grad = torch.empty_like(master)
-        return [cast(torch.Tensor, m.grad) for m, h in zip(self.views, have, strict=True) if h], src
+        else:
+            for master, buffer, h in zip(self.views, buffers, have, strict=True):
+                master.grad = buffer if h else None
+        return [b for b, h in zip(buffers, have, strict=True) if h], src
 
 
 def _views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
