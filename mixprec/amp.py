@@ -46,10 +46,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mixprec.autocast import autocast, half_compute
+from mixprec.autocast import autocast, half_compute, map_tensors
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.master import MasterWeights, check_params_belong
-from mixprec.scaler import GradScaler, device_skip_is_safe
+from mixprec.scaler import DEFAULT_INIT_SCALE, GradScaler, device_skip_is_safe
 
 __all__ = [
     "Properties",
@@ -297,15 +297,17 @@ def _device_type(models: list[nn.Module]) -> str:
 def _make_scaler(
     props: Properties, device_type: str, min_scale: float | None, max_scale: float
 ) -> GradScaler:
-    if props.loss_scale == DYNAMIC:
-        return GradScaler(
-            device_type, min_scale=min_scale, max_scale=max_scale, allow_fp16_grads=not props.master_weights
-        )
-    static = float(props.loss_scale)
-    # Pure-half levels step on fp16 gradients in place: allow it explicitly. A static 1.0 scale is still
-    # run through the scaler so overflowing steps are skipped rather than written into the weights.
+    dynamic = props.loss_scale == DYNAMIC
+    # Without master weights (O3, O2 with master_weights=False) the optimizer steps on the half gradients
+    # in place: allow that explicitly. A static scale (even 1.0) still goes through the scaler, so
+    # overflowing steps are skipped rather than written into the weights.
     return GradScaler(
-        device_type, init_scale=static, dynamic=False, allow_fp16_grads=not props.master_weights
+        device_type,
+        init_scale=DEFAULT_INIT_SCALE if dynamic else float(props.loss_scale),
+        dynamic=dynamic,
+        min_scale=min_scale if dynamic else None,
+        max_scale=max_scale if dynamic else None,
+        allow_fp16_grads=not props.master_weights,
     )
 
 
@@ -341,22 +343,13 @@ def _cast_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def _map_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _cast_floating(value, dtype)
-    if isinstance(value, list | tuple):
-        return type(value)(_map_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
 class _CastInputs:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        return _map_floating(args, self.dtype), _map_floating(kwargs, self.dtype)
+        cast = functools.partial(_cast_floating, dtype=self.dtype)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
 
 class _EnterRegion:
@@ -385,17 +378,7 @@ class _LeaveRegion:
 
 
 def _outputs_to_fp32(module: nn.Module, args: Any, output: Any) -> Any:
-    return _map_floating_half(output)
-
-
-def _map_floating_half(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in HALF else value
-    if isinstance(value, list | tuple):
-        return type(value)(_map_floating_half(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_floating_half(v) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.float() if t.dtype in HALF else t, output)
 
 
 # ------------------------------------------------------------------------------------------------ steps

@@ -200,13 +200,14 @@ def _cacheable(t: torch.Tensor, region: Region) -> bool:
     )
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples and dicts (the shapes of op arguments)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if type(value) in (list, tuple):
-        return type(value)(_map_tensors(fn, v) for v in value)
+        return type(value)(map_tensors(fn, v) for v in value)
     if type(value) is dict:
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
+        return {k: map_tensors(fn, v) for k, v in value.items()}
     return value
 
 
@@ -288,7 +289,7 @@ def _run_lower(region: Region, op: str, func: Callable[..., Any], args: Any, kwa
     if region.emulate:
         return _run_emulated(region, func, args, kwargs)
     cast = _cast_to(region, region.dtype)
-    return _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs))
+    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
 
 
 def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -296,7 +297,7 @@ def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: A
     out = kwargs.get("out")
     if out is not None:  # compute into a fresh fp32 result, then write the caller's fp16 tensor
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    result = _map_tensors(_to_half, _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs)))
+    result = map_tensors(_to_half, _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs)))
     if out is None:
         return result
     with torch.no_grad():
@@ -307,7 +308,7 @@ def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: A
 
 def _run_fp32(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     cast = _cast_to(region, torch.float32)
-    return _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs))
+    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
 
 
 def _widest(region: Region, args: Any, kwargs: Any) -> torch.dtype:
@@ -319,7 +320,7 @@ def _widest(region: Region, args: Any, kwargs: Any) -> torch.dtype:
 
 def _run_promote(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     cast = _cast_to(region, _widest(region, args, kwargs))
-    return _call(region, func, _map_tensors(cast, args), _map_tensors(cast, kwargs))
+    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
 
 
 def _run_banned(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -448,7 +449,7 @@ def _enter_fp32(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         eligible = t.is_floating_point() and t.dtype is not torch.float64 and t.device.type in devices
         return t.float() if eligible else t
 
-    return _map_tensors(cast, args), _map_tensors(cast, kwargs)
+    return map_tensors(cast, args), map_tensors(cast, kwargs)
 
 
 def _exit_fp32(module: torch.nn.Module, *_: Any) -> None:
