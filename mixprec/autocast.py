@@ -72,10 +72,8 @@ __all__ = [
     "half_compute",
     "keep_fp32",
     "release_fp32",
-    "is_kept_fp32",
     "AutocastError",
     "BannedOpError",
-    "BANNED_ADVICE",
     "current_region",
     "Region",
 ]
@@ -87,17 +85,6 @@ class AutocastError(ConfigError):
 
 class BannedOpError(MixprecError, RuntimeError):
     """An op the policy bans was called inside an autocast region (a RuntimeError, like torch's ban)."""
-
-
-BANNED_ADVICE: dict[str, str] = {
-    "binary_cross_entropy": (
-        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: they take "
-        "probabilities, and the sigmoid before them saturates in half precision (1 - sigmoid(x) rounds to 0 "
-        "for x > ~8 in fp16, and log(0) = -inf). Use torch.nn.BCEWithLogitsLoss or "
-        "torch.nn.functional.binary_cross_entropy_with_logits on the logits: it fuses the sigmoid and runs "
-        "in fp32 under autocast. To keep BCELoss, compute it outside the region or in a keep_fp32 module."
-    ),
-}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -285,11 +272,15 @@ def _call(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> A
 Handler = Callable[[Region, str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 
+def _run_cast(region: Region, dtype: torch.dtype, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    cast = _cast_to(region, dtype)
+    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
+
+
 def _run_lower(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     if region.emulate:
         return _run_emulated(region, func, args, kwargs)
-    cast = _cast_to(region, region.dtype)
-    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
+    return _run_cast(region, region.dtype, func, args, kwargs)
 
 
 def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -307,8 +298,7 @@ def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: A
 
 
 def _run_fp32(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    cast = _cast_to(region, torch.float32)
-    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
+    return _run_cast(region, torch.float32, func, args, kwargs)
 
 
 def _widest(region: Region, args: Any, kwargs: Any) -> torch.dtype:
@@ -319,13 +309,12 @@ def _widest(region: Region, args: Any, kwargs: Any) -> torch.dtype:
 
 
 def _run_promote(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    cast = _cast_to(region, _widest(region, args, kwargs))
-    return _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs))
+    return _run_cast(region, _widest(region, args, kwargs), func, args, kwargs)
 
 
 def _run_banned(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     rule = region.policy.rule(op, region.device_type, region.dtype)
-    advice = BANNED_ADVICE.get(op) or (rule.reason if rule is not None else "") or "run it outside the region"
+    advice = (rule.reason if rule is not None else "") or "run it outside the region"
     raise BannedOpError(
         f"{op} is banned inside mixprec.autocast({region.device_type!r}, {region.dtype}) by policy "
         f"{region.policy.name!r}",
@@ -489,10 +478,6 @@ def release_fp32(module: torch.nn.Module) -> torch.nn.Module:
             handle.remove()
         object.__delattr__(module, _KEEP_ATTR)
     return module
-
-
-def is_kept_fp32(module: torch.nn.Module) -> bool:
-    return getattr(module, _KEEP_ATTR, None) is not None
 
 
 class _ModuleRules:
@@ -687,6 +672,10 @@ class _HalfComputeMode(TorchFunctionMode):
         return _run_emulated(self.region, func, args, kwargs)
 
 
+# (plan, GEMM op names, region) per plan: plans are few and long-lived (see _PLANS_MAX)
+_HALF_COMPUTE_MODES: dict[tuple[int, str], tuple[_Plan, frozenset[str], Region]] = {}
+
+
 class half_compute:  # noqa: N801 - a context manager used like autocast
     """Run a model whose weights are already half precision with tensor-core arithmetic.
 
@@ -704,15 +693,20 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         self._modes: list[_HalfComputeMode | None] = []
 
     def _mode(self) -> _HalfComputeMode | None:
-        if self.dtype is not torch.float16 or device_spec(self.device_type).fast_fp16_gemm:
+        if self.dtype is not torch.float16:
             return None
-        policy = _default()
-        rules = policy.table(self.device_type).rules_for(torch.float16)
-        names = frozenset(
-            name for op, rule in rules.items() if rule.action is Action.LOWER for name in _python_names(op)
-        )
-        region = Region(self.device_type, torch.float16, True, False, policy, True, {})
-        return _HalfComputeMode(region, names)
+        # The same cached plan as autocast(device, fp16): honours emulate_fp16 and the user's
+        # register_half_function registrations, and costs a dict lookup per forward.
+        plan = _plan(_default(), self.device_type, torch.float16)
+        if not plan.emulate:
+            return None
+        key = (id(plan), self.device_type)
+        cached = _HALF_COMPUTE_MODES.get(key)
+        if cached is None or cached[0] is not plan:
+            names = frozenset(name for name, action in plan.actions.items() if action is Action.LOWER)
+            region = Region(self.device_type, torch.float16, True, False, plan.policy, True, {})
+            cached = _HALF_COMPUTE_MODES[key] = (plan, names, region)
+        return _HalfComputeMode(cached[2], cached[1])
 
     def __enter__(self) -> half_compute:
         mode = self._mode()

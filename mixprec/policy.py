@@ -239,6 +239,13 @@ _TORCH_CPU: tuple[OpRule, ...] = (
     *_torch_rules(Action.PROMOTE, "stack", "cat", "index_copy"),
 )  # fmt: skip
 
+_BCE_FIX = (
+    "it takes probabilities, so a sigmoid (or softmax) runs before it in half precision, where "
+    "1 - sigmoid(x) rounds to 0 for x > ~8 in fp16 and log(0) gives inf. Use torch.nn.BCEWithLogitsLoss "
+    "(or F.binary_cross_entropy_with_logits) on the logits instead: it fuses the sigmoid and is fp32 "
+    "under autocast. To keep BCELoss, run it outside the region or in a keep_fp32 module."
+)
+
 _TORCH_CUDA: tuple[OpRule, ...] = (
     *_torch_rules(
         Action.LOWER,
@@ -273,15 +280,9 @@ _TORCH_CUDA: tuple[OpRule, ...] = (
         "tensordot", "scatter_add",
     ),
     # torch raises for any autocast dtype on CUDA (binary_cross_entropy_banned).
-    OpRule("binary_cross_entropy", Action.BANNED, reason="", source=Source.TORCH),
+    OpRule("binary_cross_entropy", Action.BANNED, reason=_BCE_FIX, source=Source.TORCH),
 )  # fmt: skip
 
-_BCE_FIX = (
-    "it takes probabilities, so a sigmoid (or softmax) runs before it in half precision, where "
-    "1 - sigmoid(x) rounds to 0 for x > ~8 in fp16 and log(0) gives inf. Use torch.nn.BCEWithLogitsLoss "
-    "(or F.binary_cross_entropy_with_logits) on the logits instead: it fuses the sigmoid and is fp32 "
-    "under autocast. To keep BCELoss, run it outside the region or in a keep_fp32 module."
-)
 
 # mixprec's deliberate deviations in the default preset, each with its reason.
 _MIXPREC_CPU_DEVIATIONS: tuple[OpRule, ...] = (
@@ -432,9 +433,6 @@ class Policy:
         return changed
 
     # ---- derivation ----------------------------------------------------------------------------------
-
-    def renamed(self, name: str, description: str = "") -> Policy:
-        return replace(self, name=name, description=description or self.description)
 
     def with_rules(self, *rules: OpRule, device_type: str | None = None) -> Policy:
         """Append rules (they win over earlier ones) to one device's table, or to every table."""
@@ -773,9 +771,6 @@ class PolicyDiff:
 
     def __bool__(self) -> bool:
         return bool(self.ops or self.settings)
-
-    def __len__(self) -> int:
-        return len(self.ops) + len(self.settings)
 
     def __rich__(self) -> Any:
         from rich.table import Table

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.diagnostics.cast_trace import CastTrace, dtype_label, trace_casts
+from mixprec.diagnostics.cast_trace import CastTrace, dtype_label
 
 DEVICES = [
     "cpu",
@@ -57,7 +57,7 @@ def test_casts_are_counted_with_their_bytes(device: str, dtype: torch.dtype) -> 
 
 def test_no_autocast_means_fp32_and_no_casts() -> None:
     model, x, y = _setup("cpu")
-    with trace_casts() as trace:
+    with CastTrace() as trace:
         F.cross_entropy(model(x), y)
     assert trace.casts == []
     assert set(trace.output_dtypes()) == {"fp32"}

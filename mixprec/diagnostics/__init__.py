@@ -7,7 +7,7 @@ Importing this package loads torch but not matplotlib or rich; plots and tables 
 # gradients: exponent histograms of gradients against the fp16/bf16 ranges, suggested loss scale
 # overflow: which gradients went inf/NaN, which module's forward made the first one
 # cast trace: which aten ops ran in which dtype under autocast
-from mixprec.diagnostics.cast_trace import CastRecord, CastTrace, OpRecord, trace_casts
+from mixprec.diagnostics.cast_trace import CastRecord, CastTrace, OpRecord
 from mixprec.diagnostics.gradients import (
     CastOutcome,
     GradientMonitor,
@@ -65,7 +65,6 @@ __all__ = [
     "TensorRange",
     # cast trace
     "CastTrace",
-    "trace_casts",
     "OpRecord",
     "CastRecord",
 ]

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["CastRecord", "CastTrace", "OpRecord", "dtype_label", "trace_casts"]
+__all__ = ["CastRecord", "CastTrace", "OpRecord", "dtype_label"]
 
 # Short dtype names for tables: the ones mixed precision is about first.
 _SHORT: dict[torch.dtype, str] = {
@@ -195,8 +195,3 @@ def _bytes_text(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
-
-
-def trace_casts(include_views: bool = False) -> CastTrace:
-    """``with trace_casts() as t: ...``; then ``print(t.report())``. See :class:`CastTrace`."""
-    return CastTrace(include_views)
