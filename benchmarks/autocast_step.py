@@ -32,30 +32,19 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from mixprec import models
 from mixprec.autocast import autocast as mixprec_autocast
 
 Region = Callable[[], contextlib.AbstractContextManager[object]]
 
 
-# ---- models (defined here: benchmarks never depend on the package's model zoo) -------------------------
+# ---- models: the package's, plus 3-layer MLPs whose backward hits torch's slow fp16 GEMM layout
 
 
-def mlp(*sizes: int) -> nn.Module:
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
-        layers.append(nn.Linear(n_in, n_out))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def simple_cnn(channels: tuple[int, ...] = (3, 16, 16, 2)) -> nn.Module:
-    """fastai's simple_cnn: conv(3x3, stride 2) + BatchNorm + ReLU blocks, then global pool + flatten."""
-    layers: list[nn.Module] = []
-    for c_in, c_out in zip(channels, channels[1:], strict=False):
-        conv = nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False)
-        layers += [conv, nn.BatchNorm2d(c_out), nn.ReLU()]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+def mlp3(n_hidden: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_hidden), nn.ReLU(), nn.Linear(n_hidden, 10)
+    )
 
 
 @dataclass(frozen=True)
@@ -67,10 +56,10 @@ class Workload:
 
 
 WORKLOADS = (
-    Workload("mlp 784-8192-10, b512", lambda: mlp(784, 8192, 10), (512, 784), 10),
-    Workload("mlp 784-1024-1024-10, b128", lambda: mlp(784, 1024, 1024, 10), (128, 784), 10),
-    Workload("mlp 784-2048-2048-10, b128", lambda: mlp(784, 2048, 2048, 10), (128, 784), 10),
-    Workload("simple_cnn (3,16,16,2), b64 3x32x32", simple_cnn, (64, 3, 32, 32), 2),
+    Workload("mlp 784-8192-10, b512", lambda: models.mlp(784, 8192, 10), (512, 784), 10),
+    Workload("mlp 784-1024-1024-10, b128", lambda: mlp3(1024), (128, 784), 10),
+    Workload("mlp 784-2048-2048-10, b128", lambda: mlp3(2048), (128, 784), 10),
+    Workload("simple_cnn (3,16,16,2), b64 3x32x32", models.simple_cnn, (64, 3, 32, 32), 2),
 )
 
 
