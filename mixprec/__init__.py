@@ -10,7 +10,7 @@ policy, implemented once, offered as torch.amp-style, apex-style and fastai-styl
 # checkpoints: atomic save/resume of model, masters, optimizer, scalers, schedulers, RNG
 # data & models: bundled data sets and reference models
 # errors: what mixprec raises for user mistakes
-from mixprec.amp import initialize, load_state_dict, master_params, scale_loss, state_dict
+from mixprec.amp import initialize, load_state_dict, loss_scaler, master_params, scale_loss, state_dict
 from mixprec.autocast import AutocastError, BannedOpError, autocast, half_compute, keep_fp32
 from mixprec.callbacks import (
     AutocastMixedPrecision,
@@ -75,6 +75,7 @@ __all__ = [
     "initialize",
     "scale_loss",
     "master_params",
+    "loss_scaler",
     "state_dict",
     "load_state_dict",
     # learner (fastai style)
