@@ -11,23 +11,12 @@ import argparse
 from typing import Any
 
 from mixprec.commands.console import make_console
+from mixprec.commands.train import add_data_arguments, build_model, data_spec
 
 HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
 
-DATA_SETS = ("digits", "synthetic")
-MODELS = ("mlp", "cnn", "vgg16", "transformer")
-
-# Per-model options for the digits data set: VGG16 needs 3 channels and at least 32x32 (five 2x2 pools).
-_DIGITS_OPTIONS: dict[str, dict[str, Any]] = {"vgg16": {"size": 32, "channels": 3}}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=MODELS, default="mlp", help="reference model (default: mlp)")
-    parser.add_argument("--data", choices=DATA_SETS, default="digits",
-                        help="data set: bundled digits or synthetic (default: digits)")
-    parser.add_argument("--size", type=int, default=None,
-                        help="resize digits to SIZExSIZE (e.g. 28 for the 784-8192-10 MLP; default: 8)")
-    parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)")
     parser.add_argument("--loss-scale", type=float, action="append", default=None, metavar="S",
                         help="loss scale to evaluate besides 1 and the suggestion (repeatable)")
     parser.add_argument("--margin", type=float, default=8.0,
@@ -35,21 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-steps", type=int, default=0,
                         help="fp32 SGD steps (lr 0.1) before measuring, to look past initialisation "
                         "(default: 0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model init and data (default: 0)")
     parser.add_argument("--png", default="mixprec-grads.png", metavar="PATH",
                         help="histogram to write (default: mixprec-grads.png)")
     parser.add_argument("--no-png", action="store_true", help="do not write the histogram")
-
-
-def _data(args: argparse.Namespace) -> Any:
-    from mixprec import data
-
-    if args.data == "synthetic":
-        return data.synthetic(batch_size=args.batch_size, seed=args.seed)
-    options = dict(_DIGITS_OPTIONS.get(args.model, {}))
-    if args.size is not None:
-        options["size"] = args.size
-    return data.digits(batch_size=args.batch_size, seed=args.seed, **options)
 
 
 def _train(model: Any, bunch: Any, steps: int) -> None:
@@ -69,8 +46,6 @@ def _train(model: Any, bunch: Any, steps: int) -> None:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if args.batch_size < 1:
-        return f"--batch-size must be >= 1, got {args.batch_size}."
     if args.train_steps < 0:
         return f"--train-steps must be >= 0, got {args.train_steps}."
     if any(not (s > 0) for s in args.loss_scale or ()):
@@ -81,19 +56,19 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from mixprec.diagnostics.gradients import grad_exponent_histogram
-    from mixprec.models import build
 
     console = make_console()
     problem = _check(args)
+    if problem is None:
+        try:
+            bunch = data_spec(args).load()
+            model = build_model(args.model, bunch, args.seed)
+        except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed
+            problem = str(err)
     if problem is not None:
         console.print(f"[red]error:[/red] {problem}")
         return 2
-    torch.manual_seed(args.seed)
-    bunch = _data(args)
-    model = build(args.model, bunch)
     if args.train_steps:
         _train(model, bunch, args.train_steps)
     scales = tuple(args.loss_scale or ())
