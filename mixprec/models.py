@@ -334,56 +334,60 @@ def tiny_transformer(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _image_shape(name: str, data: DataBunch) -> tuple[int, int, int]:
-    if len(data.input_shape) != 3:
+Shape = tuple[int, ...]
+
+
+def _image_shape(name: str, shape: Shape) -> tuple[int, int, int]:
+    if len(shape) != 3:
         raise ValueError(
-            f"model {name!r} needs image batches (C, H, W), but data set {data.name!r} yields samples of "
-            f"shape {data.input_shape}: build the data without flatten=True."
+            f"model {name!r} needs image inputs (C, H, W), but got samples of shape {shape}: "
+            "build the data without flatten=True, or pass input_shape=(C, H, W)."
         )
-    c, h, w = data.input_shape
+    c, h, w = shape
     return c, h, w
 
 
-def _build_mlp(data: DataBunch | None, kw: dict[str, Any]) -> nn.Module:
-    if data is not None:
-        kw.setdefault("n_in", math.prod(data.input_shape))
-        kw.setdefault("n_out", data.n_classes)
+def _build_mlp(shape: Shape | None, n_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    if shape is not None:
+        kw.setdefault("n_in", math.prod(shape))
+    if n_classes is not None:
+        kw.setdefault("n_out", n_classes)
     return mlp(**kw)
 
 
-def _build_cnn(data: DataBunch | None, kw: dict[str, Any]) -> nn.Module:
-    if data is not None and "actns" not in kw:
-        c, _, _ = _image_shape("cnn", data)
+def _build_cnn(shape: Shape | None, n_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    if shape is not None and "actns" not in kw:
+        c, _, _ = _image_shape("cnn", shape)
         # Three stride-2 blocks take 8x8 digits to 1x1 and 28x28 to 4x4; channels double as resolution halves.
-        kw["actns"] = (c, 16, 32, data.n_classes)
+        kw["actns"] = (c, 16, 32, n_classes or 10)
     return simple_cnn(**kw)
 
 
-def _build_vgg16(data: DataBunch | None, kw: dict[str, Any]) -> nn.Module:
-    if data is not None:
-        c, h, w = _image_shape("vgg16", data)
+def _build_vgg16(shape: Shape | None, n_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    if shape is not None:
+        c, h, w = _image_shape("vgg16", shape)
         if min(h, w) < 32:
             raise ValueError(
-                f"vgg16 halves the image five times and needs at least 32x32 inputs; data set {data.name!r} "
-                f"has {h}x{w}. Resize it, e.g. mixprec.data.digits(size=224, channels=3)."
+                f"vgg16 halves the image five times and needs at least 32x32 inputs, got {h}x{w}. "
+                "Resize it, e.g. mixprec.data.digits(size=224, channels=3)."
             )
-        kw.setdefault("num_classes", data.n_classes)
         kw.setdefault("in_channels", c)
+    if n_classes is not None:
+        kw.setdefault("num_classes", n_classes)
     return vgg16(**kw)
 
 
-def _build_transformer(data: DataBunch | None, kw: dict[str, Any]) -> nn.Module:
-    if data is not None:
-        if "vocab_size" not in kw:
-            kw.setdefault("image_shape", _image_shape("transformer", data))
-        kw.setdefault("n_classes", data.n_classes)
-    elif "vocab_size" not in kw and "image_shape" not in kw:
-        kw["image_shape"] = (1, 8, 8)  # the default data set: 8x8 grey digits
+def _build_transformer(shape: Shape | None, n_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    if "vocab_size" not in kw:
+        kw.setdefault("image_shape", _image_shape("transformer", shape) if shape else (1, 8, 8))  # 8x8 digits
+    if n_classes is not None:
+        kw.setdefault("n_classes", n_classes)
     return tiny_transformer(**kw)
 
 
-# model name -> builder(data, keyword overrides); data (when given) fills in sizes the caller did not set.
-MODELS: dict[str, Callable[[DataBunch | None, dict[str, Any]], nn.Module]] = {
+# model name -> builder(input shape, classes, keyword overrides); shape and classes (when known) fill in the
+# sizes the caller did not set.
+MODELS: dict[str, Callable[[Shape | None, int | None, dict[str, Any]], nn.Module]] = {
     "mlp": _build_mlp,
     "cnn": _build_cnn,
     "vgg16": _build_vgg16,
@@ -391,12 +395,23 @@ MODELS: dict[str, Callable[[DataBunch | None, dict[str, Any]], nn.Module]] = {
 }
 
 
-def build(name: str, data: DataBunch | None = None, **kw: Any) -> nn.Module:
-    """Make model ``name`` (one of :data:`MODELS`), sized for ``data`` when given.
+def build(
+    name: str,
+    data: DataBunch | None = None,
+    *,
+    input_shape: Shape | None = None,
+    n_classes: int | None = None,
+    **kw: Any,
+) -> nn.Module:
+    """Make model ``name`` (one of :data:`MODELS`), sized for ``data`` (or for ``input_shape`` and
+    ``n_classes``, the shape of one sample and the number of classes) when given.
 
-    Keyword arguments go to the model's constructor and win over what ``data`` implies, e.g.
+    Other keyword arguments go to the model's constructor and win over what the sizes imply, e.g.
     ``build("mlp", data, n_hidden=1024)``.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names are: {', '.join(MODELS)}.")
-    return MODELS[name](data, dict(kw))
+    if data is not None:
+        input_shape = input_shape or tuple(data.input_shape)
+        n_classes = n_classes or data.n_classes
+    return MODELS[name](input_shape, n_classes, dict(kw))

@@ -8,9 +8,7 @@ tensors (shapes and dtypes only), so ``mixprec memory --model vgg16 --batch-size
 from __future__ import annotations
 
 import argparse
-import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 from mixprec.commands.console import make_console
@@ -30,33 +28,9 @@ DEFAULT_INPUT: dict[str, tuple[int, ...]] = {
 DEFAULT_PRECISIONS = "fp32,fp16,bf16,O1,O2"
 
 
-def _mlp_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
-    return {"n_in": math.prod(shape), "n_out": classes or 10}
-
-
-def _cnn_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
-    # As mixprec.models.build sizes it for a data set: channels double as the resolution halves.
-    return {"actns": (shape[0], 16, 32, classes or 10)}
-
-
-def _vgg16_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
-    return {"in_channels": shape[0], "num_classes": classes or 1000}  # 1000: torchvision's 138,357,544
-
-
-def _transformer_kwargs(shape: tuple[int, ...], classes: int | None) -> dict[str, Any]:
-    return {"image_shape": shape, "n_classes": classes or 10}
-
-
-# model name -> (input shape, number of classes) -> keyword arguments of mixprec.models.build
-MODEL_KWARGS: dict[str, Callable[[tuple[int, ...], int | None], dict[str, Any]]] = {
-    "mlp": _mlp_kwargs,
-    "cnn": _cnn_kwargs,
-    "vgg16": _vgg16_kwargs,
-    "transformer": _transformer_kwargs,
-}
-
-# How many dimensions each model's input has (the MLP flattens anything; the others need an image).
-_IMAGE_MODELS = frozenset({"cnn", "vgg16", "transformer"})
+# vgg16 defaults to torchvision's 1000 classes (138,357,544 parameters); the others to digits' 10.
+DEFAULT_CLASSES: dict[str, int] = {"vgg16": 1000}
+MODEL_NAMES = ("cnn", "mlp", "transformer", "vgg16")
 
 
 def _optimizers() -> dict[str, Any]:
@@ -86,7 +60,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODEL_KWARGS), default="mlp",
+    parser.add_argument("--model", choices=MODEL_NAMES, default="mlp",
                         help="reference model from mixprec.models (default: mlp, 784-8192-10)")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
     parser.add_argument("--input", type=parse_shape, default=None, metavar="CxHxW",
@@ -116,7 +90,8 @@ def _build(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple[Any, Any]:
 
     device = torch.device("cpu" if args.measure else "meta")
     with device:
-        model = build(args.model, **MODEL_KWARGS[args.model](shape, args.classes))
+        classes = args.classes or DEFAULT_CLASSES.get(args.model, 10)
+        model = build(args.model, input_shape=shape, n_classes=classes)
         x = torch.randn(args.batch_size, *shape)
         y = torch.zeros(args.batch_size, dtype=torch.int64)
     return model, (x, y)
@@ -125,10 +100,6 @@ def _build(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple[Any, Any]:
 def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
     if args.batch_size < 1:
         return f"--batch-size must be >= 1, got {args.batch_size}."
-    if args.model in _IMAGE_MODELS and len(shape) != 3:
-        return f"--model {args.model} needs an image input CxHxW, got {'x'.join(map(str, shape))}."
-    if args.model == "vgg16" and min(shape[1:]) < 32:
-        return "vgg16 halves the image five times: --input needs height and width >= 32."
     return None
 
 
@@ -150,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {err}")
         return 2
     start = time.perf_counter()
-    model, batch = _build(args, shape)
+    try:
+        model, batch = _build(args, shape)
+    except ValueError as err:  # the model cannot take this input (e.g. vgg16 below 32x32)
+        console.print(f"[red]error:[/red] {err}")
+        return 2
     breakdowns = memory_breakdowns(model, _optimizers()[args.optimizer], batch, precisions,
                                    estimate=not args.measure, autocast=args.autocast)
     seconds = time.perf_counter() - start
