@@ -38,6 +38,7 @@ __all__ = [
     "info",
     "representable",
     "round_to_format",
+    "dtype_label",
     "ulp",
 ]
 
@@ -195,6 +196,15 @@ def get_format(fmt: str | FloatFormat | torch.dtype) -> FloatFormat:
         raise UnknownFormatError(
             f"unknown float format {str(fmt)!r}", f"use one of {', '.join(FORMATS)} (aliases: {aliases})"
         ) from None
+
+
+def dtype_label(dtype: object) -> str:
+    """Short name of a torch dtype for tables: ``torch.float16`` -> ``"fp16"``; dtypes that are not float
+    formats (int64, bool) keep torch's name without the ``torch.`` prefix."""
+    try:
+        return get_format(dtype).name  # type: ignore[arg-type]
+    except UnknownFormatError:
+        return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import io
 import threading
 import types
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.formats import dtype_label
 
 __all__ = [
     # data model
@@ -779,7 +781,7 @@ class PolicyDiff:
         for col in ("device", "dtype", "op", self.a, self.b):
             table.add_column(col)
         for device, dtype, op, act_a, act_b in self.ops:
-            table.add_row(device, _DTYPE_NAMES.get(dtype, str(dtype)), op, _styled(act_a), _styled(act_b))
+            table.add_row(device, dtype_label(dtype), op, _styled(act_a), _styled(act_b))
         for setting, val_a, val_b in self.settings:
             table.add_row("*", "*", setting, str(val_a), str(val_b))
         return table
@@ -816,7 +818,6 @@ def _rules_or_empty(policy: Policy, device: str, dtype: torch.dtype) -> Mapping[
         return {}
 
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _ACTION_STYLES = {
     Action.LOWER: "green",
     Action.FP32: "cyan",
@@ -839,7 +840,7 @@ def _policy_table(policy: Policy) -> Any:
     table = Table(title=title)
     table.add_column("op")
     for device, dtype in columns:
-        table.add_column(f"{device} {_DTYPE_NAMES[dtype]}")
+        table.add_column(f"{device} {dtype_label(dtype)}")
     table.add_column("why it differs from torch", overflow="fold", ratio=1)
     ops = dict.fromkeys(op for t in policy.tables for op in t.ops())
 
@@ -865,14 +866,6 @@ def _policy_table(policy: Policy) -> Any:
 def _render(renderable: Any, width: int) -> str:
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=_NullFile(), color_system=None)
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     console.print(renderable)
     return console.export_text()
-
-
-class _NullFile:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass

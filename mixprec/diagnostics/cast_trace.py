@@ -27,30 +27,17 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mixprec.formats import dtype_label
+
 if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = ["CastRecord", "CastTrace", "OpRecord", "dtype_label"]
 
 # Short dtype names for tables: the ones mixed precision is about first.
-_SHORT: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-    torch.uint8: "u8",
-}
 
 # Ops that write one tensor's values into another of (possibly) another dtype: a cast when dtypes differ.
 _CAST_OPS = frozenset({"_to_copy", "copy_", "copy"})
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"fp16"``; unknown dtypes keep torch's name without the prefix."""
-    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
