@@ -48,7 +48,14 @@ from torch import nn
 
 from mixprec.autocast import autocast, half_compute, map_tensors
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.master import MasterWeights, check_params_belong
+from mixprec.master import (
+    HALF_DTYPES,
+    Converted,
+    MasterWeights,
+    check_params_belong,
+    fp32_originals,
+    model_to_half,
+)
 from mixprec.scaler import DEFAULT_INIT_SCALE, GradScaler, device_skip_is_safe
 
 __all__ = [
@@ -63,7 +70,7 @@ __all__ = [
     "load_state_dict",
 ]
 
-HALF = (torch.float16, torch.bfloat16)
+HALF = HALF_DTYPES  # the half dtypes of mixprec.master: one definition
 DYNAMIC = "dynamic"
 # apex's dynamic scaler: starts at 2**16 and never grows past 2**24 (larger scales only buy overflows).
 DEFAULT_MAX_LOSS_SCALE = 2.0**24
@@ -217,10 +224,12 @@ def initialize(
     device_type = _device_type(model_list)
     if verbosity > 0:
         _print_properties(props)
+    originals: dict[torch.Tensor, torch.Tensor] = {}
     for model in model_list:
-        _prepare_model(model, props, device_type)
+        originals.update(fp32_originals(_prepare_model(model, props, device_type)))
     if props.master_weights:
-        opt_list = [MasterWeights(opt, model=None) for opt in opt_list]
+        # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
+        opt_list = [MasterWeights(opt, model=None, initial=originals) for opt in opt_list]
     scalers = [_make_scaler(props, device_type, min_loss_scale, max_loss_scale) for _ in range(num_losses)]
     _STATE = _AmpState(props, device_type, scalers, model_list)
     for opt in opt_list:
@@ -319,24 +328,24 @@ def _print_properties(props: Properties) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ models
-BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
 
 
-def _prepare_model(model: nn.Module, props: Properties, device_type: str) -> None:
+def _prepare_model(model: nn.Module, props: Properties, device_type: str) -> list[Converted]:
+    """Cast the model as ``props`` say and hook its forward; returns what was cast (with the fp32 values
+    before rounding, which seed the O2 masters)."""
     model._mixprec_opt_level = props.opt_level  # type: ignore[assignment]
+    converted: list[Converted] = []
     if props.casts_model:
         dtype = props.cast_model_type
-        assert dtype is not None
-        for module in model.modules():
-            keep = props.keep_batchnorm_fp32 and isinstance(module, BATCHNORM)
-            target = torch.float32 if keep else dtype
-            module._apply(functools.partial(_cast_floating, dtype=target), recurse=False)
+        assert dtype is not None  # casts_model says it is a half dtype
+        converted = model_to_half(model, dtype, keep_bn_fp32=bool(props.keep_batchnorm_fp32))
         model.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
     if props.patch_torch_functions or props.casts_model:
         model.register_forward_pre_hook(_EnterRegion(props, device_type), with_kwargs=True)
         model.register_forward_hook(_LeaveRegion(), always_call=True)
     if props.opt_level != "O0":
         model.register_forward_hook(_outputs_to_fp32)
+    return converted
 
 
 def _cast_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ on_batch_begin, on_loss_begin and on_batch_end, with ``learn.training`` False)::
         on_backward_begin   loss_grad may be changed (e.g. scaled)
         (backward)
         on_backward_end     gradients are ready; raise CancelStepException to skip the step
-        (step)              opt.step()
+        (step)              scaler.step(opt) with a loss scaler (skips on inf/NaN), else opt.step()
         on_step_end         runs whether the step was taken or skipped (learn.step_skipped)
         (zero_grad)
         on_batch_end
@@ -45,11 +45,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mixprec.amp import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, Properties, master_params
 from mixprec.autocast import autocast, half_compute
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.errors import ConfigError
-from mixprec.master import HALF_DTYPES, MasterWeights
-from mixprec.scaler import GradScaler
+from mixprec.master import HALF_DTYPES, Converted, MasterWeights, fp32_originals, model_to_half
+from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads, OptState
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -73,6 +74,9 @@ __all__ = [
     "Checkpoint",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MAX_NOSKIP",
+    "mixprec_callback_for",
+    "model_to_half",
+    "model_to_float",
 ]
 
 # The loop's events, in the order they fire (see the module docstring).
@@ -91,7 +95,7 @@ EVENTS: tuple[str, ...] = (
 
 # fastai v1's to_fp16 defaults, with their reasons:
 DEFAULT_MAX_NOSKIP = 1000  # clean steps before a dynamic scale doubles: overflow is rare once tuned
-DEFAULT_MAX_SCALE = 2.0**24  # a ceiling: beyond it a scaled fp16 gradient of 2**-24 would already be 1
+DEFAULT_MAX_SCALE = DEFAULT_MAX_LOSS_SCALE  # apex's ceiling too: beyond it a scaled 2**-24 would already be 1
 
 
 class CancelStepException(Exception):
@@ -135,38 +139,20 @@ class Callback:
 # Mixed precision
 
 
-class _StepGate:
-    """What GradScaler unscales and steps in place of the optimizer.
+def scaler_saw_step(scaler: GradScaler | None, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``scaler`` unscaled or stepped ``optimizer`` in this iteration and has not been updated since.
 
-    It shows the scaler the optimizer's param groups (fp32 masters, or the model's own parameters), and its
-    ``step()`` does nothing but answer True: ``scaler.step(gate)`` calls it only when every gradient is
-    finite, so its return value tells the callback whether the loop may take the step. One scaler protocol
-    (unscale, check, skip, update), no second implementation of it.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def step(self) -> bool:
-        return True
-
-    def params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-
-
-def _clip_grads(gate: _StepGate, max_norm: float | None) -> None:
-    if max_norm is not None:
-        # Clip what the optimizer steps (fp32 masters), after unscaling: the norm is the true one.
-        nn.utils.clip_grad_norm_(gate.params(), max_norm)
+    Read from the scaler's own per-optimizer stage (torch's record, same keys); ``.get`` so that asking
+    does not create a record. No sync."""
+    if scaler is None or optimizer is None:
+        return False
+    return scaler.stage(optimizer) is not OptState.READY
 
 
 class LossScaling(Callback):
-    """Loss scaling with a :class:`~mixprec.scaler.GradScaler`: scale the loss, hand the gradients to fp32
-    masters (when the optimizer keeps them), unscale and check them, skip the step on inf/NaN, update.
+    """Loss scaling with a :class:`~mixprec.scaler.GradScaler`: make the scaler (``learn.scaler``, which the
+    learner's step goes through: it skips on inf/NaN), scale the loss, unscale the gradients (into the fp32
+    masters), clip them when ``clip`` is set, update the scale.
 
     ``loss_scale=None`` turns scaling off (``GradScaler(enabled=False)``: every call a pass-through).
     """
@@ -198,71 +184,35 @@ class LossScaling(Callback):
             dynamic=self.dynamic,
             max_scale=self.max_scale if self.dynamic else None,
             allow_fp16_grads=self.allow_fp16_grads,
+            # the Recorder reads an epoch's scales from this ring buffer once per epoch: it must hold them all
+            history_size=max(1, len(self.data.train)),
         )
 
     def _start_scaling(self) -> None:
         self.learn.scaler = self.scaler = self._make_scaler()
-        self.gate = _StepGate(self.learn.opt)
 
     def on_backward_begin(self) -> None:
         self.learn.loss_grad = self.scaler.scale(self.loss_grad)
 
     def on_backward_end(self) -> None:
-        if isinstance(self.opt, MasterWeights):
-            self.opt.copy_grads_to_master()  # half -> fp32 is exact; the scaler unscales the fp32 copies
-        self.checked = True  # this iteration's gradients reached the scaler
-        self.scaler.unscale_(self.gate)  # divide by the scale in fp32; find inf/NaN
-        _clip_grads(self.gate, self.clip)
-        if not self.scaler.step(self.gate):  # one host sync: were all gradients finite?
-            raise CancelStepException()
+        # Unscale here, not inside the learner's scaler.step(opt): callbacks after this one (and clipping)
+        # see the true fp32 gradients where the optimizer reads them. unscale_ copies the half gradients to
+        # the fp32 masters, divides by the scale and records inf/NaN on the device: no sync. The step then
+        # skips on that record (on the device for a fused optimizer).
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.opt)
+        elif isinstance(self.opt, HasMasterGrads):
+            self.opt.copy_grads_to_master()  # no scaler to do it (bf16): same contract for later callbacks
+        if self.clip is not None:
+            nn.utils.clip_grad_norm_(list(master_params(self.opt)), self.clip)
 
     def on_step_end(self) -> None:
-        # An earlier callback may have cancelled the step before our on_backward_end: nothing to update.
-        if getattr(self, "checked", False):
+        # An earlier callback may have cancelled the step before the scaler saw it: nothing to update.
+        if scaler_saw_step(self.scaler, self.opt):
             self.scaler.update()  # back off after an overflow, grow after max_noskip clean steps
-        self.checked = False
 
 
-@dataclass(frozen=True)
-class _Converted:
-    """One tensor MixedPrecision turned to half precision, and how to turn it back."""
-
-    module: nn.Module
-    name: str
-    is_param: bool
-    dtype: torch.dtype  # its dtype before
-
-
-def _is_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._BatchNorm)
-
-
-def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[_Converted]:
-    """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
-    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
-
-    BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
-    loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
-    converted, for :func:`model_to_float`.
-    """
-    converted = []
-    with torch.no_grad():
-        for module in model.modules():
-            if keep_bn_fp32 and _is_batchnorm(module):
-                continue
-            for name, param in module.named_parameters(recurse=False):
-                if param.is_floating_point() and param.dtype != dtype:
-                    converted.append(_Converted(module, name, True, param.dtype))
-                    param.data = param.data.to(dtype)
-                    param.grad = None
-            for name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point() and buf.dtype != dtype:
-                    converted.append(_Converted(module, name, False, buf.dtype))
-                    setattr(module, name, buf.to(dtype))
-    return converted
-
-
-def model_to_float(converted: list[_Converted], masters: MasterWeights | None) -> None:
+def model_to_float(converted: list[Converted], masters: MasterWeights | None) -> None:
     """Undo :func:`model_to_half`; parameters with an fp32 master take the master's value, not the
     rounded half value (so leaving mixed precision loses nothing the optimizer accumulated)."""
     values = {}
@@ -287,8 +237,9 @@ class MixedPrecision(LossScaling):
     forward under ``mixprec.autocast.half_compute`` (fp16 GEMMs as a tensor core computes them, on a CPU
     too); on_loss_begin -- output to fp32, so the loss and its reductions run
     in fp32; on_backward_begin -- scale the loss; on_backward_end -- gradients to the masters, unscaled and
-    checked, the step skipped (``CancelStepException``) on inf/NaN; the step updates the masters and copies
-    them back into the model (``MasterWeights.step``), the loop zeroes both gradients; on_step_end -- update
+    checked (no sync), clipped with ``clip``; the learner's step is ``scaler.step(masters)``: skipped on
+    inf/NaN, else the masters updated and copied back into the model
+    (``MasterWeights.step``); the loop zeroes both gradients; on_step_end -- update
     the scale; on_train_end -- the model back to fp32, holding the masters' values.
 
     Args:
@@ -328,20 +279,17 @@ class MixedPrecision(LossScaling):
         super().__init__(loss_scale, dynamic, max_noskip, max_scale, clip, allow_fp16_grads=fp16_grads)
         self.dtype, self.flat_master, self.loss_fp32 = dtype, flat_master, loss_fp32
         self.master_weights, self.keep_bn_fp32 = master_weights, keep_bn_fp32
-        self.converted: list[_Converted] = []
+        self.converted: list[Converted] = []
         self.masters: MasterWeights | None = None
         self.forward = ExitStack()
 
     def on_train_begin(self) -> None:
-        fp32_values = {id(p): p.detach() for p in self.learn.model.parameters()}  # before rounding
         self.converted = model_to_half(self.learn.model, self.dtype, self.keep_bn_fp32)
         if self.master_weights:
             self.learn.opt = self.masters = MasterWeights(
-                self.learn.opt, flat=self.flat_master, model=self.learn.model
+                self.learn.opt, flat=self.flat_master, model=self.learn.model,
+                initial=fp32_originals(self.converted),  # the fp32 values, not their rounding
             )
-            with torch.no_grad():
-                for p, m in zip(self.masters.model_params(), self.masters.master_views(), strict=True):
-                    m.copy_(fp32_values[id(p)])
         self._start_scaling()
 
     def on_batch_begin(self) -> None:
@@ -379,9 +327,9 @@ class AutocastMixedPrecision(LossScaling):
     def __init__(
         self,
         dtype: torch.dtype = torch.float16,
-        loss_scale: float | None = 2.0**16,
+        loss_scale: float | None = DEFAULT_INIT_SCALE,
         dynamic: bool = True,
-        max_noskip: int = 2000,
+        max_noskip: int = DEFAULT_GROWTH_INTERVAL,
         clip: float | None = None,
         policy: Any = None,
     ) -> None:
@@ -401,6 +349,32 @@ class AutocastMixedPrecision(LossScaling):
 
     def on_train_end(self) -> None:
         self.forward.close()
+
+
+def mixprec_callback_for(props: Properties, flat_master: bool = False) -> LossScaling | None:
+    """The learner callback that trains as an apex opt level does (``mixprec.amp.OPT_LEVELS[level]``, or
+    ``initialize``'s resolved properties): None for fp32 (O0), :class:`AutocastMixedPrecision` for a cast
+    policy over fp32 weights (O1), :class:`MixedPrecision` for a half model, with or without fp32 masters
+    and BatchNorm in fp32 as the properties say (O2, O3). Dynamic scaling as ``mixprec.initialize``:
+    start at 2**16, grow after 2000 clean steps, at most 2**24.
+
+    ``flat_master``: one flat fp32 master buffer; only for properties with master weights."""
+    if flat_master and not props.master_weights:
+        raise ConfigError(
+            f"flat_master=True, but opt level {props.opt_level} keeps no fp32 master weights.",
+            "use opt level O2 (fp32 masters), or drop flat_master.",
+        )
+    dynamic = props.loss_scale == DYNAMIC
+    scale = DEFAULT_INIT_SCALE if dynamic else float(props.loss_scale)
+    if props.patch_torch_functions:
+        return AutocastMixedPrecision(props.half_dtype, scale, dynamic, DEFAULT_GROWTH_INTERVAL)
+    if not props.enabled or props.cast_model_type not in HALF_DTYPES:
+        return None
+    return MixedPrecision(
+        props.cast_model_type, scale, flat_master, dynamic, DEFAULT_GROWTH_INTERVAL,
+        max_scale=DEFAULT_MAX_LOSS_SCALE, master_weights=bool(props.master_weights),
+        keep_bn_fp32=bool(props.keep_batchnorm_fp32),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,9 +397,13 @@ class EpochResult:
 
 class Recorder(Callback):
     """Keeps, per training batch, the loss, the learning rate, the loss scale the step used (1.0 without
-    scaling) and whether the step was skipped; per epoch, an :class:`EpochResult`. Reset by each fit."""
+    scaling) and whether the step was skipped; per epoch, an :class:`EpochResult`. Reset by each fit.
 
-    order = -10  # first: sees the scale of this step before the scaler updates it
+    The per-batch lists are filled at each epoch end (and at the end of training), from values kept on the
+    device meanwhile: recording costs a few syncs per epoch, not per step.
+    """
+
+    order = -10  # before LossScaling's update: sees whether the scaler took part in this step
 
     def on_train_begin(self) -> None:
         self.losses: list[float] = []
@@ -433,26 +411,66 @@ class Recorder(Callback):
         self.loss_scales: list[float] = []
         self.skipped: list[bool] = []
         self.epochs: list[EpochResult] = []
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        # This epoch's steps, kept on the device (detached losses, skip flags) and turned into Python
+        # values once per epoch: a float() per step would wait for the device at every step.
+        self._losses: list[torch.Tensor] = []
+        self._skips: list[bool | torch.Tensor] = []
+        self._scaler_saw: list[bool] = []
 
     def on_epoch_begin(self) -> None:
         self.epoch_start, self.epoch_first_batch = time.perf_counter(), len(self.losses)
 
     def on_step_end(self) -> None:
-        scaler = self.learn.scaler
-        self.lrs.append(float(self.opt.param_groups[0]["lr"]))
-        self.loss_scales.append(scaler.get_scale() if scaler is not None else 1.0)
-        self.skipped.append(self.learn.step_skipped)
+        self.lrs.append(float(self.opt.param_groups[0]["lr"]))  # a Python number: no sync
+        self._skips.append(self.learn.step_skipped_async())
+        self._scaler_saw.append(scaler_saw_step(self.learn.scaler, self.opt))
 
     def on_batch_end(self) -> None:
         if self.training:
-            self.losses.append(float(self.loss.detach()))  # syncs: one float per batch, for the curve
+            self._losses.append(self.loss.detach())
+
+    def _flush(self) -> None:
+        """Move the pending steps into the per-step lists: one sync for the losses, one for the flags, one
+        for the scales."""
+        if not self._losses and not self._skips:
+            return
+        if self._losses:
+            self.losses.extend(torch.stack([t.float() for t in self._losses]).tolist())
+        on_device = [f for f in self._skips if isinstance(f, torch.Tensor)]
+        values = iter(torch.stack(on_device).tolist() if on_device else [])
+        self.skipped.extend(bool(next(values)) if isinstance(f, torch.Tensor) else f for f in self._skips)
+        self.loss_scales.extend(self._step_scales())
+        self._clear_pending()
+
+    def _step_scales(self) -> list[float]:
+        """The scale each pending step used: the scaler's history holds one entry per update (per step it
+        saw); a step cancelled before the scaler saw it used the scale of the next update, or the current
+        scale when none followed."""
+        scaler = self.learn.scaler
+        if scaler is None or not scaler.is_enabled():
+            return [1.0] * len(self._scaler_saw)
+        seen = sum(self._scaler_saw)
+        history = scaler.scale_history()[-seen:] if seen else []
+        history.append(scaler.get_scale())
+        scales, i = [], 0
+        for saw in self._scaler_saw:
+            scales.append(history[i])
+            i += saw
+        return scales
 
     def on_epoch_end(self) -> None:
+        self._flush()
         batch_losses = self.losses[self.epoch_first_batch :]
         train_loss = sum(batch_losses) / len(batch_losses) if batch_losses else math.nan
         metrics = tuple(zip(self.learn.metric_names, self.learn.valid_metrics, strict=True))
         seconds = time.perf_counter() - self.epoch_start
         self.epochs.append(EpochResult(self.epoch, train_loss, self.learn.valid_loss, metrics, seconds))
+
+    def on_train_end(self) -> None:
+        self._flush()  # a fit stopped mid-epoch keeps the steps it took
 
     @property
     def skipped_steps(self) -> int:

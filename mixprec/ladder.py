@@ -42,6 +42,7 @@ from mixprec.callbacks import DEFAULT_MAX_SCALE, AutocastMixedPrecision, Callbac
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
 from mixprec.learner import Learner, accuracy
+from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE
 
 __all__ = [
     "Cast",
@@ -61,9 +62,10 @@ __all__ = [
 # fastai's to_fp16 default static scale: it moves fp16's underflow threshold from 2**-24 down to 2**-33, and
 # a logit gradient (at most 1 per sample, divided by the batch size) times 512 stays far below 65504.
 STATIC_LOSS_SCALE = 512.0
-# apex O1/O2 and torch.amp start dynamic scaling high and let the first overflows find the level.
-DYNAMIC_INIT_SCALE = 2.0**16
-DYNAMIC_GROWTH_INTERVAL = 2000  # apex's and torch.amp's default
+# apex O1/O2 and torch.amp start dynamic scaling high and let the first overflows find the level: the
+# scaler's own defaults (torch.amp's), not a second copy of them.
+DYNAMIC_INIT_SCALE = DEFAULT_INIT_SCALE
+DYNAMIC_GROWTH_INTERVAL = DEFAULT_GROWTH_INTERVAL
 
 
 class Cast(str, Enum):

@@ -109,7 +109,7 @@ class Learner:
         self.opt: torch.optim.Optimizer | None = None
         self.scaler: GradScaler | None = None
         self.epoch = self.n_epochs = self.iteration = self.start_epoch = 0
-        self.training = self.step_skipped = False
+        self.training = self._cancelled = False
         self.valid_loss, self.valid_metrics = math.nan, [math.nan] * len(self.metrics)
 
     # ------------------------------------------------------------------ callbacks
@@ -271,14 +271,36 @@ class Learner:
         self.loss = self.loss_func(self.pred, self.yb)
 
     def _step(self) -> None:
-        self.step_skipped = False
+        self._cancelled = False
         try:
-            self._event("on_backward_end")  # a callback may cancel the step (inf/NaN gradients)
-            self._optimizer.step()  # callbacks may have wrapped learn.opt (MasterWeights): read it now
+            self._event("on_backward_end")  # a callback may cancel the step
+            opt = self._optimizer  # callbacks may have wrapped learn.opt (MasterWeights): read it now
+            if self.scaler is not None and self.scaler.is_enabled():
+                # The scaler unscales (into the fp32 masters), checks for inf/NaN and skips: on the device
+                # when the optimizer is fused (no sync), else with one sync.
+                self.scaler.step(opt)
+            else:
+                opt.step()
         except CancelStepException:
-            self.step_skipped = True
+            self._cancelled = True
         self._event("on_step_end")
         self._optimizer.zero_grad()
+
+    def step_skipped_async(self) -> bool | Tensor:
+        """Whether this iteration's step was skipped, without a sync: a Python bool when a callback
+        cancelled it or no scaler took part, else the scaler's 0-dim device flag (True: inf/NaN found)."""
+        if self._cancelled:
+            return True
+        if self.scaler is None or not self.training:
+            return False
+        flag = self.scaler.skipped_async()
+        return False if flag is None else flag
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether this iteration's optimizer step was skipped (cancelled, or inf/NaN gradients). Read from
+        the scaler, so it syncs when a scaler took part: read it when you need it, not every step."""
+        return bool(self.step_skipped_async())
 
     @property
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -290,19 +312,22 @@ class Learner:
     def _evaluate(self, dl: DataLoader, events: bool) -> tuple[float, list[float]]:
         self.model.eval()
         self.training = False
-        total, loss_sum = 0, 0.0
-        metric_sums = [0.0] * len(self.metrics)
+        total = 0
+        # Sums stay on the device (fp64: many batches), converted once at the end: a float() per batch
+        # would wait for the device at every batch.
+        sums: list[Tensor] = []
         for xb, yb in dl:
             self._forward(xb, yb, events)
             n = len(self.yb)
             total += n
-            loss_sum += float(self.loss) * n
-            for i, metric in enumerate(self.metrics):
-                metric_sums[i] += float(metric(self.pred, self.yb)) * n
+            values = [self.loss, *(metric(self.pred, self.yb) for metric in self.metrics)]
+            batch = torch.stack([v.detach().double().reshape(()) for v in values]) * n
+            sums.append(batch)
             if events:
                 self._event("on_batch_end")
         if total == 0:
             raise ConfigError("The validation set is empty.", "build the data with a valid_pct > 0.")
+        loss_sum, *metric_sums = torch.stack(sums).sum(0).tolist()
         return loss_sum / total, [s / total for s in metric_sums]
 
     def validate(self, dl: DataLoader | None = None) -> list[float]:

@@ -30,7 +30,7 @@ on the device (``GradScaler`` then never syncs). Pass ``fused=False`` to keep th
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,10 +39,62 @@ from torch import nn
 
 from mixprec.errors import ConfigError, ParameterMismatchError
 
-__all__ = ["MasterWeights", "HALF_DTYPES", "check_params_belong"]
+__all__ = [
+    "MasterWeights",
+    "HALF_DTYPES",
+    "BATCHNORM",
+    "check_params_belong",
+    "model_to_half",
+    "fp32_originals",
+]
 
 # The dtypes that get an fp32 master. Everything else floating (fp32, fp64) is updated in place.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One tensor :func:`model_to_half` turned to half precision, and how to turn it back."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    dtype: torch.dtype  # its dtype before
+    before: torch.Tensor  # its value before (a parameter's old storage: no copy was made)
+
+
+# Kept fp32 when a model is cast to half (apex O2's keep_batchnorm_fp32).
+BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
+
+
+def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
+    """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
+    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
+
+    BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
+    loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
+    converted: to undo it, and to seed fp32 masters from the values before rounding (:func:`fp32_originals`).
+    """
+    converted = []
+    with torch.no_grad():
+        for module in model.modules():
+            if keep_bn_fp32 and isinstance(module, BATCHNORM):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    converted.append(Converted(module, name, True, param.dtype, param.detach()))
+                    param.data = param.data.to(dtype)
+                    param.grad = None
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    converted.append(Converted(module, name, False, buf.dtype, buf))
+                    setattr(module, name, buf.to(dtype))
+    return converted
+
+
+def fp32_originals(converted: list[Converted]) -> dict[torch.Tensor, torch.Tensor]:
+    """Each converted parameter's value before the cast: ``MasterWeights(..., initial=...)``."""
+    return {getattr(c.module, c.name): c.before for c in converted if c.is_param}
 
 
 @dataclass
@@ -94,11 +146,15 @@ def _views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tens
     return views
 
 
-def _make_masters(half: list[torch.Tensor], flat: bool) -> _GroupMasters:
-    """fp32 copies of ``half``. Converting fp16/bf16 to fp32 is exact, so the masters start equal."""
+def _make_masters(
+    half: list[torch.Tensor], flat: bool, initial: Mapping[torch.Tensor, torch.Tensor]
+) -> _GroupMasters:
+    """fp32 copies of ``half``, or of their fp32 values in ``initial`` (what they were before rounding).
+    Converting fp16/bf16 to fp32 is exact, so without ``initial`` the masters start equal to the model."""
+    values = [initial.get(p, p).detach() for p in half]
     with torch.no_grad():
         if not flat or not half:
-            masters = [p.detach().float().requires_grad_(True) for p in half]
+            masters = [v.float().clone().requires_grad_(True) for v in values]
             return _GroupMasters(half, masters, None)
         devices = {p.device for p in half}
         if len(devices) > 1:
@@ -106,7 +162,7 @@ def _make_masters(half: list[torch.Tensor], flat: bool) -> _GroupMasters:
                 f"flat=True needs one device per param group, found {sorted(map(str, devices))}.",
                 "put parameters of different devices in separate param groups, or use flat=False.",
             )
-        buffer = torch.cat([p.detach().reshape(-1).float() for p in half]).requires_grad_(True)
+        buffer = torch.cat([v.reshape(-1).float() for v in values]).requires_grad_(True)
         return _GroupMasters(half, _views_like(buffer.detach(), half), buffer)
 
 
@@ -138,6 +194,9 @@ class MasterWeights(torch.optim.Optimizer):
         model: if given, every optimized parameter must belong to it (catches a model/optimizer mix-up).
         fused: None picks torch's fused update when the optimizer has one and no choice was made;
             False leaves the optimizer as it was; True requires it.
+        initial: fp32 values to seed the masters of these half parameters, keyed by the parameter
+            (e.g. :func:`fp32_originals` of :func:`model_to_half`): the weights before they were rounded to
+            half precision, so rounding the model loses nothing the masters keep. Default: the half values.
 
     The wrapper *is* a ``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` and
     ``state`` are the wrapped optimizer's. Build schedulers on the wrapper, step the wrapper.
@@ -150,11 +209,13 @@ class MasterWeights(torch.optim.Optimizer):
         flat: bool = False,
         model: nn.Module | None = None,
         fused: bool | None = None,
+        initial: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         _check_wrappable(optimizer, model)
         self.optimizer = optimizer
         self.flat = flat
-        self._groups = [self._rewire(group) for group in optimizer.param_groups]
+        # `initial` is used here only: keeping it would hold a second fp32 copy of the model alive.
+        self._groups = [self._rewire(group, initial or {}) for group in optimizer.param_groups]
         self._use_fused(optimizer, fused)
         # param_groups, state and defaults are properties reading the wrapped optimizer, so schedulers see
         # one object even after load_state_dict replaces the wrapped optimizer's lists.
@@ -193,11 +254,11 @@ class MasterWeights(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     # ------------------------------------------------------------------ construction
-    def _rewire(self, group: dict[str, Any]) -> _GroupMasters:
+    def _rewire(self, group: dict[str, Any], initial: Mapping[torch.Tensor, torch.Tensor]) -> _GroupMasters:
         params: list[torch.Tensor] = list(group["params"])
         half = [p for p in params if p.dtype in HALF_DTYPES]
         others = [p for p in params if p.dtype not in HALF_DTYPES]
-        masters = _make_masters(half, self.flat)
+        masters = _make_masters(half, self.flat, initial)
         shadow = [masters.flat] if masters.flat is not None else masters.views
         group["params"] = shadow + others
         return masters
@@ -222,7 +283,7 @@ class MasterWeights(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of model parameters; their masters are made here."""
         self.optimizer.add_param_group(param_group)
-        self._groups.append(self._rewire(self.optimizer.param_groups[-1]))
+        self._groups.append(self._rewire(self.optimizer.param_groups[-1], {}))
 
     # ------------------------------------------------------------------ the step
     @property

@@ -320,3 +320,33 @@ def test_a_step_cancelled_before_the_scaler_saw_it_is_not_updated() -> None:
     steps = len(data.train)
     assert learn.scaler is not None
     assert len(learn.scaler.scale_history()) == (steps + 1) // 2  # one update per step the scaler checked
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_mixprec_callback_for_follows_the_opt_level_table(level: str) -> None:
+    from mixprec.amp import OPT_LEVELS
+    from mixprec.callbacks import AutocastMixedPrecision, mixprec_callback_for
+
+    props = OPT_LEVELS[level]
+    cb = mixprec_callback_for(props)
+    if level == "O0":
+        assert cb is None
+    elif level == "O1":
+        assert isinstance(cb, AutocastMixedPrecision) and cb.dynamic and cb.loss_scale == 2.0**16
+    else:
+        assert isinstance(cb, MixedPrecision)
+        assert cb.master_weights == props.master_weights and cb.keep_bn_fp32 == props.keep_batchnorm_fp32
+        assert cb.dynamic == (level == "O2") and cb.loss_scale == (2.0**16 if level == "O2" else 1.0)
+
+
+def test_amp_o2_masters_start_from_the_fp32_weights() -> None:
+    """Both interfaces seed O2 masters from the weights before rounding, not from their fp16 rounding."""
+    model = torch.nn.Linear(16, 4)
+    fp32 = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+    try:
+        for master, before in zip(opt.master_views(), fp32, strict=True):
+            assert torch.equal(master, before)
+    finally:
+        mixprec.amp.reset()

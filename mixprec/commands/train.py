@@ -3,7 +3,7 @@
 Shows fastai's progress bar and results table, then writes under ``--out``: ``metrics.json`` (settings,
 per-epoch results, per-step loss, learning rate, loss scale and skipped flag), ``metrics.csv`` (one row
 per epoch) and ``losses.png`` (the loss curve, and the loss scale when there is one). At every epoch end
-it saves ``checkpoint.pt`` there (``--precision`` runs); ``--resume`` continues from it with the same
+it saves ``checkpoint.pt`` there; ``--resume`` continues from it with the same
 arguments, to the same bits as an uninterrupted run.
 """
 
@@ -20,7 +20,6 @@ from mixprec.commands.console import make_console
 if TYPE_CHECKING:
     import torch
 
-    from mixprec.callbacks import Callback
     from mixprec.data import DataBunch
     from mixprec.learner import Learner
 
@@ -180,8 +179,9 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.flat_master and args.precision == "fp32" and args.opt_level is None:
         raise UsageError("--flat-master needs half precision master weights: add --precision fp16 or bf16.")
-    if args.resume and args.opt_level is not None:
-        raise UsageError("--resume works with --precision runs only (--opt-level runs write no checkpoint).")
+    if args.flat_master and args.opt_level in ("O0", "O1", "O3"):
+        raise UsageError(f"--flat-master needs fp32 master weights, which {args.opt_level} does not keep: "
+                         "use --opt-level O2, or drop --flat-master.")
     if args.resume and not (args.out / CHECKPOINT_NAME).is_file():
         raise UsageError(
             f"--resume: there is no checkpoint at {args.out / CHECKPOINT_NAME}. Check --out (a "
@@ -203,7 +203,12 @@ def _opt_func(name: str) -> Any:
 
 def _set_precision(learn: Learner, args: argparse.Namespace) -> None:
     if args.opt_level is not None:
-        learn.add_cb(_opt_level_callback(args.opt_level))
+        from mixprec import amp
+        from mixprec.callbacks import mixprec_callback_for
+
+        cb = mixprec_callback_for(amp.OPT_LEVELS[args.opt_level], flat_master=args.flat_master)
+        if cb is not None:
+            learn.add_cb(cb)
     elif args.precision == "fp16":
         scale = args.loss_scale
         dynamic = scale is None or scale == "dynamic"
@@ -211,36 +216,6 @@ def _set_precision(learn: Learner, args: argparse.Namespace) -> None:
                       flat_master=args.flat_master)
     elif args.precision == "bf16":
         learn.to_bf16(flat_master=args.flat_master)
-
-
-def _opt_level_callback(opt_level: str) -> Callback:
-    try:
-        from mixprec import amp
-    except ImportError as err:
-        raise UsageError(
-            f"--opt-level needs mixprec.amp (mixprec.initialize), which this installation lacks ({err}). "
-            "Use --precision fp16|bf16 instead."
-        ) from None
-    from mixprec.callbacks import Callback
-
-    class OptLevel(Callback):
-        """mixprec.initialize at on_train_begin; the backward inside mixprec.scale_loss."""
-
-        order = 100
-
-        def on_train_begin(self) -> None:
-            self.learn.model, self.learn.opt = amp.initialize(
-                self.learn.model, self.learn.opt, opt_level=opt_level, verbosity=0
-            )
-
-        def on_backward_begin(self) -> None:
-            self.scaled = amp.scale_loss(self.loss_grad, self.opt)
-            self.learn.loss_grad = self.scaled.__enter__()
-
-        def on_backward_end(self) -> None:
-            self.scaled.__exit__(None, None, None)  # unscale, check; opt.step() skips on inf/NaN
-
-    return OptLevel()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
                       "in fp16 and produces NaN. Use --opt sgd, or O2 (fp32 masters).")
     console.print(f"[bold]{args.model}[/] on [bold]{spec.name}[/], {precision}, {args.opt} lr {args.lr:g}, "
                   f"{args.schedule}, batch {args.batch_size}, seed {args.seed}")
-    # amp.initialize's optimizer and scalers are not ours to save: --opt-level runs write no checkpoint.
-    ckpt = {} if args.opt_level is not None else _checkpoint_args(args)
+    ckpt = _checkpoint_args(args)
     try:
         if args.schedule == "one-cycle":
             learn.fit_one_cycle(args.epochs, args.lr, **ckpt)
