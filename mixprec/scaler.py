@@ -589,6 +589,22 @@ class GradScaler:
             return 0
         return self._init_skipped if self._skipped is None else int(self._skipped.item())
 
+    def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """Where ``optimizer`` is in this iteration's protocol (READY before unscale_/step and after
+        update()). No sync; asking does not create a record."""
+        state = self._per_optimizer_states.get(id(optimizer)) if self._enabled else None
+        return OptState.READY if state is None else state["stage"]
+
+    def skipped_async(self) -> torch.Tensor | None:
+        """This iteration's skip decision as a 0-dim bool device tensor, without a sync: from the inf
+        checks recorded since the last update(), or, right after update(), the flag it recorded. None
+        while disabled or before the first iteration."""
+        if not self._enabled or self._scale is None:
+            return None
+        if any(state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
+            return self._combined_found_inf(self._scale) > 0
+        return self._last_skipped
+
     def scale_history(self) -> list[float]:
         """The scale each of the last ``history_size`` iterations used, oldest first. Syncs once."""
         if not self._enabled:

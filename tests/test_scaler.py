@@ -18,7 +18,7 @@ from mixprec.errors import (
     PersistentOverflowError,
     ScalerStateError,
 )
-from mixprec.scaler import GradScaler
+from mixprec.scaler import GradScaler, OptState
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 INF_AT = {2, 3, 9, 10, 11, 17}  # iterations whose gradients we poison
@@ -392,3 +392,25 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step() -> None:
         assert scales == ref_scales
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p, q)
+
+
+def test_stage_and_skipped_async_follow_the_protocol_without_syncing() -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert scaler.skipped_async() is None and scaler.stage(opt) is OptState.READY
+    for poison in (True, False):
+        scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+        if poison:
+            model[0].weight.grad[0, 0] = float("inf")
+        with _NoSync():
+            scaler.unscale_(opt)
+            assert scaler.stage(opt) is OptState.UNSCALED
+            flag = scaler.skipped_async()
+        assert flag is not None and bool(flag) is poison
+        scaler.step(opt)
+        assert scaler.stage(opt) is OptState.STEPPED
+        scaler.update()
+        assert scaler.stage(opt) is OptState.READY
+        assert bool(scaler.skipped_async()) is poison == scaler.last_step_skipped
+        opt.zero_grad()
