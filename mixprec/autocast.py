@@ -198,15 +198,16 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     return value
 
 
-def _iter_tensors(value: Any) -> Any:
+def iter_tensors(value: Any) -> Any:
+    """Every tensor in nested lists, tuples and dicts (exact types, as torch passes op arguments)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif type(value) in (list, tuple):
         for v in value:
-            yield from _iter_tensors(v)
+            yield from iter_tensors(v)
     elif type(value) is dict:
         for v in value.values():
-            yield from _iter_tensors(v)
+            yield from iter_tensors(v)
 
 
 def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -292,7 +293,7 @@ def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: A
     if out is None:
         return result
     with torch.no_grad():
-        for dst, src in zip(_iter_tensors(out), _iter_tensors(result), strict=True):
+        for dst, src in zip(iter_tensors(out), iter_tensors(result), strict=True):
             dst.copy_(src)
     return out
 
@@ -304,7 +305,7 @@ def _run_fp32(region: Region, op: str, func: Callable[..., Any], args: Any, kwar
 def _widest(region: Region, args: Any, kwargs: Any) -> torch.dtype:
     # torch's promote: fp32 if any eligible input is fp32, else the region's dtype. Where torch raises
     # (fp16 mixed with bf16) we take fp32, which holds both exactly.
-    seen = {t.dtype for t in _iter_tensors((args, kwargs)) if _eligible(t, region.device_type)}
+    seen = {t.dtype for t in iter_tensors((args, kwargs)) if _eligible(t, region.device_type)}
     return region.dtype if seen <= {region.dtype} else torch.float32
 
 
@@ -370,7 +371,7 @@ def _region_for_call(args: Any, kwargs: Any) -> Region | None:
     if region is not None:
         return region if _is_current(region) else None
     # Under a plain torch.autocast: apply the registration with torch's dtype, no cache, no emulation.
-    for t in _iter_tensors((args, kwargs)):
+    for t in iter_tensors((args, kwargs)):
         device_type = t.device.type
         if device_type in DEVICES and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -666,7 +667,7 @@ class _HalfComputeMode(TorchFunctionMode):
         if (
             getattr(func, "__name__", None) not in self.names
             or torch.is_autocast_enabled(self.region.device_type)
-            or not any(t.dtype is torch.float16 for t in _iter_tensors((args, kwargs)))
+            or not any(t.dtype is torch.float16 for t in iter_tensors((args, kwargs)))
         ):
             return func(*args, **kwargs)
         return _run_emulated(self.region, func, args, kwargs)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mixprec.diagnostics.overflow import finite_flags
 from mixprec.errors import ConfigError
 
 __all__ = [
@@ -215,15 +216,15 @@ def inject_activation_faults(
 
 def nonfinite_optimizer_state(optimizer: torch.optim.Optimizer) -> list[str]:
     """Names of the optimized tensors (fp32 masters under ``MasterWeights``) and optimizer-state tensors
-    (momentum buffers, Adam moments) that contain inf or NaN; empty when all are finite. Syncs once per
-    tensor: a check for tests and debugging, not for every step."""
-    bad = []
+    (momentum buffers, Adam moments) that contain inf or NaN; empty when all are finite. The flags are
+    computed on the tensors' devices and fetched together: one host-device sync per device. Still a check
+    for tests and debugging, not for every step."""
+    named: list[tuple[str, torch.Tensor]] = []
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            if not bool(torch.isfinite(p.detach()).all()):
-                bad.append(f"param_groups[{g}].params[{i}]")
+            named.append((f"param_groups[{g}].params[{i}]", p))
             for name, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    if not bool(torch.isfinite(value).all()):
-                        bad.append(f"state[param_groups[{g}].params[{i}]][{name!r}]")
-    return bad
+                    named.append((f"state[param_groups[{g}].params[{i}]][{name!r}]", value))
+    flags = finite_flags([t for _, t in named])
+    return [label for (label, _), finite in zip(named, flags, strict=True) if not finite]

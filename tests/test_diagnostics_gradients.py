@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from pathlib import Path
 
 import matplotlib.image
@@ -183,3 +184,31 @@ def test_cli_grads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "Suggested loss scale" in out and "x1024" in out
     _png_ok(png)
     assert grads_command.run(parser.parse_args(["--loss-scale", "-1", "--no-png"])) == 2
+
+
+def test_a_gradient_without_finite_non_zero_values() -> None:
+    g = torch.tensor([0.0, INF, -INF, NAN, 0.0])
+    report = analyze_grads([("dead", g), ("live", torch.tensor([2.0**-3]))])
+    dead = report.layers[0]
+    # Reference: torch's own counts on the same tensor.
+    assert (dead.zeros, dead.nonfinite) == (int((g == 0).sum()), int((~g.isfinite()).sum()))
+    assert dead.nonzero == 0 and sum(dead.counts) == 0 and (dead.max_abs, dead.min_abs) == (0.0, INF)
+    assert all(o.nonzero == 0 and o.fraction("underflow") == 0.0 for o in dead.outcomes)
+    assert report.suggested_scale == suggest_loss_scale(2.0**-3)
+
+
+def test_summary_states_the_fp16_thresholds_torch_casts_by() -> None:
+    """The limits quoted in the summary are derived from mixprec.formats; torch's cast is the reference."""
+    text = analyze_grads({"w": torch.tensor([1.0, 2.0**-20])}).summary()
+    match = re.search(r"keeps \|x\| > 2\^(-?\d+) .* below 2\^(-?\d+), inf from ([\d.]+)", text)
+    assert match is not None, text
+    zero_below, normal_from, inf_from = 2.0 ** int(match[1]), 2.0 ** int(match[2]), float(match[3])
+    # Neighbours in fp32, the dtype the gradients are analysed in.
+    at = torch.tensor([zero_below, normal_from, inf_from])
+    up, down = torch.nextafter(at, torch.full_like(at, INF)), torch.nextafter(at, torch.zeros_like(at))
+    cast = torch.stack([at[0], up[0], at[1], down[1], at[2], down[2]]).half()
+    assert cast[0] == 0 and cast[1] > 0
+    assert cast[2] == torch.finfo(torch.float16).smallest_normal
+    assert cast[3] == torch.finfo(torch.float16).smallest_normal  # rounds up: the subnormal range ends below
+    assert cast[4].isinf() and cast[5].isfinite()
+    assert f"<= {torch.finfo(torch.float16).max:g}" in text

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import math
 
 import matplotlib.image
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.commands import memory as memory_command
@@ -20,6 +23,7 @@ from mixprec.diagnostics.memory import (
     memory_table,
 )
 from mixprec.errors import ConfigError
+from mixprec.master import MasterWeights
 from mixprec.models import mlp, simple_cnn, vgg16
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -204,3 +208,63 @@ def test_cli_memory(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> Non
     assert _cli(["--precision", "fp32,O7", "--no-png"]) == 2
     assert "O7" in capsys.readouterr().out
     assert _cli(["--model", "vgg16", "--input", "3x16x16", "--no-png"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ opt levels
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_opt_level_recipes_match_what_initialize_does(level: str) -> None:
+    """The reference: a real step under mixprec.initialize at that level (the recipes are read from
+    amp.OPT_LEVELS, so this checks that reading)."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model, batch = simple_cnn((1, 4, 8, 10)), _batch(2, (1, 8, 8))
+    result = memory_breakdown(model, torch.optim.Adam, batch, level)
+    real = copy.deepcopy(model)
+    real, opt = mixprec.initialize(real, torch.optim.Adam(real.parameters()), level, loss_scale=1.0,
+                                   verbosity=0)
+    with mixprec.scale_loss(F.cross_entropy(real(batch[0]), batch[1]), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert result.params == sum(p.numel() * p.element_size() for p in real.parameters())
+    assert result.buffers == sum(b.numel() * b.element_size() for b in real.buffers())
+    assert result.optimizer_state == _state_bytes(opt)
+    masters = list(opt.master_params()) if isinstance(opt, MasterWeights) else []
+    assert result.masters == sum(m.numel() * m.element_size() for m in masters if m.dtype == torch.float32
+                                 and all(m is not p for p in real.parameters()))
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+@pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
+@pytest.mark.parametrize("precision", ["O2", "fp16"])
+def test_the_master_weights_optimizer_initialize_returns_is_unwrapped(precision: str, estimate: bool) -> None:
+    import mixprec
+
+    torch.manual_seed(0)
+    model, batch = simple_cnn((1, 4, 8, 10)), _batch(2, (1, 8, 8))
+    half = copy.deepcopy(model)
+    _, opt = mixprec.initialize(half, torch.optim.Adam(half.parameters(), lr=1e-3), "O2", verbosity=0)
+    assert isinstance(opt, MasterWeights)
+    wrapped = memory_breakdown(model, opt, batch, precision, estimate=estimate)
+    plain = memory_breakdown(model, torch.optim.Adam, batch, precision, estimate=estimate)
+    assert wrapped.as_dict() == plain.as_dict() and wrapped.optimizer_state > 0
+
+
+def test_get_precision_accepts_amp_properties() -> None:
+    from mixprec.amp import OPT_LEVELS
+
+    bf16_o2 = get_precision(OPT_LEVELS["O2"].with_dtype(torch.bfloat16))
+    by_hand = Precision("O2", "", torch.bfloat16, keep_batchnorm_fp32=True, master_weights=True)
+    assert dataclasses.replace(bf16_o2, description="") == by_hand
+    assert get_precision(OPT_LEVELS["O1"].with_dtype(torch.bfloat16)).autocast_dtype == torch.bfloat16
+    assert get_precision(OPT_LEVELS["O3"]) == get_precision("O3")
+    # Masters only for half parameters, as MasterWeights: fp64 parameters are stepped directly.
+    with pytest.raises(ConfigError, match="half param_dtype"):
+        Precision("fp64 + master", "", torch.float64, master_weights=True)

@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec.diagnostics import overflow
 from mixprec.diagnostics.overflow import (
     NonfiniteTracer,
+    finite_flags,
     nonfinite_grads,
     nonfinite_report,
     tensor_range,
@@ -156,3 +158,59 @@ def test_nonfinite_grads_after_an_overflowing_scaled_backward() -> None:
     bad = {b.name: b for b in nonfinite_grads(model.named_parameters())}
     expected = {n for n, p in model.named_parameters() if not p.grad.isfinite().all()}
     assert set(bad) == expected and expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_finite_flags_agree_with_torch(device: str) -> None:
+    tensors = [
+        torch.tensor([1.0, float("inf")], device=device).half(),
+        torch.ones(3, device=device, dtype=torch.bfloat16),
+        torch.tensor([float("nan")], device=device, dtype=torch.float64),
+        torch.arange(4, device=device),  # integers are always finite
+        torch.empty(0, device=device),
+        torch.tensor(2.0),  # a CPU scalar beside device tensors, like an optimizer's step counter
+    ]
+    assert finite_flags(tensors) == [bool(torch.isfinite(t).all()) for t in tensors]
+    assert finite_flags([]) == []
+
+
+def test_tensor_range_of_fp64_and_empty_tensors() -> None:
+    x = torch.tensor([1e300, -2.5, float("inf")], dtype=torch.float64)  # beyond fp32: kept in fp64
+    r = tensor_range(x)
+    assert (r.min, r.max, r.n_inf, r.n_nan, r.dtype) == (x[1].item(), x[0].item(), 1, 0, torch.float64)
+    empty = tensor_range(torch.empty(0, 3, dtype=torch.float16))
+    assert (empty.min, empty.max, empty.n_inf, empty.n_nan, empty.shape) == (None, None, 0, 0, (0, 3))
+
+
+def test_finite_outputs_are_not_ranged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges are built only for the event: a finite forward checks one flag per output."""
+    calls: list[torch.Tensor] = []
+    original = overflow.tensor_range
+    monkeypatch.setattr(overflow, "tensor_range", lambda t: calls.append(t) or original(t))
+    model = _model()
+    with trace_nonfinite(model) as tracer:
+        model(_input())
+    assert tracer.event is None and calls == []
+    _plant_overflow(model)
+    half = model.half()
+    with trace_nonfinite(half, compare_fp32=False) as tracer:
+        half(_input().half())
+    assert tracer.event is not None and tracer.event.module == "layer3" and len(calls) == 2  # input, output
+
+
+def test_tracer_reads_outputs_nested_in_dicts() -> None:
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            h = self.body(x)
+            return {"ids": torch.arange(2), "out": [h, h.log()]}  # log of negatives: NaN, made in forward
+
+    model = Heads()
+    with trace_nonfinite(model, compare_fp32=False) as tracer:
+        model(-torch.ones(2, 4) * 100)
+    assert tracer.event is not None and tracer.event.module == "" and tracer.event.module_type == "Heads"
+    assert [r.dtype for r in tracer.event.outputs] == [torch.float32, torch.float32]
+    assert not tracer.event.outputs[1].finite

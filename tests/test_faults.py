@@ -241,3 +241,26 @@ def test_amp_double_step_after_overflow_does_not_write_inf() -> None:
     with pytest.raises(ScalerStateError, match="twice"):
         opt.step()
     assert bool(net[0].weight.isfinite().all())
+
+
+def test_nonfinite_optimizer_state_agrees_with_a_per_tensor_check() -> None:
+    net = _net()
+    opt = torch.optim.SGD([{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 0.5}],
+                          lr=0.1, momentum=0.9)
+    x, y = _batch()
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        opt.state[net[2].weight]["momentum_buffer"][0, 0] = float("inf")  # state only, the weight is fine
+        net[0].bias[1] = float("nan")
+    # Reference: torch's own check of each tensor, one at a time.
+    expected = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            if not torch.isfinite(p).all():
+                expected.append(f"param_groups[{g}].params[{i}]")
+            buf = opt.state[p]["momentum_buffer"]
+            if not torch.isfinite(buf).all():
+                expected.append(f"state[param_groups[{g}].params[{i}]]['momentum_buffer']")
+    assert nonfinite_optimizer_state(opt) == expected
+    assert expected == ["param_groups[0].params[1]", "state[param_groups[1].params[0]]['momentum_buffer']"]

@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec import formats
+from mixprec.diagnostics.memory import default_loss, split_batch
 from mixprec.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,15 +61,28 @@ __all__ = [
     "suggest_loss_scale",
 ]
 
-# floor(log2|x|) of finite non-zero fp32 values: 2^-149 (smallest subnormal) to 2^127 (largest binade).
-MIN_EXPONENT, MAX_EXPONENT = -149, 127
+# floor(log2|x|) of finite non-zero fp32 values (gradients are analysed in fp32): 2^-149 (smallest
+# subnormal) to 2^127 (largest binade).
+_FP32 = formats.info("fp32")
+MIN_EXPONENT, MAX_EXPONENT = _FP32.min_exponent - _FP32.mantissa_bits, _FP32.max_exponent
 EXPONENTS: tuple[int, ...] = tuple(range(MIN_EXPONENT, MAX_EXPONENT + 1))
 
 # Three binades of headroom above this batch's largest gradient (see the module docstring).
 DEFAULT_MARGIN = 8.0
 
-# The formats whose effect is reported: name -> dtype.
-_FORMATS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The formats whose effect is reported: name -> torch dtype, from mixprec.formats.
+_FORMATS: dict[str, torch.dtype] = {
+    name: dtype for name in ("fp16", "bf16") if (dtype := formats.get_format(name).torch_dtype) is not None
+}
+FP16 = formats.info("fp16")
+
+# The thresholds the casts imply (see the module docstring): half the smallest subnormal rounds to 0 (a tie
+# to the even 0), and half an ulp above the max rounds to inf (a tie to the even 2^(max_exponent+1)).
+_FP16_LIMITS = (
+    f"fp16 keeps |x| > 2^{FP16.min_exponent - FP16.mantissa_bits - 1} (non-zero), subnormal below "
+    f"2^{FP16.min_exponent}, inf from {FP16.max + formats.ulp(FP16.max, 'fp16') / 2:g} "
+    "(round to nearest even)."
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,7 +207,7 @@ class GradientReport:
 
 
 def suggest_loss_scale(
-    max_abs: float, margin: float = DEFAULT_MARGIN, fmt_max: float = 65504.0
+    max_abs: float, margin: float = DEFAULT_MARGIN, fmt_max: float = FP16.max
 ) -> float | None:
     """The largest power of two ``S`` with ``max_abs * S * margin <= fmt_max``; None if max_abs is 0/inf."""
     if not (math.isfinite(max_abs) and max_abs > 0):
@@ -209,35 +223,79 @@ def suggest_loss_scale(
     return 2.0**k
 
 
-def _outcome(values: Tensor, fmt: str, scale: float) -> CastOutcome:
+# The outcome counts of one cast, in the order CastOutcome's fields take them (below_normal includes zeros).
+_OUTCOME_COUNTS = 3
+
+
+def _outcome_counts(values: Tensor, fmt: str, scale: float) -> list[Tensor]:
     """``values``: the finite non-zero gradients, fp32. The cast itself decides (round to nearest even);
-    the module docstring gives the thresholds it implies."""
+    the module docstring gives the thresholds it implies. 0-dim counts, not yet read by the host."""
     h = (values * scale).to(_FORMATS[fmt])
-    tiny = torch.finfo(_FORMATS[fmt]).smallest_normal
-    underflow = int(torch.count_nonzero(h == 0))
-    below_normal = int(torch.count_nonzero(h.abs() < tiny))  # zeros included: subtracted below
-    overflow = int(torch.count_nonzero(h.isinf()))
-    return CastOutcome(fmt, scale, values.numel(), underflow, below_normal - underflow, overflow)
+    tiny = formats.info(fmt).smallest_normal
+    return [torch.count_nonzero(h == 0), torch.count_nonzero(h.abs() < tiny), torch.count_nonzero(h.isinf())]
 
 
-def _stats(name: str, grad: Tensor, scales: Sequence[float]) -> GradStats:
+@dataclass
+class _Layer:
+    """One gradient, read once: its finite non-zero values (fp32) and what does not depend on the scale."""
+
+    name: str
+    numel: int
+    values: Tensor
+    zeros: int
+    nonfinite: int
+    counts: tuple[int, ...]
+    max_abs: float
+    min_abs: float
+
+
+def _read_layer(name: str, grad: Tensor, unscale: float) -> _Layer:
+    """The one pass over a gradient. Boolean indexing syncs (its size is data-dependent); the counts,
+    histogram and extremes are then fetched with one more sync, stacked in float64 (exact for counts below
+    2^53 and for every fp32 value)."""
     g = grad.detach().float().flatten()
+    if unscale != 1.0:
+        g = g / unscale  # exact for a power of two
     finite = g.isfinite()
-    n_finite = int(torch.count_nonzero(finite))
     values = g[finite & (g != 0)]
     _, exponent = torch.frexp(values)  # |g| = m * 2^exponent with 0.5 <= m < 1: floor(log2|g|) = exponent-1
     counts = torch.bincount((exponent - 1 - MIN_EXPONENT).long(), minlength=len(EXPONENTS))
     magnitudes = values.abs()
-    outcomes = [_outcome(values, "fp16", s) for s in scales]
-    outcomes.append(_outcome(values, "bf16", 1.0))
-    return GradStats(
+    empty = values.numel() == 0
+    extremes = torch.stack([
+        torch.count_nonzero(finite).double(),
+        g.new_zeros((), dtype=torch.float64) if empty else magnitudes.max().double(),
+        g.new_full((), math.inf, dtype=torch.float64) if empty else magnitudes.min().double(),
+    ])
+    n_finite, max_abs, min_abs, *histogram = torch.cat([extremes, counts.double()]).tolist()
+    return _Layer(
         name=name,
         numel=g.numel(),
-        zeros=n_finite - values.numel(),
-        nonfinite=g.numel() - n_finite,
-        counts=tuple(int(c) for c in counts.tolist()),
-        max_abs=float(magnitudes.max()) if values.numel() else 0.0,
-        min_abs=float(magnitudes.min()) if values.numel() else math.inf,
+        values=values,
+        zeros=int(n_finite) - values.numel(),
+        nonfinite=g.numel() - int(n_finite),
+        counts=tuple(int(c) for c in histogram),
+        max_abs=max_abs,
+        min_abs=min_abs,
+    )
+
+
+def _stats(layer: _Layer, scales: Sequence[float]) -> GradStats:
+    """The layer's cast outcomes at fp16 x each of ``scales`` and bf16 x 1, fetched with one sync."""
+    casts = [("fp16", s) for s in scales] + [("bf16", 1.0)]
+    counts = torch.stack([c for fmt, s in casts for c in _outcome_counts(layer.values, fmt, s)]).tolist()
+    n, outcomes = layer.values.numel(), []
+    for i, (fmt, s) in enumerate(casts):
+        underflow, below_normal, overflow = counts[i * _OUTCOME_COUNTS:(i + 1) * _OUTCOME_COUNTS]
+        outcomes.append(CastOutcome(fmt, s, n, underflow, below_normal - underflow, overflow))
+    return GradStats(
+        name=layer.name,
+        numel=layer.numel,
+        zeros=layer.zeros,
+        nonfinite=layer.nonfinite,
+        counts=layer.counts,
+        max_abs=layer.max_abs,
+        min_abs=layer.min_abs,
         outcomes=tuple(outcomes),
     )
 
@@ -253,6 +311,8 @@ def analyze_grads(
 
     ``unscale`` is the loss scale the gradients were computed with (they are divided by it first, exactly for
     a power of two), so the report is about the true gradients. Tensors that are None are skipped.
+    Each gradient is read once (an fp32 copy of its finite non-zero values is held until the report is
+    made) and costs three host-device syncs.
     """
     items = [(n, g) for n, g in (grads.items() if isinstance(grads, Mapping) else grads) if g is not None]
     if not items:
@@ -261,20 +321,13 @@ def analyze_grads(
     for s in (*scales, unscale):
         if not (math.isfinite(s) and s > 0):
             raise ConfigError(f"loss scales must be positive and finite, got {s!r}.", "use e.g. 1024.0.")
-    true = [(n, g.detach().float() / unscale if unscale != 1.0 else g) for n, g in items]
-    max_abs = max(_max_finite_abs(g) for _, g in true)
-    suggested = suggest_loss_scale(max_abs, margin)
+    read = [_read_layer(n, g, unscale) for n, g in items]
+    suggested = suggest_loss_scale(max(layer.max_abs for layer in read), margin)
     all_scales = tuple(dict.fromkeys((1.0, *(float(s) for s in scales),
                                       *((suggested,) if suggested is not None else ()))))
-    layers = tuple(_stats(n, g, all_scales) for n, g in true)
+    layers = tuple(_stats(layer, all_scales) for layer in read)
     overall = dataclasses.replace(functools.reduce(operator.add, layers), name="all")
     return GradientReport(layers, overall, all_scales, suggested, margin)
-
-
-def _max_finite_abs(g: Tensor) -> float:
-    a = g.detach().float().abs()
-    a = torch.where(a.isfinite(), a, 0.0)  # a.max() would be inf or NaN: those are counted elsewhere
-    return float(a.max()) if a.numel() else 0.0
 
 
 def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callable[..., Tensor] | None = None,
@@ -282,16 +335,12 @@ def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callab
     """Gradients of ``loss_fn(model(x), y) * loss_scale`` w.r.t. the trainable parameters, by name.
 
     Uses ``torch.autograd.grad``: the parameters' ``.grad`` are left as they were. The model runs in its
-    own dtypes (the usual question: how would *these* gradients fare in fp16?).
+    own dtypes (the usual question: how would *these* gradients fare in fp16?). The batch and the default
+    loss are those of :func:`~mixprec.diagnostics.memory.memory_breakdown`.
     """
-    items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
-    x, y = items[0], items[1] if len(items) > 1 else None
+    x, y = split_batch(batch)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    out = model(x)
-    if loss_fn is not None:
-        loss = loss_fn(out, y)
-    else:
-        loss = F.cross_entropy(out.float(), y) if y is not None else out.float().sum()
+    loss = (loss_fn or default_loss)(model(x), y)
     grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
     return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
 
@@ -416,7 +465,7 @@ def _summary(report: GradientReport, scale: float | None) -> str:
         f"{o.nonzero:,} non-zero finite gradients; {o.zeros:,} exact zeros and {o.nonfinite:,} inf/NaN "
         "excluded from the fractions.",
         f"|g| from {o.min_abs:.3g} ({_log2_text(o.min_abs)}) to {o.max_abs:.3g} ({_log2_text(o.max_abs)}).",
-        "fp16 keeps |x| > 2^-25 (non-zero), subnormal below 2^-14, inf from 65520 (round to nearest even).",
+        _FP16_LIMITS,
     ]
     for s in dict.fromkeys((1.0, *((scale,) if scale is not None else ()))):
         outcome = o.outcome(s)
@@ -432,7 +481,7 @@ def _summary(report: GradientReport, scale: float | None) -> str:
         at = o.outcome(s)
         lines.append(
             f"Suggested loss scale: {_scale_text(s)}, the largest power of two with max|g| x S x "
-            f"{report.margin:g} (margin) <= 65504."
+            f"{report.margin:g} (margin) <= {FP16.max:g}."
         )
         if at is not None:
             lines.append(f"  at it, {_pct(at.fraction('underflow'))} still underflow to 0 and "

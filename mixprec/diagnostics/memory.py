@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.amp import OPT_LEVELS, Properties
 from mixprec.errors import ConfigError
+from mixprec.master import BATCHNORM, HALF_DTYPES, MasterWeights
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -76,6 +78,7 @@ class Precision:
     ``param_dtype`` is the dtype of the model's parameters and of its input batch (apex's O2/O3 cast the
     input to the model's dtype; O1 keeps both fp32 and lets autocast cast per op). Gradients take their
     parameter's dtype; the optimizer state takes the dtype of the tensors it steps (the masters if any).
+    The apex opt levels are not restated here: :meth:`from_properties` reads them from ``mixprec.amp``.
     """
 
     name: str
@@ -86,13 +89,31 @@ class Precision:
     autocast_dtype: torch.dtype | None = None  # forward runs under autocast to this dtype (O1)
 
     def __post_init__(self) -> None:
+        # Hand-built recipes (fp32/fp16/bf16, the report's "bf16 + master") are checked here; the opt
+        # levels were already checked by amp.Properties.
         if not self.param_dtype.is_floating_point:
             raise ConfigError(f"param_dtype must be a floating dtype, got {self.param_dtype}.")
-        if self.master_weights and self.param_dtype == torch.float32:
+        if self.master_weights and self.param_dtype not in HALF_DTYPES:
             raise ConfigError(
-                f"precision {self.name!r} asks for fp32 master weights of fp32 parameters.",
-                "use master_weights=True only with a half param_dtype.",
+                f"precision {self.name!r} asks for fp32 master weights of {self.param_dtype} parameters.",
+                "use master_weights=True only with a half param_dtype (float16 or bfloat16).",
             )
+
+    @classmethod
+    def from_properties(cls, props: Properties, description: str | None = None) -> Precision:
+        """The memory recipe of an apex opt level (``mixprec.amp.OPT_LEVELS[...]``, possibly overridden).
+
+        ``None`` in a :class:`~mixprec.amp.Properties` means "not applicable at this level": no cast (the
+        model stays fp32), no kept-fp32 BatchNorm, no masters. O1's autocast runs in the level's half dtype.
+        """
+        return cls(
+            name=props.opt_level,
+            description=description or f"apex {props.opt_level}: {props.description}",
+            param_dtype=props.cast_model_type or torch.float32,
+            keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32),
+            master_weights=bool(props.master_weights),
+            autocast_dtype=props.half_dtype if props.patch_torch_functions else None,
+        )
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -101,26 +122,25 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp32", "fp32 params, grads and optimizer state", torch.float32),
         Precision("fp16", "pure fp16: fp16 params, grads and optimizer state, no masters", torch.float16),
         Precision("bf16", "pure bf16: bf16 params, grads and optimizer state, no masters", torch.bfloat16),
-        Precision("O0", "apex O0: fp32 training", torch.float32),
-        Precision("O1", "apex O1: fp32 params, autocast runs GEMMs/convs in fp16", torch.float32,
-                  autocast_dtype=torch.float16),
-        Precision("O2", "apex O2: fp16 params except BatchNorm, fp32 master weights and optimizer state",
-                  torch.float16, keep_batchnorm_fp32=True, master_weights=True),
-        Precision("O3", "apex O3: pure fp16, BatchNorm included, no masters", torch.float16),
+        *(Precision.from_properties(props) for props in OPT_LEVELS.values()),
     )
 }
 
 
-def get_precision(precision: str | Precision) -> Precision:
-    """The :class:`Precision` named ``precision`` (case-insensitive), or ``precision`` itself."""
+def get_precision(precision: str | Precision | Properties) -> Precision:
+    """The :class:`Precision` named ``precision`` (case-insensitive), the recipe of an opt level's
+    :class:`~mixprec.amp.Properties`, or ``precision`` itself."""
     if isinstance(precision, Precision):
         return precision
+    if isinstance(precision, Properties):
+        return Precision.from_properties(precision)
     by_lower = {name.lower(): p for name, p in PRECISIONS.items()}
     found = by_lower.get(str(precision).strip().lower())
     if found is None:
         raise ConfigError(
             f"unknown precision {precision!r}.",
-            f"use one of {', '.join(PRECISIONS)}, or pass a mixprec.diagnostics.Precision.",
+            f"use one of {', '.join(PRECISIONS)}, or pass a mixprec.diagnostics.Precision or an "
+            "amp.Properties.",
         )
     return found
 
@@ -243,7 +263,8 @@ class _Maker:
 def _param_dtype(module: nn.Module, t: Tensor, precision: Precision) -> torch.dtype:
     if not t.is_floating_point():
         return t.dtype  # e.g. BatchNorm's num_batches_tracked
-    if precision.keep_batchnorm_fp32 and isinstance(module, nn.modules.batchnorm._BatchNorm):
+    # The library's one definition of "a BatchNorm" (what model_to_half and initialize keep in fp32).
+    if precision.keep_batchnorm_fp32 and isinstance(module, BATCHNORM):
         return torch.float32
     return precision.param_dtype
 
@@ -262,27 +283,38 @@ def _copy_model(model: nn.Module, precision: Precision, maker: _Maker) -> nn.Mod
     return copy.deepcopy(model, memo)
 
 
-def _copy_batch(batch: Batch, precision: Precision, maker: _Maker) -> tuple[Any, Any]:
+def split_batch(batch: Batch) -> tuple[Any, Any]:
+    """``(x, y)`` of an example batch ``x`` or ``(x, y, ...)``; ``y`` is None when there is none. Shared by
+    the diagnostics that run a step on an example batch (memory, gradients)."""
     items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
     if not items or not isinstance(items[0], Tensor):
         raise ConfigError(
             f"the example batch must be a tensor x or a tuple (x, y), got {type(batch).__name__}.",
             "pass e.g. data.one_batch() or (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))).",
         )
+    return items[0], items[1] if len(items) > 1 else None
 
+
+def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
+    """Cross-entropy on (logits, class ids); without targets, the sum of the outputs.
+
+    The cross-entropy runs in the logits' dtype, as the recipe computes it: what autograd saves for it is
+    part of the memory being measured (under autocast, log_softmax runs in fp32 by itself). The plain sum
+    is taken in fp32, where a half sum could overflow; the upcast saves nothing for backward.
+    """
+    if target is None:
+        return output.float().sum()
+    return F.cross_entropy(output, target)
+
+
+def _copy_batch(batch: Batch, precision: Precision, maker: _Maker) -> tuple[Any, Any]:
     def convert(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
         return maker.like(t, precision.param_dtype if t.is_floating_point() else t.dtype)
 
-    return convert(items[0]), convert(items[1]) if len(items) > 1 else None
-
-
-def _default_loss(output: Tensor, target: Tensor | None) -> Tensor:
-    """Cross-entropy on (logits, class ids); without targets, the sum of the outputs."""
-    if target is None:
-        return output.float().sum()
-    return F.cross_entropy(output, target)
+    x, y = split_batch(batch)
+    return convert(x), convert(y)
 
 
 def _storage_key(t: Tensor) -> int:
@@ -375,6 +407,10 @@ def _saved_for_backward(
 def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[list[Tensor]], torch.optim.Optimizer] | None:
     if optimizer is None:
         return None
+    if isinstance(optimizer, MasterWeights):
+        # What initialize(..., "O2") returns. The recipe decides whether there are masters; the optimizer
+        # is only asked which state it keeps, so the wrapped one is rebuilt.
+        optimizer = optimizer.optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         cls, defaults = type(optimizer), dict(optimizer.defaults)
         if "optimizer" in vars(optimizer):  # a wrapper such as MasterWeights: its class needs the inner one
@@ -421,7 +457,7 @@ def memory_breakdown(
     model: nn.Module,
     optimizer: OptimizerLike,
     batch: Batch,
-    precision: str | Precision = "fp32",
+    precision: str | Precision | Properties = "fp32",
     *,
     loss_fn: LossFn | None = None,
     estimate: bool = False,
@@ -433,9 +469,11 @@ def memory_breakdown(
         model: the model; it is copied (or, with ``estimate=True``, described by fake tensors) and never
             changed. It may live on the meta device when ``estimate=True``.
         optimizer: an optimizer instance (its class and defaults are rebuilt on the copied parameters; its
-            own state is not touched), a function ``params -> optimizer``, or None for no state.
+            own state is not touched; a ``MasterWeights`` is unwrapped, since the recipe decides about
+            masters), a function ``params -> optimizer``, or None for no state.
         batch: an example ``x`` or ``(x, y)``; only shapes and dtypes matter when ``estimate=True``.
-        precision: a name in :data:`PRECISIONS` (fp32, fp16, bf16, O0-O3) or a :class:`Precision`.
+        precision: a name in :data:`PRECISIONS` (fp32, fp16, bf16, O0-O3), a :class:`Precision`, or an
+            opt level's :class:`~mixprec.amp.Properties`.
         loss_fn: ``loss_fn(output, y)``; default cross-entropy, or ``output.sum()`` without ``y``.
         estimate: compute nothing: run under FakeTensorMode (seconds for VGG16 at batch 64).
         autocast: ``"torch"`` (torch.autocast) or ``"mixprec"`` (mixprec.autocast), for recipes with autocast.
@@ -451,7 +489,7 @@ def memory_breakdown(
     trainable = [p for p in params if p.requires_grad]
     masters, stepped = _masters_and_stepped(trainable, recipe, maker)
     with maker.active():
-        saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or _default_loss, autocast)
+        saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or default_loss, autocast)
         state = _optimizer_state_bytes(factory, [t.detach().requires_grad_(True) for t in stepped])
     return MemoryBreakdown(
         precision=recipe.name,
@@ -471,12 +509,14 @@ def memory_breakdown(
 def _masters_and_stepped(
     trainable: list[Tensor], precision: Precision, maker: _Maker
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """The fp32 masters, and the tensors the optimizer steps: the masters plus the parameters already in
-    fp32 (apex steps kept-fp32 BatchNorm parameters directly, without a copy), or all parameters."""
+    """The fp32 masters, and the tensors the optimizer steps: the masters plus the parameters that are not
+    half (apex steps kept-fp32 BatchNorm parameters directly, without a copy), or all parameters."""
     if not precision.master_weights:
         return [], trainable
-    masters = [maker.like(p, torch.float32) for p in trainable if p.dtype != torch.float32]
-    return masters, [*masters, *(p for p in trainable if p.dtype == torch.float32)]
+    # Only half parameters get a master, as in MasterWeights; fp32 (kept-fp32 BatchNorm) and fp64 ones are
+    # stepped directly.
+    masters = [maker.like(p, torch.float32) for p in trainable if p.dtype in HALF_DTYPES]
+    return masters, [*masters, *(p for p in trainable if p.dtype not in HALF_DTYPES)]
 
 
 def _new_fake_mode() -> FakeTensorMode:
@@ -516,7 +556,7 @@ def memory_breakdowns(
     model: nn.Module,
     optimizer: OptimizerLike,
     batch: Batch,
-    precisions: Sequence[str | Precision] = ("fp32", "fp16", "O1", "O2"),
+    precisions: Sequence[str | Precision | Properties] = ("fp32", "fp16", "O1", "O2"),
     **kwargs: Any,
 ) -> list[MemoryBreakdown]:
     """:func:`memory_breakdown` for each of ``precisions`` (same keyword arguments)."""

@@ -21,7 +21,8 @@ value came from code between modules (a functional op in the parent's ``forward`
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from mixprec.autocast import iter_tensors, map_tensors
 from mixprec.errors import ConfigError
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "NonfiniteGrad",
     "NonfiniteTracer",
     "TensorRange",
+    "finite_flags",
     "nonfinite_grads",
     "nonfinite_report",
     "tensor_range",
@@ -68,6 +71,26 @@ def _named(source: nn.Module | Iterable[tuple[str, Tensor]]) -> list[tuple[str, 
     return list(source)
 
 
+def _per_device(tensors: Sequence[Tensor], stat: Callable[[Tensor], Tensor]) -> list[Any]:
+    """``stat(t).tolist()`` for every tensor, in order. The stats are computed on each tensor's device and
+    fetched together: one host-device sync per device, not one per tensor."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    results: list[Any] = [None] * len(tensors)
+    for indices in by_device.values():
+        fetched = torch.stack([stat(tensors[i]) for i in indices]).tolist()  # the device's one sync
+        for i, value in zip(indices, fetched, strict=True):
+            results[i] = value
+    return results
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> list[bool]:
+    """For each tensor, whether all its values are finite (integer tensors always are). One host-device
+    sync per device the tensors are on."""
+    return [bool(flag) for flag in _per_device(tensors, lambda t: torch.isfinite(t.detach()).all())]
+
+
 def nonfinite_grads(source: nn.Module | Iterable[tuple[str, Tensor]]) -> list[NonfiniteGrad]:
     """Parameters of ``source`` (a model, or ``(name, param)`` pairs) whose ``.grad`` holds inf or NaN.
 
@@ -75,18 +98,11 @@ def nonfinite_grads(source: nn.Module | Iterable[tuple[str, Tensor]]) -> list[No
     Parameters without a gradient are skipped. Empty list: every gradient is finite.
     """
     named = [(n, p.grad) for n, p in _named(source) if p.grad is not None]
-    by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
-    for name, g in named:
-        by_device.setdefault(g.device, []).append((name, g))
-    counts: dict[str, tuple[int, int]] = {}
-    for group in by_device.values():
-        stacked = torch.stack([torch.stack([g.isinf().sum(), g.isnan().sum()]) for _, g in group])
-        for (name, _), (n_inf, n_nan) in zip(group, stacked.tolist(), strict=True):  # one sync per device
-            counts[name] = (n_inf, n_nan)
+    counts = _per_device([g for _, g in named], lambda g: torch.stack([g.isinf().sum(), g.isnan().sum()]))
     return [
-        NonfiniteGrad(name, *counts[name], g.numel(), g.dtype)
-        for name, g in named
-        if any(counts[name])
+        NonfiniteGrad(name, n_inf, n_nan, g.numel(), g.dtype)
+        for (name, g), (n_inf, n_nan) in zip(named, counts, strict=True)
+        if n_inf or n_nan
     ]
 
 
@@ -134,36 +150,35 @@ class TensorRange:
 
 
 def tensor_range(t: Tensor) -> TensorRange:
-    """The :class:`TensorRange` of ``t`` (computed in fp32/fp64, so a half tensor's range is exact)."""
+    """The :class:`TensorRange` of ``t`` (computed in fp32/fp64, so a half tensor's range is exact).
+
+    One host-device sync: the counts and the finite extremes are stacked in float64 (exact for counts below
+    2^53 and for every fp32 value) and read together. Non-finite values are replaced by +-inf for the
+    extremes, so no data-dependent masked copy is made.
+    """
     x = t.detach()
     x = x.double() if x.dtype == torch.float64 else x.float()
+    if x.numel() == 0:
+        return TensorRange(t.dtype, tuple(t.shape), None, None, 0, 0)
     finite = x.isfinite()
-    values = x[finite]
-    n_inf, n_nan = (int(c) for c in torch.stack([x.isinf().sum(), x.isnan().sum()]).tolist())
-    lo, hi = (values.min().item(), values.max().item()) if values.numel() else (None, None)
-    return TensorRange(t.dtype, tuple(t.shape), lo, hi, n_inf, n_nan)
+    n_inf, n_nan, lo, hi = torch.stack([
+        x.isinf().sum().double(),
+        x.isnan().sum().double(),
+        torch.where(finite, x, math.inf).min().double(),  # +inf when no value is finite
+        torch.where(finite, x, -math.inf).max().double(),
+    ]).tolist()
+    if not math.isfinite(lo):
+        return TensorRange(t.dtype, tuple(t.shape), None, None, int(n_inf), int(n_nan))
+    return TensorRange(t.dtype, tuple(t.shape), lo, hi, int(n_inf), int(n_nan))
 
 
-def _floating_tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _floating_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _floating_tensors(v)
+def _floating(value: Any) -> list[Tensor]:
+    """The floating tensors in nested lists, tuples and dicts (the shapes of module arguments and outputs)."""
+    return [t for t in iter_tensors(value) if t.is_floating_point()]
 
 
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().float() if value.is_floating_point() else value
-    if isinstance(value, list | tuple):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
+def _to_fp32(t: Tensor) -> Tensor:
+    return t.detach().float() if t.is_floating_point() else t
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -272,12 +287,13 @@ class NonfiniteTracer:
             if self.event is not None or self._paused:
                 return
             self.checked += 1
-            outputs = [tensor_range(t) for t in _floating_tensors(output)]
-            if all(r.finite for r in outputs):
+            produced = _floating(output)
+            if all(finite_flags(produced)):  # the common case: one flag per output, one sync per device
                 return
-            inputs = tuple(tensor_range(t) for t in _floating_tensors((args, kwargs)))
+            outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
+            inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
             fp32, error = self._rerun_fp32(module, args, kwargs) if self.compare_fp32 else (None, None)
-            self.event = NonfiniteEvent(name, type(module).__name__, inputs, tuple(outputs), fp32, error)
+            self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error)
 
         return hook
 
@@ -288,10 +304,10 @@ class NonfiniteTracer:
         self._paused = True  # the copy carries our hooks (and its children's): keep them quiet
         try:
             reference = copy.deepcopy(module).float()
-            device_type = next((t.device.type for t in _floating_tensors((args, kwargs))), "cpu")
+            device_type = next((t.device.type for t in _floating((args, kwargs))), "cpu")
             with torch.no_grad(), torch.autocast(device_type, enabled=False):
-                out = reference(*_to_fp32(args), **_to_fp32(kwargs))
-            return tuple(tensor_range(t) for t in _floating_tensors(out)), None
+                out = reference(*map_tensors(_to_fp32, args), **map_tensors(_to_fp32, kwargs))
+            return tuple(tensor_range(t) for t in _floating(out)), None
         except Exception as err:  # a diagnostic must not crash the run it diagnoses
             return None, f"{type(err).__name__}: {err}"
         finally:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec.formats import FormatInfo, info
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -62,15 +64,30 @@ class FormatMark:
     linestyle: str
 
 
-# Limits of the two half formats on a log2|x| axis (2**-24 = fp16's smallest subnormal, 2**-14 its smallest
-# normal, 65504 its largest finite value; bf16 shares fp32's exponent range, 2**-133 .. ~2**128).
+_FP16 = info("fp16")
+_BF16 = info("bf16")
+
+
+def _pow2_text(x: float) -> str:
+    return f"2^{math.log2(x):g}"
+
+
+def _format_marks(fmt: FormatInfo, color: str, max_text: str) -> tuple[FormatMark, ...]:
+    """Smallest subnormal (dotted), smallest normal (dashed) and largest finite value (solid) of ``fmt``."""
+    return (
+        FormatMark(f"{fmt.name} min subnormal {_pow2_text(fmt.smallest_subnormal)}",
+                   math.log2(fmt.smallest_subnormal), color, ":"),
+        FormatMark(f"{fmt.name} min normal {_pow2_text(fmt.smallest_normal)}",
+                   math.log2(fmt.smallest_normal), color, "--"),
+        FormatMark(f"{fmt.name} max {max_text}", math.log2(fmt.max), color, "-"),
+    )
+
+
+# Limits of the two half formats on a log2|x| axis, from mixprec.formats (fp16: 2^-24, 2^-14, 65504; bf16
+# shares fp32's exponent range, 2^-133 .. ~2^128).
 FORMAT_MARKS: tuple[FormatMark, ...] = (
-    FormatMark("fp16 min subnormal 2^-24", -24.0, FP16_COLOR, ":"),
-    FormatMark("fp16 min normal 2^-14", -14.0, FP16_COLOR, "--"),
-    FormatMark("fp16 max 65504", math.log2(65504.0), FP16_COLOR, "-"),
-    FormatMark("bf16 min subnormal 2^-133", -133.0, BF16_COLOR, ":"),
-    FormatMark("bf16 min normal 2^-126", -126.0, BF16_COLOR, "--"),
-    FormatMark("bf16 max 3.4e38", math.log2(3.3895313892515355e38), BF16_COLOR, "-"),
+    *_format_marks(_FP16, FP16_COLOR, f"{_FP16.max:g}"),
+    *_format_marks(_BF16, BF16_COLOR, f"{_BF16.max:.1e}".replace("e+", "e")),
 )
 
 # Colours of the memory components, in stacking order (bottom first): weights dark, transient data light.
@@ -193,8 +210,8 @@ def _exponent_window(report: GradientReport, scale: float | None) -> tuple[float
     data_lo = min(exps) if exps else -30
     data_hi = max(exps) + 1 if exps else 0
     # Always show fp16's whole range (2^-24 .. 2^16) and the data, before and after scaling.
-    lo = min(data_lo, -26) - 2
-    hi = max(data_hi + shift, 17) + 2
+    lo = min(data_lo, math.log2(_FP16.smallest_subnormal) - 2) - 2
+    hi = max(data_hi + shift, _FP16.max_exponent + 2) + 2
     return float(lo), float(hi)
 
 
@@ -203,8 +220,11 @@ def _draw_overall(ax: Axes, report: GradientReport, scale: float | None) -> None
     exps = list(overall.exponents)
     total = max(overall.nonzero, 1)
     pct = [100.0 * c / total for c in overall.counts]
-    ax.axvspan(-25.0, -14.0, color=FP16_COLOR, alpha=0.10, label="fp16 subnormal: fewer significant bits")
-    ax.axvspan(-14.0, math.log2(65504.0), color=FP16_COLOR, alpha=0.04, label="fp16 normal range")
+    # Subnormal from where a value stops rounding to 0 (half the smallest subnormal) to the smallest normal.
+    underflow, normal = math.log2(_FP16.smallest_subnormal / 2), math.log2(_FP16.smallest_normal)
+    ax.axvspan(underflow, normal, color=FP16_COLOR, alpha=0.10,
+               label="fp16 subnormal: fewer significant bits")
+    ax.axvspan(normal, math.log2(_FP16.max), color=FP16_COLOR, alpha=0.04, label="fp16 normal range")
     ax.bar([e + 0.5 for e in exps], pct, width=1.0, color="#4d4d4d", alpha=0.8,
            label=f"gradients g ({overall.nonzero:,} non-zero; {overall.zeros:,} zeros not shown)")
     if scale not in (None, 1.0):
@@ -242,7 +262,8 @@ def _draw_format_marks(ax: Axes, lo: float, hi: float, label: bool) -> None:
         if lo <= mark.log2 <= hi:
             ax.axvline(mark.log2, color=mark.color, linestyle=mark.linestyle, linewidth=1.4,
                        label=mark.label if label else None)
-    if label and lo > -126:
+    if label and lo > _BF16.min_exponent:
         # bf16's limits lie far outside a typical gradient window: say where instead of squashing the axis.
-        ax.text(0.01, 0.97, "bf16 range: 2^-133 .. 2^128\n(beyond both ends of this axis)",
+        span = f"{_pow2_text(_BF16.smallest_subnormal)} .. 2^{_BF16.max_exponent + 1}"
+        ax.text(0.01, 0.97, f"bf16 range: {span}\n(beyond both ends of this axis)",
                 transform=ax.transAxes, color=BF16_COLOR, fontsize=9, va="top")
