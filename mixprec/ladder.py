@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.autocast import autocast
 from mixprec.callbacks import DEFAULT_MAX_SCALE, AutocastMixedPrecision, Callback, MixedPrecision, StepTimer
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
@@ -139,12 +140,10 @@ _CALLBACKS: dict[Cast, Callable[[Rung], Callback | None]] = {
 def _autocast_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why ``mixprec.autocast(device, dtype)`` cannot run here, or None when it can."""
     try:
-        from mixprec.autocast import autocast
-
         a = torch.ones(2, 2, device=device)
         with autocast(device.type, dtype):
             a @ a
-    except (ImportError, AttributeError, ValueError, RuntimeError, NotImplementedError) as err:
+    except (ValueError, RuntimeError, NotImplementedError) as err:
         return f"not available: mixprec.autocast failed ({type(err).__name__}: {err})"
     return None
 
@@ -303,6 +302,13 @@ class CompareSettings:
     @property
     def data_name(self) -> str:
         return self.data if self.size is None else f"{self.data}@{self.size}x{self.size}"
+
+    @property
+    def title(self) -> str:
+        """One line naming the experiment, for the table, the plots and the report."""
+        epochs = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+        return (f"{self.model} on {self.data_name}: {epochs}, SGD lr {self.lr:g} momentum {self.momentum:g}, "
+                f"batch {self.batch_size}, seed {self.seed}")
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
@@ -472,8 +478,7 @@ def results_table(results: Sequence[RungResult]) -> list[dict[str, str]]:
 def _markdown(rows: list[dict[str, str]], settings: CompareSettings, notes: Sequence[str]) -> str:
     header = list(COLUMNS)
     lines = [
-        f"# mixprec compare: {settings.model} on {settings.data_name}, {settings.epochs} epochs, SGD lr "
-        f"{settings.lr:g} momentum {settings.momentum:g}, batch {settings.batch_size}, seed {settings.seed}",
+        f"# mixprec compare: {settings.title}",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
@@ -538,9 +543,5 @@ def write_outputs(
     }
     paths["json"].write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
     paths["md"].write_text(_markdown(rows, settings, notes))
-    title = (
-        f"{settings.model} on {settings.data_name}: SGD lr {settings.lr:g}, momentum {settings.momentum:g}, "
-        f"batch {settings.batch_size}, seed {settings.seed}"
-    )
-    plot_ladder(results, paths["png"], title)
+    plot_ladder(results, paths["png"], settings.title)
     return paths

@@ -142,12 +142,6 @@ def _memory_table(breakdowns: Sequence[MemoryBreakdown]) -> _Table:
     return _Table(["component (MB)", *(b.precision for b in breakdowns), "what is counted"], rows, (0, -1))
 
 
-def _title(settings: CompareSettings) -> str:
-    epochs = f"{settings.epochs} epoch{'s' if settings.epochs != 1 else ''}"
-    return (f"{settings.model} on {settings.data_name}: {epochs}, SGD lr {settings.lr:g} "
-            f"momentum {settings.momentum:g}, batch {settings.batch_size}, seed {settings.seed}")
-
-
 def _scale_text(scale: float | None) -> str:
     if scale is None:
         return "the suggested scale (no rung used loss scaling)"
@@ -160,7 +154,7 @@ def _blocks(results: Sequence[RungResult], settings: CompareSettings, notes: Seq
     rows = results_table(results)
     batch_note = f"one training batch of {settings.batch_size}"
     return [
-        ("h1", f"mixprec compare: {_title(settings)}"),
+        ("h1", f"mixprec compare: {settings.title}"),
         ("h2", "The ladder"),
         ("table", _Table(list(COLUMNS), [list(r.values()) for r in rows])),
         ("ul", list(notes)),
@@ -257,12 +251,12 @@ def write_report(
     memory = memory_for_rungs([r.key for r in results], model, batch, settings)
     gradients, scale = gradients_for_rungs(results, model, batch)
     report = Report(tuple(memory), gradients, scale, paths)
-    plot_ladder(results, paths["loss"], f"Training of each rung: {_title(settings)}")
+    plot_ladder(results, paths["loss"], f"Training of each rung: {settings.title}")
     _plot_memory(memory, paths["memory"], settings)
     gradients.plot(paths["gradients"], scale, title=_gradient_title(settings, scale))
     blocks = _blocks(results, settings, notes, report)
     paths["md"].write_text(_markdown(blocks))
-    paths["html"].write_text(_html(blocks, out, f"mixprec compare: {_title(settings)}"))
+    paths["html"].write_text(_html(blocks, out, f"mixprec compare: {settings.title}"))
     return report
 
 

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     rungs = [ladder.RUNGS[k] for k in args.rungs]
     results = ladder.run_ladder(rungs, spec.load, model, settings, on_result=progress)
-    notes = [*ladder.NOTES, *_platform_notes(results)]
+    notes = [*ladder.NOTES, *_platform_notes()]
     paths = ladder.write_outputs(results, settings, args.out, notes)
     if args.report is not None:
         from mixprec.report import write_report
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _platform_notes(results: list[RungResult]) -> list[str]:
+def _platform_notes() -> list[str]:
     """What the numbers mean on this machine (CPU: emulated fp16 GEMMs)."""
     import torch
 
