@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import json
 from pathlib import Path
 
@@ -15,20 +14,9 @@ from mixprec import cli
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _main(argv: list[str]) -> int:
-    """mixprec.cli.main once the command is in its COMMANDS table; until then the module's own parser."""
-    command, *rest = argv
-    if command in cli.COMMANDS:
-        return cli.main(argv)
-    module = importlib.import_module(f"mixprec.commands.{command}")
-    parser = argparse.ArgumentParser(prog=f"mixprec {command}")
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)))
-
-
 def test_train_writes_metrics_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    code = _main(["train", "--model", "mlp", "--data", "digits", "--size", "8", "--precision", "fp16",
+    code = cli.main(["train", "--model", "mlp", "--data", "digits", "--size", "8", "--precision", "fp16",
                   "--loss-scale", "dynamic", "--epochs", "2", "--batch-size", "128", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -56,14 +44,14 @@ def test_train_writes_metrics_and_a_plot(tmp_path: Path, capsys: pytest.CaptureF
 def test_train_user_errors_exit_2_with_the_fix(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _main(["train", "--out", str(tmp_path), *argv]) == 2
+    assert cli.main(["train", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_train_at_an_opt_level(tmp_path: Path) -> None:
     pytest.importorskip("mixprec.amp")
     out = tmp_path / "o2"
-    code = _main(["train", "--model", "mlp", "--size", "8", "--opt-level", "O2", "--epochs", "1",
+    code = cli.main(["train", "--model", "mlp", "--size", "8", "--opt-level", "O2", "--epochs", "1",
                   "--batch-size", "128", "--out", str(out)])
     assert code == 0
     payload = json.loads((out / "metrics.json").read_text())
@@ -72,7 +60,7 @@ def test_train_at_an_opt_level(tmp_path: Path) -> None:
 
 def test_compare_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cmp"
-    code = _main(["compare", "--size", "8", "--epochs", "1", "--batch-size", "256",
+    code = cli.main(["compare", "--size", "8", "--epochs", "1", "--batch-size", "256",
                   "--rungs", "fp32,fp16-naive,fp16-dynamic,bf16", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -89,7 +77,7 @@ def test_compare_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_compare_rejects_unknown_rungs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        _main(["compare", "--rungs", "fp32,fp8"])
+        cli.main(["compare", "--rungs", "fp32,fp8"])
     assert "fp8" in capsys.readouterr().err
 
 

@@ -3,11 +3,9 @@ outputs (compare.md, compare.json) and against the diagnostics called directly."
 
 from __future__ import annotations
 
-import argparse
 import base64
 import functools
 import html
-import importlib
 import json
 import re
 from pathlib import Path
@@ -27,22 +25,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 RUNG_KEYS = ("fp32", "fp16-dynamic", "bf16")  # fp16-naive is left out: CPU fp16 GEMMs are slow
 
 
-def _main(argv: list[str]) -> int:
-    command, *rest = argv
-    if command in cli.COMMANDS:
-        return cli.main(argv)
-    module = importlib.import_module(f"mixprec.commands.{command}")
-    parser = argparse.ArgumentParser(prog=f"mixprec {command}")
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)))
-
-
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the --out folder, the --report folder) of one tiny compare run."""
     root = tmp_path_factory.mktemp("report")
     out, report = root / "cmp", root / "page"
-    code = _main(["compare", "--size", "8", "--epochs", "1", "--batch-size", "256",
+    code = cli.main(["compare", "--size", "8", "--epochs", "1", "--batch-size", "256",
                   "--rungs", ",".join(RUNG_KEYS), "--out", str(out), "--report", str(report)])
     assert code == 0
     return out, report
