@@ -25,15 +25,10 @@ for ``torch.autocast`` (context manager and decorator). How it works, in two lay
    keyed like torch's (fp32 leaf tensors that require grad, i.e. parameters), released when the outermost
    mixprec region exits.
 
-**Emulated fp16 GEMMs.** Where a device has no fast fp16 GEMM (``DeviceSpec.fast_fp16_gemm``; CPU: torch's
-fp16 GEMMs run at 0.3-57 GFLOP/s against ~150 for fp32), every ``lower`` op under fp16 is computed as an
-fp16 tensor core would: inputs rounded to fp16 (cast fp16 then back to fp32), the op run in fp32, the
-result rounded to fp16. The product of two fp16 numbers has at most 22 significant bits, so it is exact in
-fp32's 24; accumulating in fp32 is what tensor cores do; so the result equals a true fp16-input,
-fp32-accumulate GEMM up to fp32 summation order. Autograd records the fp32 op between the two casts, so
-backward is emulated too, and the gradients that leave an emulated op are fp16 as under real fp16 autocast.
-Cost: the upcast copies (fp32, twice the bytes of fp16) are what autograd saves for backward; the rounded
-copy of each parameter is cached once per region.
+**Emulated fp16 GEMMs.** Where a device has no fast fp16 GEMM (``DeviceSpec.fast_fp16_gemm``), every
+``lower`` op under fp16 is computed as an fp16 tensor core would (:mod:`mixprec.emulation`: inputs rounded
+to fp16, fp32 compute and accumulation, result rounded to fp16). This module only decides which ops are
+emulated and caches the rounded copy of each parameter once per region.
 
 Limitations: the Python layer matches torch functions by name at the Python level (``torch.X``,
 ``torch.nn.functional.X``, ``Tensor.X``, ``torch.linalg.X``...). A Python-level composite in
@@ -55,6 +50,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec.emulation import emulated, round_to_half
 from mixprec.errors import ConfigError, MixprecError
 from mixprec.policy import (
     DEVICES,
@@ -66,6 +62,7 @@ from mixprec.policy import (
     effective_policy,
     registry_version,
 )
+from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
     "autocast",
@@ -187,29 +184,6 @@ def _cacheable(t: torch.Tensor, region: Region) -> bool:
     )
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested lists, tuples and dicts (the shapes of op arguments)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if type(value) in (list, tuple):
-        return type(value)(map_tensors(fn, v) for v in value)
-    if type(value) is dict:
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    return value
-
-
-def iter_tensors(value: Any) -> Any:
-    """Every tensor in nested lists, tuples and dicts (exact types, as torch passes op arguments)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif type(value) in (list, tuple):
-        for v in value:
-            yield from iter_tensors(v)
-    elif type(value) is dict:
-        for v in value.values():
-            yield from iter_tensors(v)
-
-
 def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     cache = _STATE.cache
     device_type = region.device_type
@@ -225,24 +199,19 @@ def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
 
 
 def _round_to_half(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
-    """fp16-rounded values carried in fp32: the inputs of an emulated fp16 GEMM."""
+    """The emulation's input rounding for ``region``: parameters rounded once per region (cached)."""
     cache = _STATE.cache
     device_type = region.device_type
+    dtype = region.dtype
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not _eligible(t, device_type):
             return t
-        if t.dtype is torch.float16:
-            return t.float()  # exact: every fp16 value is an fp32 value
-        if _cacheable(t, region):
-            return cache.get(t, "fp16-rounded", lambda: t.to(torch.float16).float())
-        return t.to(torch.float16).float()
+        if t.dtype is not dtype and _cacheable(t, region):
+            return cache.get(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
+        return round_to_half(t, dtype)
 
     return cast
-
-
-def _to_half(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float16) if t.dtype is torch.float32 else t
 
 
 class _AutocastOff:
@@ -285,17 +254,8 @@ def _run_lower(region: Region, op: str, func: Callable[..., Any], args: Any, kwa
 
 
 def _run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    cast = _round_to_half(region)
-    out = kwargs.get("out")
-    if out is not None:  # compute into a fresh fp32 result, then write the caller's fp16 tensor
-        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    result = map_tensors(_to_half, _call(region, func, map_tensors(cast, args), map_tensors(cast, kwargs)))
-    if out is None:
-        return result
-    with torch.no_grad():
-        for dst, src in zip(iter_tensors(out), iter_tensors(result), strict=True):
-            dst.copy_(src)
-    return out
+    with _AutocastOff(region.device_type):
+        return emulated(func, args, kwargs, region.dtype, round_input=_round_to_half(region))
 
 
 def _run_fp32(region: Region, op: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
