@@ -108,7 +108,7 @@ class Learner:
             self.add_cb(cb)
         self.opt: torch.optim.Optimizer | None = None
         self.scaler: GradScaler | None = None
-        self.epoch = self.n_epochs = self.iteration = self.start_epoch = 0
+        self.epoch = self.n_epochs = self.n_steps = self.iteration = self.start_epoch = 0
         self.training = self._cancelled = False
         self.valid_loss, self.valid_metrics = math.nan, [math.nan] * len(self.metrics)
 
@@ -209,6 +209,7 @@ class Learner:
         try:
             self.opt = self.opt_func(self.model.parameters(), lr=lr)
             self.scaler, self.n_epochs, self.iteration, self.start_epoch = None, epochs, 0, 0
+            self.n_steps = epochs * len(self.data.train)
             self._fit(epochs)
         finally:
             for cb in extra:

@@ -1,0 +1,149 @@
+"""The Learner loop's events, the :class:`Callback` base class, the exceptions that steer the loop, and the
+state a callback reads (:class:`LearnerState`).
+
+The loop fires fastai v1's events, in this order (:data:`EVENTS`; validation batches fire only
+on_batch_begin, on_loss_begin and on_batch_end, with ``learn.training`` False)::
+
+    on_train_begin
+      on_epoch_begin
+        on_batch_begin      xb, yb are on the device
+        (forward)           pred = model(xb)
+        on_loss_begin       pred may be changed (e.g. cast to fp32)
+        (loss)              loss = loss_func(pred, yb); loss_grad = loss
+        on_backward_begin   loss_grad may be changed (e.g. scaled)
+        (backward)
+        on_backward_end     gradients are ready; raise CancelStepException to skip the step
+        (step)              scaler.step(opt) with a loss scaler (skips on inf/NaN), else opt.step()
+        on_step_end         runs whether the step was taken or skipped (learn.step_skipped)
+        (zero_grad)
+        on_batch_end
+      on_epoch_end          after validation: learn.valid_loss, learn.valid_metrics
+    on_train_end            also when training stopped with an exception
+
+A callback reads the learner's state as its own attributes (``self.loss`` is ``self.learn.loss``) and writes
+it through ``self.learn``. Callbacks run in ascending ``order``.
+
+This module imports nothing from :mod:`mixprec.learner`: the learner is known to callbacks only through
+:class:`LearnerState`, so the learner imports the callbacks and never the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.scaler import GradScaler, OptState
+
+if TYPE_CHECKING:
+    from mixprec.data import DataBunch
+
+__all__ = [
+    "EVENTS",
+    "Callback",
+    "CancelStepException",
+    "CancelTrainException",
+    "LearnerState",
+    "scaler_saw_step",
+]
+
+# The loop's events, in the order they fire (see the module docstring).
+EVENTS: tuple[str, ...] = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_batch_begin",
+    "on_loss_begin",
+    "on_backward_begin",
+    "on_backward_end",
+    "on_step_end",
+    "on_batch_end",
+    "on_epoch_end",
+    "on_train_end",
+)
+
+
+class CancelStepException(Exception):
+    """Raised in on_backward_end to skip this iteration's optimizer step (e.g. inf/NaN gradients).
+
+    The loop catches it; on_step_end still runs, with ``learn.step_skipped`` True."""
+
+
+class CancelTrainException(Exception):
+    """Raised by a callback to stop training early; on_train_end still runs."""
+
+
+class LearnerState(Protocol):
+    """What a callback may read (and, for the first group, replace) on ``self.learn`` during a fit."""
+
+    model: nn.Module
+    data: DataBunch
+    opt: torch.optim.Optimizer | None  # built by fit(); MixedPrecision wraps it in MasterWeights
+    scaler: GradScaler | None  # the loss scaler in use, or None
+    xb: Tensor
+    yb: Tensor
+    pred: Any
+    loss: Tensor  # unscaled
+    loss_grad: Tensor  # what backward runs on (scaled under loss scaling)
+    callbacks: list[Callback]
+    recorder: Any
+    epoch: int
+    n_epochs: int  # epochs this fit covers (the last one may be cut short by n_steps)
+    n_steps: int  # training steps this fit covers: schedules span them
+    start_epoch: int  # > 0 when a fit resumed from a checkpoint
+    iteration: int  # training batches so far in this fit
+    training: bool
+    valid_loss: float
+    valid_metrics: list[float]
+
+    @property
+    def metric_names(self) -> list[str]: ...
+
+    @property
+    def step_skipped(self) -> bool: ...
+
+    def step_skipped_async(self) -> bool | Tensor: ...
+
+
+class Callback:
+    """Base class: override the events you need (:data:`EVENTS`); every event is a no-op here."""
+
+    order: int = 0  # callbacks run in ascending order
+    learn: LearnerState
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the callback does not have: read them from the learner (fastai v2 style).
+        if name == "learn" or "learn" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.__dict__["learn"], name)
+
+    def on_train_begin(self) -> None: ...
+    def on_epoch_begin(self) -> None: ...
+    def on_batch_begin(self) -> None: ...
+    def on_loss_begin(self) -> None: ...
+    def on_backward_begin(self) -> None: ...
+    def on_backward_end(self) -> None: ...
+    def on_step_end(self) -> None: ...
+    def on_batch_end(self) -> None: ...
+    def on_epoch_end(self) -> None: ...
+    def on_train_end(self) -> None: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def stateful_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+    """Callbacks with their own state (the Recorder, schedules), in the given order. Looked up on the
+    class: an instance would forward a missing ``state_dict`` to the learner (``Callback.__getattr__``)."""
+    return [cb for cb in callbacks if callable(getattr(type(cb), "state_dict", None))]
+
+
+def scaler_saw_step(scaler: GradScaler | None, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``scaler`` unscaled or stepped ``optimizer`` in this iteration and has not been updated since.
+
+    Read from the scaler's own per-optimizer stage (torch's record, same keys); ``.get`` so that asking
+    does not create a record. No sync."""
+    if scaler is None or optimizer is None:
+        return False
+    return scaler.stage(optimizer) is not OptState.READY

@@ -1,0 +1,92 @@
+"""Learning-rate (and momentum) schedules as callbacks: fastai's one-cycle."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from mixprec.callbacks.core import Callback
+from mixprec.errors import ConfigError
+
+__all__ = ["OneCycleScheduler"]
+
+
+def _cos_anneal(start: float, end: float, pct: float) -> float:
+    return start + (end - start) * (1 - math.cos(math.pi * pct)) / 2
+
+
+class OneCycleScheduler(Callback):
+    """fastai's 1cycle policy: the learning rate rises from ``lr_max / div_factor`` to ``lr_max`` over the
+    first ``pct_start`` of the steps, then falls to ``lr_max / final_div``, both on cosine curves (the
+    schedule of torch's OneCycleLR with ``final_div_factor = final_div / div_factor``); momentum
+    (or Adam's beta1) moves the opposite way between ``moms``. High lr with low momentum explores, the long
+    descent settles. Momentum is scheduled only for optimizers that use it (betas, or momentum > 0)."""
+
+    order = -15  # before anything that reads the learning rate of this step
+
+    def __init__(
+        self,
+        lr_max: float,
+        div_factor: float = 25.0,
+        pct_start: float = 0.3,
+        final_div: float | None = None,
+        moms: tuple[float, float] = (0.95, 0.85),
+    ) -> None:
+        if not 0.0 <= pct_start <= 1.0:
+            raise ConfigError(f"pct_start must be in [0, 1], got {pct_start}.", "e.g. pct_start=0.3.")
+        self.lr_max, self.div_factor, self.pct_start, self.moms = lr_max, div_factor, pct_start, moms
+        # fastai's default: end 1e4 times below the start, so the last steps barely move the weights
+        self.final_div = final_div if final_div is not None else div_factor * 1e4
+
+    def on_train_begin(self) -> None:
+        self.total = max(1, self.n_steps)
+        # Step indices where the rise ends and the fall ends: both ends are reached exactly, as in
+        # torch.optim.lr_scheduler.OneCycleLR (two phases), which the tests compare against.
+        self.peak = max(0.0, self.pct_start * self.total - 1)
+        self.step_no = 0
+        self.setters = [_momentum_setter(g) for g in self.opt.param_groups]
+
+    def _at(self, i: int) -> tuple[float, float]:
+        lr_start, lr_end = self.lr_max / self.div_factor, self.lr_max / self.final_div
+        if i <= self.peak:
+            pct = i / self.peak if self.peak > 0 else 1.0
+            return _cos_anneal(lr_start, self.lr_max, pct), _cos_anneal(*self.moms, pct)
+        pct = (i - self.peak) / max(1e-12, self.total - 1 - self.peak)
+        return _cos_anneal(self.lr_max, lr_end, pct), _cos_anneal(self.moms[1], self.moms[0], pct)
+
+    def on_batch_begin(self) -> None:
+        if not self.training:
+            return
+        lr, mom = self._at(min(self.step_no, self.total - 1))
+        for group, set_momentum in zip(self.opt.param_groups, self.setters, strict=True):
+            group["lr"] = lr
+            set_momentum(group, mom)
+
+    def on_batch_end(self) -> None:
+        if self.training:
+            self.step_no += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_no": self.step_no}  # the rest is rebuilt from the arguments and n_epochs
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step_no = int(state_dict["step_no"])
+
+
+def _set_beta1(group: dict[str, Any], mom: float) -> None:
+    group["betas"] = (mom, group["betas"][1])
+
+
+def _set_momentum(group: dict[str, Any], mom: float) -> None:
+    group["momentum"] = mom
+
+
+def _momentum_setter(group: dict[str, Any]) -> Callable[[dict[str, Any], float], None]:
+    if "betas" in group:
+        return _set_beta1
+    if group.get("momentum", 0) > 0:
+        return _set_momentum
+    return lambda group, mom: None  # plain SGD: leave it without momentum
+
+
