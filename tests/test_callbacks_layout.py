@@ -41,7 +41,8 @@ def _module_path(name: str) -> Path:
 
 def _imports(name: str) -> set[str]:
     """The mixprec modules ``name`` imports at module level, ``if TYPE_CHECKING:`` blocks included (a cycle
-    there is still a cycle to a reader and a type checker); imports inside functions are deferred on purpose."""
+    there is still a cycle to a reader and a type checker); imports inside functions are deferred on
+    purpose."""
     tree = ast.parse(_module_path(name).read_text())
     found: set[str] = set()
     nodes = list(tree.body)
