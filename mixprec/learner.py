@@ -140,26 +140,34 @@ class Learner:
     def to_fp16(
         self,
         loss_scale: float = 512.0,
-        flat_master: bool = False,
-        dynamic: bool = True,
         max_noskip: int = DEFAULT_MAX_NOSKIP,
+        dynamic: bool = True,
         clip: float | None = None,
+        flat_master: bool = False,
         max_scale: float = DEFAULT_MAX_SCALE,
         loss_fp32: bool = True,
+        *,
+        min_scale: float | None = None,
+        skip_limit: int | None = None,
     ) -> Learner:
-        """Train in fp16 with fp32 master weights and loss scaling (fastai v1's signature).
+        """Train in fp16 with fp32 master weights and loss scaling. The positional arguments are fastai v1's
+        ``to_fp16``, in its order; mixprec's extras are keyword-only.
 
         ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
         overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
-        ``max_scale``. This differs from fastai v1, whose dynamic scaling ignored ``loss_scale`` and
-        started at 2**16: here the number you pass means the same in both modes, and 512 already lifts
-        the gradients that underflow in practice without the first steps being skipped while a 2**16
-        scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start. ``dynamic=False`` keeps
-        ``loss_scale`` fixed (steps with inf/NaN gradients are still skipped).
+        ``max_scale`` (and down to ``min_scale``). This differs from fastai v1, whose dynamic scaling
+        ignored ``loss_scale`` and started at 2**16: here the number you pass means the same in both
+        modes, and 512 already lifts the gradients that underflow in practice without the first steps
+        being skipped while a 2**16 scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start.
+        ``dynamic=False`` keeps ``loss_scale`` fixed (steps with inf/NaN gradients are still skipped).
+        ``clip`` bounds the fp32 gradient norm after unscaling. ``skip_limit`` stops training with
+        :class:`~mixprec.errors.PersistentOverflowError` after that many consecutive skipped steps, instead
+        of skipping for ever when every batch overflows (e.g. NaN in the data).
         """
         return self._set_mixed_precision(
             MixedPrecision(
-                torch.float16, loss_scale, flat_master, dynamic, max_noskip, clip, max_scale, loss_fp32
+                torch.float16, loss_scale, flat_master, dynamic, max_noskip, clip, max_scale, loss_fp32,
+                min_scale=min_scale, skip_limit=skip_limit,
             )
         )
 

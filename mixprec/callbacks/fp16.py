@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -38,6 +41,45 @@ __all__ = [
 DEFAULT_MAX_NOSKIP = 1000  # clean steps before a dynamic scale doubles: overflow is rare once tuned
 DEFAULT_MAX_SCALE = DEFAULT_MAX_LOSS_SCALE  # apex's ceiling too: beyond it a scaled 2**-24 would already be 1
 
+
+def _positive_finite(value: Any) -> bool:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value > 0
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+# The scaling arguments in the user's words (to_fp16's names, not GradScaler's): checked when the callback
+# is built, so a mistake is reported at the call that made it, not at the first batch. None always passes
+# (it switches the feature off). name -> (check, what it must be, the fix)
+_ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "loss_scale": (_positive_finite, "a positive, finite number", "e.g. loss_scale=512.0; None: no scaling"),
+    "max_noskip": (_count, "an int >= 1", "e.g. max_noskip=1000 (clean steps before the scale doubles)"),
+    "max_scale": (_positive_finite, "a positive, finite number", "e.g. max_scale=2.**24; None: unbounded"),
+    "min_scale": (_positive_finite, "a positive, finite number", "e.g. min_scale=1.0; None: no floor"),
+    "clip": (
+        _positive_finite,
+        "a positive, finite gradient norm (clip <= 0 would reverse or zero every update)",
+        "e.g. clip=1.0; None for no clipping",
+    ),
+    "skip_limit": (_count, "an int >= 1", "e.g. skip_limit=50 (consecutive skipped steps before stopping)"),
+}
+
+
+def check_scaling_arguments(**values: Any) -> None:
+    """Raise :class:`~mixprec.errors.ConfigError` naming the first argument (by the caller's name) that is
+    out of range."""
+    for name, value in values.items():
+        check, expected, fix = _ARGUMENT_CHECKS[name]
+        if value is not None and not check(value):
+            raise ConfigError(f"{name} must be {expected}, got {value!r}.", fix)
+    low, high = values.get("min_scale"), values.get("max_scale")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"min_scale={low!r} is larger than max_scale={high!r}.", "swap them, or drop one.")
+
+
 class LossScaling(Callback):
     """Loss scaling with a :class:`~mixprec.scaler.GradScaler`: make the scaler (``learn.scaler``, which the
     learner's step goes through: it skips on inf/NaN), scale the loss, unscale the gradients (into the fp32
@@ -58,9 +100,15 @@ class LossScaling(Callback):
         max_scale: float | None = DEFAULT_MAX_SCALE,
         clip: float | None = None,
         allow_fp16_grads: bool = False,
+        *,
+        min_scale: float | None = None,
+        skip_limit: int | None = None,
     ) -> None:
+        check_scaling_arguments(loss_scale=loss_scale, max_noskip=max_noskip, max_scale=max_scale,
+                                min_scale=min_scale, clip=clip, skip_limit=skip_limit)
         self.loss_scale, self.dynamic, self.max_noskip = loss_scale, dynamic, max_noskip
-        self.max_scale, self.clip, self.allow_fp16_grads = max_scale, clip, allow_fp16_grads
+        self.max_scale, self.min_scale, self.skip_limit = max_scale, min_scale, skip_limit
+        self.clip, self.allow_fp16_grads = clip, allow_fp16_grads
         self.scaler: GradScaler | None = None
 
     def _make_scaler(self) -> GradScaler:
@@ -72,6 +120,8 @@ class LossScaling(Callback):
             enabled=self.loss_scale is not None,
             dynamic=self.dynamic,
             max_scale=self.max_scale if self.dynamic else None,
+            min_scale=self.min_scale if self.dynamic else None,
+            skip_limit=self.skip_limit,
             allow_fp16_grads=self.allow_fp16_grads,
             # the Recorder reads an epoch's scales from this ring buffer once per epoch: it must hold them all
             history_size=max(1, len(self.data.train)),
@@ -144,6 +194,8 @@ class MixedPrecision(LossScaling):
         master_weights: False lets the optimizer update the half parameters themselves (apex O3; the
             "naive fp16" rung of ``mixprec compare``): updates below half an ulp of a weight are lost.
         keep_bn_fp32: keep BatchNorm parameters and statistics in fp32.
+        min_scale: the dynamic scale never falls below this.
+        skip_limit: stop with ``PersistentOverflowError`` after this many consecutive skipped steps.
     """
 
     def __init__(
@@ -158,6 +210,9 @@ class MixedPrecision(LossScaling):
         loss_fp32: bool = True,
         master_weights: bool = True,
         keep_bn_fp32: bool = True,
+        *,
+        min_scale: float | None = None,
+        skip_limit: int | None = None,
     ) -> None:
         if dtype not in HALF_DTYPES:
             raise ConfigError(
@@ -165,7 +220,8 @@ class MixedPrecision(LossScaling):
                 "use dtype=torch.float16 or torch.bfloat16 (for fp32, remove the callback: learn.to_fp32()).",
             )
         fp16_grads = not master_weights  # without masters the scaler unscales the half gradients in place
-        super().__init__(loss_scale, dynamic, max_noskip, max_scale, clip, allow_fp16_grads=fp16_grads)
+        super().__init__(loss_scale, dynamic, max_noskip, max_scale, clip, allow_fp16_grads=fp16_grads,
+                         min_scale=min_scale, skip_limit=skip_limit)
         self.dtype, self.flat_master, self.loss_fp32 = dtype, flat_master, loss_fp32
         self.master_weights, self.keep_bn_fp32 = master_weights, keep_bn_fp32
         self.converted: list[Converted] = []

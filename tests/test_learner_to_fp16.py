@@ -1,0 +1,116 @@
+"""Learner.to_fp16's arguments: fastai v1's positional order, out-of-range values refused at the call in the
+user's words, and a run whose every batch overflows stopped (skip_limit) or floored (min_scale)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.callbacks import Callback, CancelTrainException, MixedPrecision
+from mixprec.errors import ConfigError, PersistentOverflowError
+from mixprec.learner import Learner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# fastai v1's final signature (fastai/train.py, 1.0.6x): to_fp16(learn, loss_scale=None, max_noskip=1000,
+# dynamic=True, clip=None, flat_master=False, max_scale=2**24, loss_fp32=True).
+FASTAI_V1_ORDER = ["loss_scale", "max_noskip", "dynamic", "clip", "flat_master", "max_scale", "loss_fp32"]
+FASTAI_V1_DEFAULTS = {"max_noskip": 1000, "dynamic": True, "clip": None, "flat_master": False,
+                      "max_scale": 2**24, "loss_fp32": True}  # fmt: skip
+
+
+def _learner() -> Learner:
+    data = mixprec.digits(batch_size=64, seed=0)
+    torch.manual_seed(0)
+    return Learner(data, mixprec.build_model("mlp", data, n_hidden=16), silent=True)
+
+
+def test_positional_order_and_defaults_are_fastai_v1s() -> None:
+    params = list(inspect.signature(Learner.to_fp16).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == FASTAI_V1_ORDER
+    assert {p.name: p.default for p in params if p.name in FASTAI_V1_DEFAULTS} == FASTAI_V1_DEFAULTS
+    extras = [p for p in params if p.name not in FASTAI_V1_ORDER]
+    assert extras and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
+
+
+def test_two_positional_arguments_are_loss_scale_and_max_noskip() -> None:
+    learn = _learner().to_fp16(1024.0, 500)
+    mp = learn.mp_cb
+    assert isinstance(mp, MixedPrecision)
+    assert (mp.loss_scale, mp.max_noskip, mp.flat_master) == (1024.0, 500, False)
+    learn.fit(1, callbacks=[_StopAfter(1)])
+    assert learn.scaler is not None
+    assert (learn.recorder.loss_scales[0], learn.scaler.get_growth_interval()) == (1024.0, 500)
+
+
+@pytest.mark.parametrize("clip", [-1.0, 0.0, math.nan, math.inf])
+def test_a_clip_that_would_invert_or_zero_training_is_refused(clip: float) -> None:
+    with pytest.raises(ConfigError, match=r"clip must be a positive, finite gradient norm"):
+        _learner().to_fp16(clip=clip)
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("loss_scale", 0), ("loss_scale", -512.0), ("loss_scale", math.inf), ("max_noskip", 0),
+     ("max_noskip", 2.5), ("max_scale", -1.0), ("min_scale", 0.0), ("skip_limit", 0)],
+)  # fmt: skip
+def test_errors_name_the_argument_the_user_passed(argument: str, value: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        _learner().to_fp16(**{argument: value})
+    message = str(info.value)
+    assert message.startswith(f"{argument} must be")
+    # GradScaler's names for the same settings are not the user's
+    assert "init_scale" not in message and "growth_interval" not in message
+
+
+def test_min_scale_above_max_scale_is_refused() -> None:
+    with pytest.raises(ConfigError, match="min_scale=1024.0 is larger than max_scale=512.0"):
+        _learner().to_fp16(min_scale=1024.0, max_scale=512.0)
+
+
+class _NaNInputs(Callback):
+    """Every training batch is NaN (a corrupt shard): every step's gradients are non-finite."""
+
+    order = -50  # before MixedPrecision casts the batch
+
+    def on_batch_begin(self) -> None:
+        if self.training:
+            self.learn.xb = torch.full_like(self.xb, math.nan)
+
+
+class _StopAfter(Callback):
+    def __init__(self, steps: int) -> None:
+        self.steps, self.seen = steps, 0
+
+    def on_step_end(self) -> None:
+        self.seen += 1
+
+    def on_batch_end(self) -> None:
+        if self.training and self.seen >= self.steps:
+            raise CancelTrainException()
+
+
+def test_nan_in_every_batch_stops_with_persistent_overflow_error() -> None:
+    learn = _learner().to_fp16(skip_limit=5)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    counter = _StopAfter(10**6)
+    with pytest.raises(PersistentOverflowError):
+        learn.fit(3, callbacks=[_NaNInputs(), counter])
+    # GradScaler's rule: it raises at the update after skip_limit consecutive skipped steps
+    assert counter.seen == 5
+    # no step was taken, and the model is fp32 again, as it was
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters(), strict=True))
+
+
+def test_min_scale_floors_the_dynamic_scale_under_persistent_overflow() -> None:
+    learn = _learner().to_fp16(loss_scale=512.0, min_scale=64.0)
+    learn.fit(1, callbacks=[_NaNInputs(), _StopAfter(7)])
+    # every step overflows: halve after each, never below the floor
+    expected = [max(512.0 * 0.5**k, 64.0) for k in range(7)]
+    assert learn.recorder.loss_scales == expected
+    assert all(learn.recorder.skipped)
