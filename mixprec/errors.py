@@ -39,3 +39,7 @@ class ParameterMismatchError(MixprecError, ValueError):
 
 class PersistentOverflowError(MixprecError, FloatingPointError):
     """Steps kept being skipped for inf/NaN gradients although the loss scale backed off."""
+
+
+class UnsupportedParameterError(MixprecError, TypeError):
+    """A parameter's dtype, or its gradient's layout, is one the optimizer wrapper cannot update."""

@@ -1,0 +1,598 @@
+"""Pure half-precision training: ``LowPrecisionOptimizer`` lets any ``torch.optim`` optimizer update bf16 or
+fp16 weights without fp32 master weights.
+
+Why: fp32 masters cost 4 bytes per parameter (8 with their gradients) on top of the half weights. Without
+them, an update ``lr * grad`` smaller than half a unit in the last place (ulp) of its weight is rounded away:
+in bf16 ``1.0 - 1e-4 == 1.0``, so the weight stalls. Four ways to write the fp32 result of an update back
+into half precision, chosen by ``mode``:
+
+==========  ==============================================================  ===========  ================
+mode        the stored weight                                               extra bytes  precision
+==========  ==============================================================  ===========  ================
+naive       rounded to nearest (the baseline that stalls)                   0            8 / 11 bits
+stochastic  rounded up with probability (distance to the lower neighbour)   0            unbiased: E[w] is
+            / ulp, from a seeded generator                                               the fp32 value
+kahan       rounded to nearest, plus a compensation (weight's dtype) that   2            ~16 / ~22 bits
+            keeps what the weight could not absorb (compensated summation)
+split       bf16 high half (rounded to nearest) + int16 low half: together  2            fp32, exactly
+            the fp32 master, bit for bit (bf16 only: fp16 is not a half
+            of fp32)
+==========  ==============================================================  ===========  ================
+
+One step, per chunk of at most ``chunk_numel`` parameter elements of one device and dtype::
+
+    half weights (+ compensation / low half) --reconstruct--> flat fp32 buffer (the weights)
+    half grads --exact copy, x 1/loss scale--> flat fp32 buffer (the grads)
+    the wrapped optimizer steps: for that call each parameter's .data and .grad are its fp32 views
+    fp32 result --store (mode)--> half weights (+ compensation / low half)
+
+The wrapped optimizer never sees half tensors, so every ``torch.optim`` optimizer that updates parameters
+one by one works unchanged (SGD, Adam, AdamW, RMSprop, Adagrad, ...); its state stays keyed by the model's
+own Parameter objects, so ``state_dict`` and LR schedulers see an ordinary optimizer. ``state_dtype=
+torch.bfloat16`` stores that state in bf16 between steps (Adam: 4 bytes per parameter instead of 8).
+
+Cost: every conversion is a ``torch._foreach_*`` call or a whole-buffer op per chunk; the only Python loops
+are over parameters to collect tensor lists. Bytes per parameter, counted from live tensors by
+:func:`footprint`, with Adam: split 14, kahan with bf16 state 10, fp32 masters 16 plus the fp32 grads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec.errors import ConfigError, UnsupportedParameterError
+from mixprec.master import HALF_DTYPES, _views_like
+
+__all__ = ["LowPrecisionOptimizer", "UpdateMode", "Footprint", "footprint", "stochastic_round"]
+
+# 4M elements per chunk: the transient fp32 copies of one chunk (weights and grads, 32 MiB; twice that with
+# bf16 optimizer state upcast for the step) stay small next to any model worth training in pure half
+# precision, and each foreach kernel still runs over millions of elements, so launch overhead is amortized.
+DEFAULT_CHUNK_NUMEL = 1 << 22
+# The state dtypes offered: bf16 has fp32's exponent range, so squared gradients (Adam's second moment)
+# neither underflow nor overflow; fp16 would flush them below 2**-24.
+STATE_DTYPES = (torch.bfloat16,)
+
+
+class UpdateMode(str, Enum):
+    """How the fp32 result of an update is stored back into half precision (see the module docstring)."""
+
+    NAIVE = "naive"
+    STOCHASTIC = "stochastic"
+    KAHAN = "kahan"
+    SPLIT = "split"
+
+
+# ----------------------------------------------------------------------------------- stochastic rounding
+def _stochastic_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    # bf16 is the high half of fp32. Adding uniform random 16 bits to the bit pattern and truncating carries
+    # into the high half with probability (discarded low bits) / 2**16: exactly the distance to the lower
+    # neighbour over the ulp, so E[result] == x. On the raw pattern this acts on the magnitude (the sign bit
+    # is untouched), so negative numbers round symmetrically.
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = x.contiguous().view(torch.int32) + noise
+    return bits.bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
+
+
+def _stochastic_any(dtype: torch.dtype) -> Callable[[Tensor, torch.Generator | None], Tensor]:
+    """Stochastic rounding to any float dtype through its two neighbours (fp16: its exponent bias differs
+    from fp32's, so the bit trick of bf16 does not apply)."""
+
+    def round_(x: Tensor, generator: torch.Generator | None) -> Tensor:
+        near = x.to(dtype)
+        away = torch.full((), math.inf, dtype=dtype, device=x.device)
+        other = torch.nextafter(near, torch.where(x > near, away, -away))
+        low, high = torch.minimum(near, other), torch.maximum(near, other)
+        # x - low is exact (Sterbenz: they are within a factor 2) and high - low a power of two, so p_up has a
+        # single fp32 rounding: a bias of at most 2**-24 ulp.
+        p_up = (x - low.float()) / (high.float() - low.float())
+        u = torch.rand(x.shape, device=x.device, generator=generator)
+        rounded = torch.where(u < p_up, high, low)
+        return torch.where(torch.isfinite(near), rounded, near)  # inf/NaN stay visible
+
+    return round_
+
+
+_STOCHASTIC: dict[torch.dtype, Callable[[Tensor, torch.Generator | None], Tensor]] = {
+    torch.bfloat16: _stochastic_bf16,
+    torch.float16: _stochastic_any(torch.float16),
+}
+
+
+def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> Tensor:
+    """``x`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: to the neighbour above with
+    probability (x - lower neighbour) / (upper - lower), so the expected result is ``x``. Values exactly
+    representable in ``dtype`` are returned unchanged."""
+    if x.dtype != torch.float32 or dtype not in _STOCHASTIC:
+        raise ConfigError(
+            f"stochastic_round rounds float32 to {sorted(map(str, _STOCHASTIC))}; got {x.dtype} -> {dtype}.",
+            "pass a float32 tensor and dtype=torch.bfloat16 or torch.float16.",
+        )
+    return _STOCHASTIC[dtype](x, generator)
+
+
+# --------------------------------------------------------------------------------- per-mode load / store
+@dataclass
+class _Chunk:
+    """The flat fp32 buffers one chunk is stepped in, and the half tensors they mirror."""
+
+    halves: list[Tensor]  # the parameters' half-precision data, in chunk order
+    extras: list[Tensor]  # the mode's per-parameter buffers (compensations, low halves), or []
+    master: Tensor  # flat fp32: the weights the wrapped optimizer updates
+    scratch: Tensor  # flat fp32: the grads during the step, working space before and after
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        return _views_like(flat, self.halves)
+
+
+def _load_half(c: _Chunk) -> None:
+    torch._foreach_copy_(c.views(c.master), c.halves)  # fp16/bf16 -> fp32 is exact
+
+
+def _load_kahan(c: _Chunk) -> None:
+    _load_half(c)
+    torch._foreach_copy_(c.views(c.scratch), c.extras)
+    # Exact: |compensation| <= ulp(w)/2 and both have 8 (11) significant bits, so w + c needs at most ~17 (23)
+    # bits, within fp32's 24.
+    c.master.add_(c.scratch)
+
+
+def _load_split(c: _Chunk) -> None:
+    bits, low = c.master.view(torch.int32), c.scratch.view(torch.int32)
+    torch._foreach_copy_(c.views(bits), [h.view(torch.int16) for h in c.halves])  # sign-extends the high half
+    torch._foreach_copy_(c.views(low), c.extras)
+    bits.bitwise_left_shift_(16).add_(low)  # fp32 bits = high * 2**16 + low, low in [-2**15, 2**15)
+
+
+def _store_nearest(c: _Chunk, generator: torch.Generator) -> None:
+    torch._foreach_copy_(c.halves, c.views(c.master))  # round to nearest even
+
+
+def _store_stochastic(c: _Chunk, generator: torch.Generator) -> None:
+    rounded = stochastic_round(c.master, c.halves[0].dtype, generator)  # one dtype per chunk
+    torch._foreach_copy_(c.halves, c.views(rounded))
+
+
+def _store_kahan(c: _Chunk, generator: torch.Generator) -> None:
+    _store_nearest(c, generator)
+    torch._foreach_copy_(c.views(c.scratch), c.halves)
+    c.master.sub_(c.scratch)  # the rounding error, exact (Sterbenz: the weight is the master rounded)
+    torch._foreach_copy_(c.extras, c.views(c.master))  # rounded to the weight's dtype: the compensation
+
+
+def _store_split(c: _Chunk, generator: torch.Generator) -> None:
+    # high = round-half-away(bits / 2**16) and low = bits - high * 2**16 in [-2**15, 2**15): the forward's
+    # bf16 weight is the master rounded to nearest (not truncated), and low fits int16 with no tie overflow.
+    bits, high = c.master.view(torch.int32), c.scratch.view(torch.int32)
+    bits.add_(1 << 15)
+    torch.bitwise_right_shift(bits, 16, out=high)  # arithmetic shift: keeps the sign of the pattern
+    bits.bitwise_and_((1 << 16) - 1).sub_(1 << 15)
+    torch._foreach_copy_([h.view(torch.int16) for h in c.halves], c.views(high))
+    torch._foreach_copy_(c.extras, c.views(bits))
+
+
+@dataclass(frozen=True)
+class _Mode:
+    load: Callable[[_Chunk], None]
+    store: Callable[[_Chunk, torch.Generator], None]
+    extra_dtype: Callable[[torch.dtype], torch.dtype | None]  # per-parameter buffer for a weight dtype
+    dtypes: tuple[torch.dtype, ...]  # weight dtypes it supports
+    fix: str  # what to do with another dtype
+
+
+_HALF_FIX = "cast the model to torch.bfloat16 or torch.float16 (model.to(torch.bfloat16))."
+_MODES: dict[UpdateMode, _Mode] = {
+    UpdateMode.NAIVE: _Mode(_load_half, _store_nearest, lambda d: None, HALF_DTYPES, _HALF_FIX),
+    UpdateMode.STOCHASTIC: _Mode(_load_half, _store_stochastic, lambda d: None, HALF_DTYPES, _HALF_FIX),
+    # The compensation in the weight's own dtype: it holds at most half an ulp of the weight, and its own
+    # 8 (bf16) or 11 (fp16) bits extend the weight's precision to about twice as many.
+    UpdateMode.KAHAN: _Mode(_load_kahan, _store_kahan, lambda d: d, HALF_DTYPES, _HALF_FIX),
+    UpdateMode.SPLIT: _Mode(
+        _load_split, _store_split, lambda d: torch.int16, (torch.bfloat16,),
+        "split needs bf16 weights (bf16 is the high half of fp32; fp16 is not): cast the model to "
+        "torch.bfloat16, or use mode='kahan' or 'stochastic' for fp16.",
+    ),
+}
+
+
+def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
+    """An optimizer state tensor shaped like its parameter (momentum, Adam's moments), not a step count."""
+    moment = isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
+    return moment and key != "step"
+
+
+# ----------------------------------------------------------------------------------- the wrapper
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Update bf16/fp16 parameters with ``optimizer`` without fp32 master weights (see the module docstring).
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer over half-precision parameters, before its first step.
+        mode: ``"naive"``, ``"stochastic"``, ``"kahan"`` or ``"split"`` (:class:`UpdateMode`).
+        state_dtype: None keeps the wrapped optimizer's state as it makes it (fp32); ``torch.bfloat16`` stores
+            it in bf16 between steps, rounded stochastically (Adam's second moment moves by 0.1% a step with
+            beta2=0.999, less than bf16's half ulp of 0.2%: rounding to nearest would freeze it).
+        seed: seeds the generator of stochastic rounding (one per device). 0 by default so that runs are
+            reproducible, and so that data-parallel replicas, which see identical gradients, round alike.
+        chunk_numel: at most this many elements are converted to fp32 at once (see DEFAULT_CHUNK_NUMEL).
+
+    It *is* a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the wrapped optimizer's and
+    list the model's half parameters: LR schedulers, ``zero_grad`` and ``GradScaler.unscale_`` see those.
+    ``GradScaler.step(wrapper)`` checks the half grads for inf/NaN and passes the scale; the wrapper unscales
+    after the exact copy to fp32 (so fp16 grads need no ``allow_fp16_grads``) and skips on inf/NaN, reading
+    the flag once (one host sync). Calling ``scaler.unscale_(wrapper)`` yourself (to clip) unscales the half
+    grads in place: fine for bf16; for fp16 it needs ``GradScaler(allow_fp16_grads=True)``.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler.step passes grad_scale / found_inf instead of unscaling
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        mode: UpdateMode | str,
+        *,
+        state_dtype: torch.dtype | None = None,
+        seed: int = 0,
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+    ) -> None:
+        _check_wrappable(optimizer)
+        self.mode = _parse_mode(mode)
+        if state_dtype is not None and state_dtype not in STATE_DTYPES:
+            raise ConfigError(
+                f"state_dtype={state_dtype} is not supported.",
+                "pass state_dtype=torch.bfloat16 (fp32's range) or None (the optimizer's own fp32 state).",
+            )
+        if not (isinstance(chunk_numel, int) and chunk_numel >= 1):
+            raise ConfigError(f"chunk_numel must be an int >= 1, got {chunk_numel!r}.", "e.g. 1 << 22.")
+        self.inner = optimizer  # not `.optimizer`: GradScaler unwraps that name to judge torch's fused SGD
+        self.state_dtype = state_dtype
+        self.seed = seed
+        self.chunk_numel = chunk_numel
+        self._extras: dict[Tensor, Tensor] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        for group in optimizer.param_groups:
+            self._adopt(group["params"])
+        self._share_inner_bookkeeping()
+
+    def _share_inner_bookkeeping(self) -> None:
+        # torch's own __setstate__ creates the hook registries and patches step() (schedulers rely on it);
+        # defaults, state and param_groups are the wrapped optimizer's objects, so lr changes reach it.
+        inner = self.inner
+        state = {"defaults": inner.defaults, "state": inner.state, "param_groups": inner.param_groups}
+        torch.optim.Optimizer.__setstate__(self, state)
+
+    def _adopt(self, params: list[Tensor]) -> None:
+        spec = _MODES[self.mode]
+        for p in params:
+            _check_param(p, self.mode, spec)
+        with torch.no_grad():
+            for p in params:
+                extra = spec.extra_dtype(p.dtype)
+                if extra is not None:
+                    self._extras[p] = torch.zeros_like(p, dtype=extra)  # the weight is exactly its half value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of half parameters (checked first) to the wrapped optimizer."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        self._adopt(params)
+        self.inner.add_param_group({**param_group, "params": params})
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One update of every parameter with a gradient. Syncs once to read ``found_inf`` when a GradScaler
+        passed it (``scaler.step(wrapper)``), otherwise never."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and found_inf.item() > 0:
+            return loss
+        grad_scale = getattr(self, "grad_scale", None)
+        # The reciprocal in fp64, as GradScaler: fp32 division can be imprecise under some compile options.
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        for per_group in self._chunks():
+            self._step_chunk(per_group, inv_scale)
+        return loss
+
+    def _chunks(self) -> list[list[list[Tensor]]]:
+        """The parameters with gradients, grouped by (device, dtype) and cut after ``chunk_numel`` elements;
+        each chunk as one list per param group (the wrapped optimizer steps every group it has)."""
+        n_groups, chunks = len(self.param_groups), []
+        open_: dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[int]]] = {}
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                _check_grad(p)
+                per_group, size = open_.setdefault((p.device, p.dtype), ([[] for _ in range(n_groups)], [0]))
+                per_group[i].append(p)
+                size[0] += p.numel()
+                if size[0] >= self.chunk_numel:
+                    chunks.append(open_.pop((p.device, p.dtype))[0])
+        return chunks + [per_group for per_group, _ in open_.values()]
+
+    def _step_chunk(self, per_group: list[list[Tensor]], inv_scale: Tensor | None) -> None:
+        params = [p for ps in per_group for p in ps]
+        device = params[0].device
+        master = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        c = _Chunk([p.data for p in params], [self._extras[p] for p in params if p in self._extras],
+                   master, torch.empty_like(master))
+        spec = _MODES[self.mode]
+        spec.load(c)
+        torch._foreach_copy_(c.views(c.scratch), [p.grad for p in params])  # exact
+        if inv_scale is not None:
+            c.scratch.mul_(inv_scale.to(device))
+        kept = self._state_to_fp32(params)
+        with self._inner_sees(per_group, params, c.views(c.master), c.views(c.scratch)):
+            self.inner.step()
+        self._state_from_fp32(params, kept)
+        spec.store(c, self._generator(device))
+
+    @contextmanager
+    def _inner_sees(
+        self, per_group: list[list[Tensor]], params: list[Tensor], weights: list[Tensor], grads: list[Tensor]
+    ) -> Iterator[None]:
+        """For the wrapped optimizer's step: each group lists only this chunk's parameters, whose .data and
+        .grad are their fp32 views. The Parameter objects stay the same, so its state stays keyed by them;
+        afterwards every parameter gets its own half storage back (views and data_ptr unchanged)."""
+        halves, half_grads = [p.data for p in params], [p.grad for p in params]
+        saved = [g["params"] for g in self.param_groups]
+        try:
+            for group, ps in zip(self.param_groups, per_group, strict=True):
+                group["params"] = ps
+            for p, w, g in zip(params, weights, grads, strict=True):
+                p.data, p.grad = w, g
+            yield
+        finally:
+            for p, h, g in zip(params, halves, half_grads, strict=True):
+                p.data = h
+                p.grad = g
+            for group, ps in zip(self.param_groups, saved, strict=True):
+                group["params"] = ps
+
+    def _moments(self, params: list[Tensor]) -> list[tuple[dict[Any, Any], Any, Tensor]]:
+        return [
+            (st, k, v)
+            for p in params
+            if (st := self.state.get(p))
+            for k, v in st.items()
+            if _is_moment(k, v, p)
+        ]
+
+    def _state_to_fp32(self, params: list[Tensor]) -> dict[tuple[int, Any], Tensor]:
+        """With ``state_dtype``: swap the state for fp32 views of one buffer; return the half tensors kept."""
+        entries = self._moments(params) if self.state_dtype is not None else []
+        if not entries:
+            return {}
+        flat = torch.empty(sum(v.numel() for _, _, v in entries), device=entries[0][2].device)
+        views = _views_like(flat, [v for _, _, v in entries])
+        torch._foreach_copy_(views, [v for _, _, v in entries])  # bf16 -> fp32 is exact
+        for (st, k, _), view in zip(entries, views, strict=True):
+            st[k] = view
+        return {(id(st), k): v for st, k, v in entries}
+
+    def _state_from_fp32(self, params: list[Tensor], kept: dict[tuple[int, Any], Tensor]) -> None:
+        """With ``state_dtype``: round the stepped state (or what the first step made) into half tensors."""
+        entries = self._moments(params) if self.state_dtype is not None else []
+        if not entries:
+            return
+        flat = torch.empty(sum(v.numel() for _, _, v in entries), device=entries[0][2].device)
+        torch._foreach_copy_(_views_like(flat, [v for _, _, v in entries]), [v for _, _, v in entries])
+        rounded = stochastic_round(flat, self.state_dtype, self._generator(flat.device))  # type: ignore[arg-type]
+        stores = [kept.get((id(st), k)) for st, k, _ in entries]
+        stores = [s if s is not None else torch.empty_like(v, dtype=self.state_dtype)
+                  for s, (_, _, v) in zip(stores, entries, strict=True)]
+        torch._foreach_copy_(stores, _views_like(rounded, stores))  # exact: already representable
+        for (st, k, _), s in zip(entries, stores, strict=True):
+            st[k] = s
+
+    # ------------------------------------------------------------------ access
+    def extra_tensors(self) -> list[Tensor]:
+        """The mode's per-parameter buffers (kahan: compensations; split: low halves), in param order."""
+        return [self._extras[p] for g in self.param_groups for p in g["params"] if p in self._extras]
+
+    @torch.no_grad()
+    def master_values(self) -> list[Tensor]:
+        """Each parameter's value as the mode knows it, in fp32 (split: the exact fp32 master; kahan: weight
+        plus compensation; naive/stochastic: the weight itself). New tensors; one per parameter."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            return []
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        c = _Chunk([p.data for p in params], [self._extras[p] for p in params if p in self._extras],
+                   flat, torch.empty_like(flat))
+        _MODES[self.mode].load(c)
+        return [v.clone() for v in c.views(flat)]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, the mode's buffers and the generators' states. The weights are the
+        model's: save ``model.state_dict()`` too (split: the high halves are half of each fp32 master)."""
+        return {
+            "optimizer": self.inner.state_dict(),
+            "mode": self.mode.value,
+            "state_dtype": None if self.state_dtype is None else str(self.state_dtype),
+            "extras": [t.detach().clone() for t in self.extra_tensors()],
+            "generators": {device: g.get_state() for device, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: bit-identical when the model's weights are restored as well."""
+        self._check_loadable(state_dict)
+        saved = state_dict["optimizer"]
+        self.inner.load_state_dict(saved)
+        self._share_inner_bookkeeping()  # torch's load_state_dict replaced the state and group objects
+        self._restore_state_dtypes(saved)
+        with torch.no_grad():
+            for extra, saved_extra in zip(self.extra_tensors(), state_dict["extras"], strict=True):
+                extra.copy_(saved_extra)
+        for device, gen_state in state_dict["generators"].items():
+            self._generator(torch.device(device)).set_state(gen_state)
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != {"optimizer", "mode", "state_dtype", "extras", "generators"}:
+            raise ConfigError(
+                "This is not a LowPrecisionOptimizer state_dict (expected keys optimizer, mode, state_dtype, "
+                "extras, generators).",
+                "load a plain optimizer's state into the wrapped one: wrapper.inner.load_state_dict(sd).",
+            )
+        mine = (self.mode.value, None if self.state_dtype is None else str(self.state_dtype))
+        theirs = (state_dict["mode"], state_dict["state_dtype"])
+        if mine != theirs:
+            raise ConfigError(
+                f"The checkpoint was saved with mode={theirs[0]!r}, state_dtype={theirs[1]}; this wrapper "
+                f"has mode={mine[0]!r}, state_dtype={mine[1]}.",
+                "construct the wrapper with the checkpoint's mode and state_dtype to resume it.",
+            )
+        extras = self.extra_tensors()
+        if [t.shape for t in state_dict["extras"]] != [t.shape for t in extras]:
+            raise ConfigError(
+                "The saved compensation / low-half buffers do not match this model's parameters.",
+                "load a checkpoint saved from the same model architecture and param groups.",
+            )
+
+    def _restore_state_dtypes(self, saved: dict[str, Any]) -> None:
+        """torch casts loaded floating state to its parameter's dtype (here half): put back the saved dtype,
+        so an fp32 state resumes without rounding."""
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for k, v in saved["state"].get(i, {}).items():
+                if _is_moment(k, v, p):
+                    self.state[p][k] = v.to(p.device, copy=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults/state/param_groups; deepcopy needs all of the wrapper.
+        return self.__dict__.copy()
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for g in self.param_groups for p in g["params"])
+        return (f"LowPrecisionOptimizer(mode={self.mode.value!r}, state_dtype={self.state_dtype}, "
+                f"{n:,} half parameters,\n  {self.inner!r})")
+
+
+def _parse_mode(mode: UpdateMode | str) -> UpdateMode:
+    try:
+        return UpdateMode(mode)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in UpdateMode)
+        raise ConfigError(f"Unknown mode {mode!r}.", f"pick one of {names}.") from None
+
+
+def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "model_params") or isinstance(
+        optimizer, LowPrecisionOptimizer
+    ):
+        raise ConfigError(
+            f"LowPrecisionOptimizer wraps a plain torch.optim optimizer, got {type(optimizer).__name__}.",
+            "build the optimizer over the half model first: LowPrecisionOptimizer(torch.optim.AdamW(model."
+            "parameters()), mode='kahan'); do not combine it with MasterWeights.",
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(
+            "LBFGS re-evaluates the model inside step() and keeps a whole-model history: it cannot be "
+            "stepped chunk by chunk on fp32 copies.",
+            "use a first-order optimizer (SGD, Adam, AdamW, ...), or fp32 weights with LBFGS.",
+        )
+    if len(optimizer.state) > 0:
+        raise ConfigError(
+            "The optimizer has already stepped: its state was made for the half-precision values.",
+            "wrap the optimizer right after building it, before its first step.",
+        )
+
+
+def _check_param(p: Tensor, mode: UpdateMode, spec: _Mode) -> None:
+    if p.dtype in (torch.float32, torch.float64):
+        raise UnsupportedParameterError(
+            f"LowPrecisionOptimizer updates bf16/fp16 weights, but a parameter of shape {tuple(p.shape)} is "
+            f"{p.dtype}: it needs no rounding help.",
+            "for fp32 weights use the optimizer as it is; for a half model with fp32 master weights use "
+            "mixprec.MasterWeights(optimizer); to keep BatchNorm fp32 in a half model, give its parameters a "
+            "separate plain optimizer.",
+        )
+    if p.dtype not in spec.dtypes:
+        raise UnsupportedParameterError(
+            f"mode={mode.value!r} cannot update a {p.dtype} parameter (shape {tuple(p.shape)}).", spec.fix
+        )
+
+
+def _check_grad(p: Tensor) -> None:
+    grad = p.grad
+    if grad is not None and (grad.is_sparse or grad.layout != torch.strided):
+        raise UnsupportedParameterError(
+            f"A parameter of shape {tuple(p.shape)} has a sparse gradient; LowPrecisionOptimizer steps dense "
+            "fp32 copies.",
+            "use dense gradients (e.g. nn.Embedding(..., sparse=False)), or update that parameter with its "
+            "own optimizer (torch.optim.SparseAdam on fp32 weights).",
+        )
+    if grad is not None and grad.dtype != p.dtype:
+        raise UnsupportedParameterError(
+            f"A {p.dtype} parameter has a {grad.dtype} gradient.",
+            "let autograd make the gradients (they take the parameter's dtype).",
+        )
+
+
+# ----------------------------------------------------------------------------------- memory
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes held for training, by role, counted from live tensors (each storage once)."""
+
+    numel: int  # parameter elements the model computes with
+    weights: int  # the weights the forward uses
+    grads: int  # their gradients
+    extra: int  # fp32 masters and their grads, compensations, low halves
+    state: int  # the optimizer's state tensors shaped like parameters (momentum, Adam's moments)
+    scalars: int  # 0-dim state (step counts): a few bytes per parameter *tensor*, not per element
+
+    @property
+    def total(self) -> int:
+        """Every byte counted, scalars included."""
+        return self.weights + self.grads + self.extra + self.state + self.scalars
+
+    @property
+    def per_param(self) -> float:
+        """Bytes per parameter element of what grows with the model (all but the scalars)."""
+        return (self.total - self.scalars) / self.numel if self.numel else 0.0
+
+
+def footprint(optimizer: torch.optim.Optimizer) -> Footprint:
+    """What training with ``optimizer`` holds per parameter: weights, their grads, extra buffers, optimizer
+    state. Works for a plain optimizer, :class:`LowPrecisionOptimizer` and ``MasterWeights`` (its model
+    parameters are the weights; its masters and their grads the extra). Read it after a step, before
+    ``zero_grad``, so grads and state exist."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    model_params = getattr(optimizer, "model_params", None)
+    weights = list(model_params()) if model_params is not None else params
+    extra_owned = getattr(optimizer, "extra_tensors", None)
+    extra = [t for p in params for t in (p, p.grad)] + (extra_owned() if extra_owned is not None else [])
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    scalars = [v for v in state if v.dim() == 0]
+    seen: set[int] = set()
+
+    def nbytes(tensors: list[Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is not None and (ptr := t.untyped_storage().data_ptr()) not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    w, g = nbytes(list(weights)), nbytes([p.grad for p in weights])
+    x, sc = nbytes(extra), nbytes(scalars)
+    return Footprint(sum(p.numel() for p in weights), w, g, x, nbytes(state), sc)
