@@ -1,0 +1,266 @@
+"""Which half-precision arithmetic this machine runs at speed: torch's own kernels, or mixprec's emulation.
+
+A half-precision GEMM can run two ways:
+
+- **native**: torch's fp16/bf16 kernels (tensor cores, AVX-512 BF16, AMX). Fast where the hardware has the
+  units; on a CPU without them torch falls back to scalar reference loops (measured on an AVX2-only EPYC:
+  bf16 GEMM 0.5 GFLOP/s against 45-88 for fp32, i.e. ~90x slower).
+- **emulated**: what a tensor core computes, done with fp32 kernels -- inputs rounded to the half format,
+  exact fp32 upcast (every fp16/bf16 value is an fp32 value, and the product of two has at most 22 / 16
+  significant bits, exact in fp32's 24), fp32 accumulation, one rounding of the result
+  (``mixprec/emulation.py``). Same numerics as the hardware, at about fp32's speed.
+
+:func:`half_arithmetic` decides, per (device type, dtype), once per process and cheaply:
+
+1. an explicit ``override`` argument, else
+2. the ``MIXPREC_HALF_ARITHMETIC`` environment variable (``native`` or ``emulated``; read at every call so a
+   test or a launcher can set it), else
+3. a query of what torch itself reports (oneDNN's bf16/fp16 support, the CPU's bf16/fp16 units, the CUDA
+   compute capability) where that answer is reliable, else
+4. a tiny timed probe: one half GEMM against one fp32 GEMM of the same size.
+
+The answer is a frozen :class:`HalfArithmetic` that says what was decided, by which of those, and why.
+``mixprec info`` prints it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import ConfigError
+from mixprec.formats import dtype_label
+
+__all__ = [
+    "ENV_VAR",
+    "Arithmetic",
+    "Decider",
+    "HalfArithmetic",
+    "clear_cache",
+    "cpu_flags",
+    "emulated_dtypes",
+    "gemm_gflops",
+    "half_arithmetic",
+    "hardware_line",
+]
+
+ENV_VAR = "MIXPREC_HALF_ARITHMETIC"
+
+HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+class Arithmetic(str, enum.Enum):
+    """How half-precision GEMMs and convolutions are computed."""
+
+    NATIVE = "native"  # torch's fp16/bf16 kernels
+    EMULATED = "emulated"  # fp32 kernels on half-rounded inputs, result rounded once (emulation.py)
+
+
+class Decider(str, enum.Enum):
+    """What made the decision, strongest first."""
+
+    ARGUMENT = "argument"
+    ENVIRONMENT = "environment"
+    QUERY = "query"
+    PROBE = "probe"
+
+
+@dataclass(frozen=True)
+class HalfArithmetic:
+    """The arithmetic mixprec uses for ``dtype`` GEMMs/convolutions on ``device_type``, and why."""
+
+    device_type: str
+    dtype: torch.dtype
+    arithmetic: Arithmetic
+    decided_by: Decider
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in HALF_DTYPES:
+            raise ConfigError(
+                f"half arithmetic is decided for fp16 and bf16, not {self.dtype}",
+                "use torch.float16 or torch.bfloat16",
+            )
+
+    @property
+    def emulated(self) -> bool:
+        return self.arithmetic is Arithmetic.EMULATED
+
+
+class UnknownArithmeticError(ConfigError):
+    """An override names no known arithmetic."""
+
+
+def _parse(value: str | Arithmetic, where: str) -> Arithmetic:
+    try:
+        return Arithmetic(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError:
+        raise UnknownArithmeticError(
+            f"{where} is {value!r}, which is not an arithmetic",
+            f"use one of {', '.join(a.value for a in Arithmetic)} (or leave it unset to detect)",
+        ) from None
+
+
+def half_arithmetic(
+    device_type: str, dtype: torch.dtype, override: str | Arithmetic | None = None
+) -> HalfArithmetic:
+    """Decide how ``dtype`` GEMMs/convs run on ``device_type``: argument, env var, query, then probe.
+
+    Detection runs once per (device type, dtype) and is cached; an override costs nothing. A probe, where
+    one is needed, times two small GEMMs (milliseconds) and forces a device sync.
+    """
+    if override is not None:
+        arithmetic = _parse(override, "override")
+        return HalfArithmetic(device_type, dtype, arithmetic, Decider.ARGUMENT, "set by the caller")
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        arithmetic = _parse(env, ENV_VAR)
+        return HalfArithmetic(device_type, dtype, arithmetic, Decider.ENVIRONMENT, f"{ENV_VAR}={env}")
+    return _detect(device_type, dtype)
+
+
+def emulated_dtypes(device_type: str) -> frozenset[torch.dtype]:
+    """The half dtypes whose GEMMs mixprec emulates on ``device_type`` (env override honoured)."""
+    return frozenset(d for d in HALF_DTYPES if half_arithmetic(device_type, d).emulated)
+
+
+def clear_cache() -> None:
+    """Forget detected answers (tests; a process that changed its thread count or device)."""
+    _detect.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Detection: one function per device type (a table, so a new backend is one entry)
+# --------------------------------------------------------------------------------------------------------
+
+_Verdict = tuple[Arithmetic, Decider, str]
+
+
+@functools.cache
+def _detect(device_type: str, dtype: torch.dtype) -> HalfArithmetic:
+    detector = _DETECTORS.get(device_type, _detect_by_probe)
+    arithmetic, decided_by, reason = detector(device_type, dtype)
+    return HalfArithmetic(device_type, dtype, arithmetic, decided_by, reason)
+
+
+def cpu_flags() -> Mapping[str, bool]:
+    """The CPU features that decide half-precision speed (torch's own cpuinfo reading)."""
+    caps = torch.cpu.get_capabilities()
+    names = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "bf16", "sve_bf16")
+    return {name: bool(caps[name]) for name in names if name in caps}
+
+
+def _cpu_has(*names: str) -> str | None:
+    flags = cpu_flags()
+    return next((name for name in names if flags.get(name)), None)
+
+
+# A CPU's half units, per dtype: any one of these makes oneDNN's kernels for that dtype run at speed.
+_CPU_UNITS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16"),
+    torch.float16: ("amx_fp16", "avx512_fp16"),
+}
+
+# Whether oneDNN (torch's CPU GEMM library) has kernels for the dtype at all. Where it has none, torch
+# runs its scalar fallback (the ~90x case), so a False answer is reliable and needs no probe.
+_ONEDNN_SUPPORT: dict[torch.dtype, Callable[[], bool]] = {
+    torch.bfloat16: lambda: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    torch.float16: lambda: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+}
+
+
+def _detect_cpu(device_type: str, dtype: torch.dtype) -> _Verdict:
+    name = dtype_label(dtype)
+    if not _ONEDNN_SUPPORT[dtype]():
+        reason = f"torch has no oneDNN {name} kernels on this CPU: its {name} GEMMs run a scalar fallback"
+        return Arithmetic.EMULATED, Decider.QUERY, reason
+    unit = _cpu_has(*_CPU_UNITS[dtype])
+    if unit is not None:
+        return Arithmetic.NATIVE, Decider.QUERY, f"the CPU has {name} units ({unit}) and oneDNN uses them"
+    # oneDNN supports the dtype without dedicated units (e.g. plain AVX-512 converts to fp32 inside
+    # the kernel): whether that beats the emulation depends on the kernel, so measure it.
+    return _detect_by_probe(device_type, dtype)
+
+
+def _detect_cuda(device_type: str, dtype: torch.dtype) -> _Verdict:
+    if not torch.cuda.is_available():
+        return Arithmetic.NATIVE, Decider.QUERY, "CUDA is not available; nothing runs there"
+    major, minor = torch.cuda.get_device_capability()
+    # Tensor cores: fp16 since Volta (sm_70), bf16 since Ampere (sm_80).
+    needed = {torch.float16: (7, 0), torch.bfloat16: (8, 0)}[dtype]
+    name = dtype_label(dtype)
+    if (major, minor) >= needed:
+        return Arithmetic.NATIVE, Decider.QUERY, f"sm_{major}{minor} has {name} tensor cores"
+    return _detect_by_probe(device_type, dtype)
+
+
+_DETECTORS: dict[str, Callable[[str, torch.dtype], _Verdict]] = {"cpu": _detect_cpu, "cuda": _detect_cuda}
+
+# The probe's GEMM: 256^3 is 34 MFLOP, under a millisecond at fp32 speed and ~70 ms at the slowest half
+# rate seen (0.5 GFLOP/s), yet large enough for a blocked kernel to reach its steady rate.
+PROBE_SIZE = 256
+# Emulation costs about one fp32 GEMM plus the casts around it (1.06-1.23x of fp32 measured), so a native
+# kernel is worth using only if it is at least as fast as the fp32 one.
+NATIVE_MAX_TIME_RATIO = 1.0
+
+
+def _detect_by_probe(device_type: str, dtype: torch.dtype) -> _Verdict:
+    name = dtype_label(dtype)
+    try:
+        half = gemm_gflops(device_type, dtype, PROBE_SIZE)
+        full = gemm_gflops(device_type, torch.float32, PROBE_SIZE)
+    except (RuntimeError, TypeError) as err:  # no kernel for this dtype/device at all
+        return Arithmetic.EMULATED, Decider.PROBE, f"torch has no {name} GEMM here ({err})"
+    rates = f"{name} GEMM {half:.1f} GFLOP/s vs fp32 {full:.1f}"
+    if full <= half * NATIVE_MAX_TIME_RATIO:
+        return Arithmetic.NATIVE, Decider.PROBE, f"{rates}: the native kernel is at least as fast"
+    return Arithmetic.EMULATED, Decider.PROBE, f"{rates}: fp32 kernels are faster"
+
+
+def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
+    """The best rate of ``repeats`` n x n x n GEMMs in ``dtype`` on ``device_type`` (GFLOP/s; syncs)."""
+    device = torch.device(device_type)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = _SYNCS.get(device_type, _no_sync)
+    torch.mm(a, b)  # warm-up: kernel selection, lazy initialisation
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best / 1e9
+
+
+def _no_sync() -> None:
+    pass
+
+
+_SYNCS: dict[str, Callable[[], None]] = {"cuda": lambda: torch.cuda.synchronize()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The hardware line of benchmark tables and `mixprec info`
+# --------------------------------------------------------------------------------------------------------
+
+
+def hardware_line() -> str:
+    """One line naming the CPU, the features that decide half speed, threads and torch (+ GPU if any)."""
+    caps = torch.cpu.get_capabilities()
+    model = str(caps.get("cpu_name") or platform.processor() or platform.machine())
+    # +flag present, -flag absent: the absent ones explain a slow half GEMM as much as the present ones
+    shown = " ".join(f"{'+' if on else '-'}{name}" for name, on in cpu_flags().items())
+    arch = caps.get("architecture", platform.machine())
+    line = f"{model} ({arch}; {shown}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        line += f", GPU {torch.cuda.get_device_name()}"
+    return line

@@ -1,0 +1,146 @@
+"""mixprec.hardware: detection of native vs emulated half arithmetic, its cache, and its overrides.
+
+No test here depends on which CPU runs it: detection rules are exercised on faked torch answers, and the
+real detection is only checked for being cached and well-formed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mixprec import hardware
+from mixprec.errors import ConfigError
+from mixprec.hardware import Arithmetic, Decider, HalfArithmetic
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_detection(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(hardware.ENV_VAR, raising=False)
+    hardware.clear_cache()
+    yield
+    hardware.clear_cache()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("forced", ["native", "emulated", Arithmetic.EMULATED])
+def test_argument_forces_either_arithmetic(dtype: torch.dtype, forced: str | Arithmetic) -> None:
+    decision = hardware.half_arithmetic("cpu", dtype, override=forced)
+    assert decision.arithmetic is Arithmetic(forced)
+    assert decision.decided_by is Decider.ARGUMENT
+    assert decision.emulated == (Arithmetic(forced) is Arithmetic.EMULATED)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("forced", ["native", "emulated", " Emulated "])
+def test_env_var_forces_either_arithmetic(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, forced: str
+) -> None:
+    monkeypatch.setenv(hardware.ENV_VAR, forced)
+    decision = hardware.half_arithmetic("cpu", dtype)
+    assert decision.arithmetic.value == forced.strip().lower()
+    assert decision.decided_by is Decider.ENVIRONMENT
+    assert hardware.ENV_VAR in decision.reason
+    assert (dtype in hardware.emulated_dtypes("cpu")) == decision.emulated
+
+
+def test_argument_wins_over_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(hardware.ENV_VAR, "native")
+    assert hardware.half_arithmetic("cpu", torch.bfloat16, "emulated").emulated
+
+
+@pytest.mark.parametrize("where", ["argument", "env"])
+def test_unknown_arithmetic_names_the_choices(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    if where == "env":
+        monkeypatch.setenv(hardware.ENV_VAR, "fast")
+    with pytest.raises(ConfigError, match="native, emulated"):
+        hardware.half_arithmetic("cpu", torch.float16, "fast" if where == "argument" else None)
+
+
+def test_decision_is_frozen_and_only_for_half_dtypes() -> None:
+    decision = hardware.half_arithmetic("cpu", torch.float16, "native")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.arithmetic = Arithmetic.EMULATED  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="float16 or torch.bfloat16"):
+        HalfArithmetic("cpu", torch.float32, Arithmetic.NATIVE, Decider.QUERY, "")
+
+
+def test_real_detection_runs_once_and_is_well_formed() -> None:
+    first = hardware.half_arithmetic("cpu", torch.bfloat16)
+    assert first.decided_by in (Decider.QUERY, Decider.PROBE) and first.reason
+    assert hardware.half_arithmetic("cpu", torch.bfloat16) is first  # cached, not detected again
+
+
+def test_detection_is_cached_per_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, torch.dtype]] = []
+
+    def detector(device_type: str, dtype: torch.dtype) -> tuple[Arithmetic, Decider, str]:
+        calls.append((device_type, dtype))
+        return Arithmetic.NATIVE, Decider.QUERY, "fake"
+
+    monkeypatch.setitem(hardware._DETECTORS, "cpu", detector)
+    for _ in range(3):
+        for dtype in HALF:
+            hardware.half_arithmetic("cpu", dtype)
+    assert calls == [("cpu", torch.float16), ("cpu", torch.bfloat16)]
+
+
+def _fake_cpu(
+    monkeypatch: pytest.MonkeyPatch, onednn: bool, flags: dict[str, bool], rates: dict[torch.dtype, float]
+) -> None:
+    for dtype in HALF:
+        monkeypatch.setitem(hardware._ONEDNN_SUPPORT, dtype, lambda: onednn)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "gemm_gflops", lambda device, dtype, n, repeats=3: rates[dtype])
+
+
+SLOW_HALF = {torch.float32: 70.0, torch.bfloat16: 0.5, torch.float16: 0.5}
+FAST_HALF = {torch.float32: 140.0, torch.bfloat16: 600.0, torch.float16: 300.0}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpu_without_onednn_kernels_is_emulated_without_a_probe(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    _fake_cpu(monkeypatch, onednn=False, flags={"avx2": True}, rates={})  # a probe would KeyError
+    decision = hardware.half_arithmetic("cpu", dtype)
+    assert (decision.arithmetic, decision.decided_by) == (Arithmetic.EMULATED, Decider.QUERY)
+
+
+@pytest.mark.parametrize(("dtype", "unit"), [(torch.bfloat16, "avx512_bf16"), (torch.bfloat16, "amx_bf16"),
+                                             (torch.float16, "amx_fp16"), (torch.float16, "avx512_fp16")])
+def test_cpu_with_half_units_is_native(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, unit: str
+) -> None:
+    _fake_cpu(monkeypatch, onednn=True, flags={unit: True}, rates={})
+    decision = hardware.half_arithmetic("cpu", dtype)
+    assert (decision.arithmetic, decision.decided_by) == (Arithmetic.NATIVE, Decider.QUERY)
+    assert unit in decision.reason
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("rates", "expected"), [(SLOW_HALF, Arithmetic.EMULATED), (FAST_HALF, Arithmetic.NATIVE)]
+)
+def test_uncertain_cpu_is_probed(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rates: dict[torch.dtype, float], expected: Arithmetic
+) -> None:
+    # oneDNN has kernels but the CPU has no half units (plain AVX-512): only a measurement can tell.
+    _fake_cpu(monkeypatch, onednn=True, flags={"avx512_f": True}, rates=rates)
+    decision = hardware.half_arithmetic("cpu", dtype)
+    assert (decision.arithmetic, decision.decided_by) == (expected, Decider.PROBE)
+    assert f"{rates[dtype]:.1f} GFLOP/s" in decision.reason
+
+
+def test_gemm_rate_is_positive_and_finite() -> None:
+    rate = hardware.gemm_gflops("cpu", torch.float32, 32, repeats=1)
+    assert 0 < rate < float("inf")
+
+
+def test_hardware_line_names_threads_and_torch() -> None:
+    line = hardware.hardware_line()
+    assert f"{torch.get_num_threads()} threads" in line and torch.__version__ in line
