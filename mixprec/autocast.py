@@ -11,7 +11,7 @@ for ``torch.autocast`` (context manager and decorator). How it works, in two lay
 
 2. **A Python layer, only where the policy changes something.** When the effective policy (preset + the
    user's global registrations) differs from torch's tables for the region's device and dtype
-   (:meth:`Policy.overrides`), or fp16 GEMMs must be emulated, a ``TorchFunctionMode`` is pushed. It sees
+   (:meth:`Policy.overrides`), or half GEMMs must be emulated, a ``TorchFunctionMode`` is pushed. It sees
    every torch function call, looks up the call's op name in a dict of *only the changed ops* and passes
    everything else straight through (torch's layer still applies to those). A changed op's floating
    inputs are cast per its action and the op runs with torch's autocast switched off, so torch's table
@@ -25,9 +25,10 @@ for ``torch.autocast`` (context manager and decorator). How it works, in two lay
    keyed like torch's (fp32 leaf tensors that require grad, i.e. parameters), released when the outermost
    mixprec region exits.
 
-**Emulated fp16 GEMMs.** Where a device has no fast fp16 GEMM (``DeviceSpec.fast_fp16_gemm``), every
-``lower`` op under fp16 is computed as an fp16 tensor core would (:mod:`mixprec.emulation`: inputs rounded
-to fp16, fp32 compute and accumulation, result rounded to fp16). This module only decides which ops are
+**Emulated half GEMMs.** Where a device has no fast kernels for the region's dtype (fp16 or bf16;
+:func:`mixprec.emulation.emulates`, from :mod:`mixprec.hardware`), every ``lower`` op is computed as a
+tensor core would (:mod:`mixprec.emulation`: inputs rounded to the half format, fp32 compute and
+accumulation, result rounded once). This module only decides which ops are
 emulated and caches the rounded copy of each parameter once per region.
 
 Limitations: the Python layer matches torch functions by name at the Python level (``torch.X``,
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec.emulation import emulated, round_to_half
+from mixprec.emulation import emulated, emulates, round_to_half
 from mixprec.errors import ConfigError, MixprecError
 from mixprec.policy import (
     DEVICES,
@@ -352,7 +353,7 @@ class _Plan:
     actions: dict[str, Action]
 
 
-_PLANS: dict[tuple[int, int, str, torch.dtype], tuple[Policy, _Plan]] = {}
+_PLANS: dict[tuple[int, int, str, torch.dtype, bool], tuple[Policy, _Plan]] = {}
 _PLANS_MAX = 64  # policies are usually a few long-lived presets; bound the cache for the rest
 
 
@@ -361,15 +362,15 @@ def _python_names(op: str) -> list[str]:
 
 
 def _plan(policy: Policy, device_type: str, dtype: torch.dtype) -> _Plan:
-    key = (id(policy), registry_version(), device_type, dtype)
+    # The hardware's answer is part of the key: MIXPREC_HALF_ARITHMETIC may change between regions.
+    allow = dtype is not torch.float16 or policy.emulate_fp16  # emulate_fp16=False: torch's fp16 kernels
+    emulate = emulates(device_type, dtype, allow)
+    key = (id(policy), registry_version(), device_type, dtype, emulate)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is policy:
         return hit[1]
     effective = effective_policy(policy)
     changed = effective.overrides(device_type, dtype)
-    emulate = (
-        dtype is torch.float16 and effective.emulate_fp16 and not device_spec(device_type).fast_fp16_gemm
-    )
     if emulate:
         for op, rule in effective.table(device_type).rules_for(dtype).items():
             if rule.action is Action.LOWER:
@@ -612,8 +613,8 @@ def _default() -> Policy:
 
 
 class _HalfComputeMode(TorchFunctionMode):
-    """Emulates the GEMM family for fp16 operands; every other call (and every call while a torch
-    autocast region is on, which has its own rules) passes straight through."""
+    """Emulates the GEMM family for operands of the region's half dtype; every other call (and every call
+    while a torch autocast region is on, which has its own rules) passes straight through."""
 
     def __init__(self, region: Region, names: frozenset[str]) -> None:
         super().__init__()
@@ -627,7 +628,7 @@ class _HalfComputeMode(TorchFunctionMode):
         if (
             getattr(func, "__name__", None) not in self.names
             or torch.is_autocast_enabled(self.region.device_type)
-            or not any(t.dtype is torch.float16 for t in iter_tensors((args, kwargs)))
+            or not any(t.dtype is self.region.dtype for t in iter_tensors((args, kwargs)))
         ):
             return func(*args, **kwargs)
         return _run_emulated(self.region, func, args, kwargs)
@@ -641,11 +642,12 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
     """Run a model whose weights are already half precision with tensor-core arithmetic.
 
     ``autocast`` decides *which dtype* each op runs in; a model cast to fp16 (apex O2/O3, fastai's
-    ``to_fp16``) has already decided: everything is fp16. What remains is *how* fp16 GEMMs compute. On a
-    device without fast fp16 GEMMs (CPU: 3x-500x slower than fp32 in torch) this region computes every
-    GEMM/convolution with an fp16 operand as an fp16 tensor core does: exact fp32 upcasts, fp32
-    accumulation, result rounded to fp16 (see the module docstring). It casts nothing else. On devices
-    with fast fp16 GEMMs, and for bf16 (fast on CPU), it is a no-op.
+    ``to_fp16``/``to_bf16``) has already decided: everything is half. What remains is *how* half GEMMs
+    compute. Where :mod:`mixprec.hardware` says the device has no fast kernels for ``dtype`` (CPU fp16:
+    3x-500x slower than fp32 in torch; bf16 without AVX-512 BF16/AMX: ~90x) this region computes every
+    GEMM/convolution with a ``dtype`` operand as a tensor core does: exact fp32 upcasts, fp32
+    accumulation, result rounded to ``dtype`` (:mod:`mixprec.emulation`). It casts nothing else. Where
+    the device's half kernels are fast, it is a no-op.
     """
 
     def __init__(self, device_type: str, dtype: torch.dtype = torch.float16) -> None:
@@ -654,18 +656,16 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         self._modes: list[_HalfComputeMode | None] = []
 
     def _mode(self) -> _HalfComputeMode | None:
-        if self.dtype is not torch.float16:
-            return None
-        # The same cached plan as autocast(device, fp16): honours emulate_fp16 and the user's
-        # register_half_function registrations, and costs a dict lookup per forward.
-        plan = _plan(_default(), self.device_type, torch.float16)
+        # The same cached plan as autocast(device, dtype): honours the hardware's answer, emulate_fp16 and
+        # the user's register_half_function registrations, and costs a dict lookup per forward.
+        plan = _plan(_default(), self.device_type, self.dtype)
         if not plan.emulate:
             return None
         key = (id(plan), self.device_type)
         cached = _HALF_COMPUTE_MODES.get(key)
         if cached is None or cached[0] is not plan:
             names = frozenset(name for name, action in plan.actions.items() if action is Action.LOWER)
-            region = Region(self.device_type, torch.float16, True, False, plan.policy, True, {})
+            region = Region(self.device_type, self.dtype, True, False, plan.policy, True, {})
             cached = _HALF_COMPUTE_MODES[key] = (plan, names, region)
         return _HalfComputeMode(cached[2], cached[1])
 

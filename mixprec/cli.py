@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "formats": "mixprec.commands.formats",
     "memory": "mixprec.commands.memory",
     "grads": "mixprec.commands.grads",
+    "info": "mixprec.commands.info",
 }
 
 

@@ -1,24 +1,34 @@
-"""Emulated half-precision GEMMs: tensor-core numerics computed with fp32 kernels.
+"""Emulated half-precision GEMMs: tensor-core numerics computed with fp32 kernels, for fp16 and bf16.
 
-Where a device has no fast fp16 GEMM (CPU: torch's fp16 GEMMs run at 0.3-57 GFLOP/s against ~150 for
-fp32), a half-precision GEMM/convolution is computed as an fp16 tensor core would compute it:
+Where a device has no fast kernels for a half format (:mod:`mixprec.hardware` decides, per device and
+dtype: CPU fp16 GEMMs run at 0.3-57 GFLOP/s and, without AVX-512 BF16/AMX, bf16 GEMMs at ~0.5, against
+45-150 for fp32), a half-precision GEMM/convolution is computed as a tensor core would compute it:
 
 1. inputs rounded to the half format and carried in fp32 (:func:`round_to_half`);
-2. the op run by its fp32 kernel: the product of two fp16 numbers has at most 22 significant bits, so it
-   is exact in fp32's 24, and accumulating in fp32 is what tensor cores do;
+2. the op run by its fp32 kernel: the product of two fp16 numbers has at most 22 significant bits (two
+   bf16 numbers: 16), so it is exact in fp32's 24, and accumulating in fp32 is what tensor cores do;
 3. the result rounded once to the half format (:func:`round_result`).
 
-So the result equals a true fp16-input, fp32-accumulate GEMM up to fp32 summation order. Autograd records
-the fp32 op between the two roundings, so backward is emulated too, and the gradients that leave an
-emulated op are half precision, as under real half autocast.
+So the result equals a true half-input, fp32-accumulate GEMM up to fp32 summation order. Autograd records
+the fp32 op between the two roundings, so backward is emulated too: each backward GEMM reads the half
+gradient and the rounded operands autograd saved (no operand is rounded again), accumulates in fp32, and
+its result is rounded once where it leaves through an input rounding.
 
-Cost: the fp32 copies of the rounded inputs (twice the bytes of fp16) are what autograd saves for
+**Compiled code.** Inductor keeps fp32 values in registers across casts it considers pointwise, so a plain
+``t.to(half).float()`` is compiled to nothing and the GEMM silently reads unrounded inputs. The input
+rounding is therefore an opaque custom op, ``mixprec::round_to_half`` (fake implementation for tracing;
+its backward rounds the gradient, as the eager ``Tensor.to`` pair does), which no compiler can elide:
+eager and compiled code compute the same bits. The op is the *rounding*, not the GEMM, so every GEMM and
+convolution keeps torch's own fp32 forward and backward kernels.
+
+Cost: the fp32 copies of the rounded inputs (twice the bytes of half) are what autograd saves for
 backward.
 
-This module is the only numerics of autocast; the engine (:mod:`mixprec.autocast`) decides *which* ops
-are emulated and supplies a ``round_input`` that caches the rounded copy of each parameter per region.
-Callers run :func:`emulated` with torch's autocast switched off for the inputs' device: autocast would
-otherwise cast the fp32-carried inputs back to half and run the slow kernel.
+:func:`emulates` says which dtypes to emulate on a device (from :mod:`mixprec.hardware`); the autocast
+engine (:mod:`mixprec.autocast`) decides *which* ops are emulated and supplies a ``round_input`` that caches
+the rounded copy of each parameter per region. Callers run :func:`emulated` with torch's autocast switched
+off for the inputs' device: autocast would otherwise cast the fp32-carried inputs back to half and run the
+slow kernel.
 """
 
 from __future__ import annotations
@@ -28,11 +38,42 @@ from typing import Any
 
 import torch
 
+from mixprec import hardware
 from mixprec.tensor_args import iter_tensors, map_tensors
 
-__all__ = ["emulated", "round_result", "round_to_half"]
+__all__ = ["emulated", "emulates", "round_result", "round_to_half"]
 
 RoundInput = Callable[[torch.Tensor], torch.Tensor]
+
+
+def emulates(device_type: str, dtype: torch.dtype, allow: bool = True) -> bool:
+    """Whether ``dtype`` GEMMs on ``device_type`` are emulated (:func:`mixprec.hardware.half_arithmetic`,
+    which honours ``MIXPREC_HALF_ARITHMETIC``); ``allow=False`` (a policy's ``emulate_fp16=False``) never."""
+    return allow and dtype in hardware.HALF_DTYPES and hardware.half_arithmetic(device_type, dtype).emulated
+
+
+@torch.library.custom_op("mixprec::round_to_half", mutates_args=())
+def _round_op(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).float()
+
+
+@_round_op.register_fake
+def _(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(t, dtype=torch.float32)
+
+
+def _round_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.dtype = inputs[1]
+    ctx.input_dtype = inputs[0].dtype
+
+
+def _round_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # What the eager pair t.to(half).float() does in backward: the gradient leaves rounded to half
+    # (the one rounding of the backward GEMM that produced it), in the input's dtype.
+    return _round_op(grad, ctx.dtype).to(ctx.input_dtype), None
+
+
+_round_op.register_autograd(_round_backward, setup_context=_round_setup)
 
 
 def round_to_half(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -43,8 +84,8 @@ def round_to_half(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.
     if not t.is_floating_point() or t.dtype is torch.float64:
         return t
     if t.dtype is dtype:
-        return t.float()  # exact: every half value is an fp32 value
-    return t.to(dtype).float()
+        return t.float()  # exact: every half value is an fp32 value, so there is nothing to elide
+    return _round_op(t, dtype)  # opaque: see "Compiled code" in the module docstring
 
 
 def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:

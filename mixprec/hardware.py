@@ -13,8 +13,8 @@ A half-precision GEMM can run two ways:
 :func:`half_arithmetic` decides, per (device type, dtype), once per process and cheaply:
 
 1. an explicit ``override`` argument, else
-2. the ``MIXPREC_HALF_ARITHMETIC`` environment variable (``native`` or ``emulated``; read at every call so a
-   test or a launcher can set it), else
+2. the ``MIXPREC_HALF_ARITHMETIC`` environment variable (``native`` or ``emulated``, or per dtype:
+   ``fp16=emulated,bf16=native``; read at every call so a test or a launcher can set it), else
 3. a query of what torch itself reports (oneDNN's bf16/fp16 support, the CPU's bf16/fp16 units, the CUDA
    compute capability) where that answer is reliable, else
 4. a tiny timed probe: one half GEMM against one fp32 GEMM of the same size.
@@ -119,11 +119,35 @@ def half_arithmetic(
     if override is not None:
         arithmetic = _parse(override, "override")
         return HalfArithmetic(device_type, dtype, arithmetic, Decider.ARGUMENT, "set by the caller")
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        arithmetic = _parse(env, ENV_VAR)
-        return HalfArithmetic(device_type, dtype, arithmetic, Decider.ENVIRONMENT, f"{ENV_VAR}={env}")
+    env = _env_choice(dtype)
+    if env is not None:
+        reason = f"{ENV_VAR}={os.environ[ENV_VAR].strip()}"
+        return HalfArithmetic(device_type, dtype, env, Decider.ENVIRONMENT, reason)
     return _detect(device_type, dtype)
+
+
+def _env_choice(dtype: torch.dtype) -> Arithmetic | None:
+    """``MIXPREC_HALF_ARITHMETIC``: ``native``/``emulated`` for both dtypes, or per dtype
+    (``fp16=emulated,bf16=native``; a dtype not named is detected)."""
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return None
+    if "=" not in text:
+        return _parse(text, ENV_VAR)
+    choices: dict[str, str] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip().lower() not in _ENV_DTYPES:
+            raise UnknownArithmeticError(
+                f"{ENV_VAR}={text!r}: cannot read {item.strip()!r}",
+                "write native or emulated, or per dtype: fp16=emulated,bf16=native",
+            )
+        choices[name.strip().lower()] = value
+    value = choices.get(dtype_label(dtype))
+    return None if value is None else _parse(value, ENV_VAR)
+
+
+_ENV_DTYPES = ("fp16", "bf16")
 
 
 def emulated_dtypes(device_type: str) -> frozenset[torch.dtype]:

@@ -1,10 +1,18 @@
-"""mixprec.emulation: half-precision GEMM numerics against exact references."""
+"""mixprec.emulation: half-precision GEMM numerics (fp16 and bf16) against exact references, eager and
+compiled, on either arithmetic whatever the CPU (forced through MIXPREC_HALF_ARITHMETIC)."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from typing import Any
 
-from mixprec.emulation import emulated, round_to_half
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import autocast, half_compute, hardware
+from mixprec.emulation import emulated, emulates, round_to_half
+from mixprec.policy import TORCH_NATIVE
 
 
 def test_round_to_half_is_ieee_round_to_nearest_even() -> None:
@@ -34,3 +42,158 @@ def test_emulated_writes_out_and_returns_it() -> None:
     out = torch.empty(4, 2, dtype=torch.float16)
     assert emulated(torch.mm, (a, b), {"out": out}) is out
     assert torch.equal(out, (a.half().double() @ b.half().double()).half())
+
+
+# ---- bf16 as fp16: every GEMM of the family, through autocast and half_compute --------------------------
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def arithmetic(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Force an arithmetic for both half dtypes, whatever this CPU would choose."""
+
+    def force(value: str) -> None:
+        monkeypatch.setenv(hardware.ENV_VAR, value)
+
+    return force
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` numbers at |x| (float64), subnormal spacing below the smallest normal."""
+    fi = torch.finfo(dtype)
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(fi.tiny)))
+    return fi.eps * 2.0**exponent
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).double()
+
+
+# op -> (function, inputs). Sizes keep every test under a millisecond of GEMM time.
+GEMMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]] = {
+    "mm": (torch.mm, lambda: (torch.randn(8, 64), torch.randn(64, 4))),
+    "matmul": (torch.matmul, lambda: (torch.randn(3, 8, 64), torch.randn(64, 4))),
+    "linear": (F.linear, lambda: (torch.randn(8, 64), torch.randn(6, 64), torch.randn(6))),
+    "bmm": (torch.bmm, lambda: (torch.randn(2, 8, 64), torch.randn(2, 64, 4))),
+    "addmm": (
+        lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+        lambda: (torch.randn(8, 4), torch.randn(8, 64), torch.randn(64, 4)),
+    ),
+    "baddbmm": (torch.baddbmm, lambda: (torch.randn(2, 8, 4), torch.randn(2, 8, 64), torch.randn(2, 64, 4))),
+    "conv1d": (F.conv1d, lambda: (torch.randn(2, 8, 16), torch.randn(4, 8, 3), torch.randn(4))),
+    "conv2d": (F.conv2d, lambda: (torch.randn(2, 3, 9, 9), torch.randn(5, 3, 3, 3), torch.randn(5))),
+}
+
+
+def _assert_within_one_ulp(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], fn: Callable[..., Any],
+                           dtype: torch.dtype) -> None:
+    # The rounding model: inputs rounded to dtype, exact (float64) arithmetic, one rounding to dtype.
+    # fp32 accumulation may move the pre-rounding value by a few fp32 ulps, so the result may land on
+    # the neighbouring dtype number: at most 1 ulp away.
+    ref = fn(*(_rounded(t, dtype) for t in inputs)).to(dtype).double()
+    assert out.dtype == dtype
+    err = (out.double() - ref).abs()
+    assert bool((err <= _ulp(ref, dtype)).all()), float((err / _ulp(ref, dtype)).max())
+    assert float((err == 0).double().mean()) > 0.9  # and mostly exactly the model's result
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(GEMMS))
+def test_autocast_emulated_gemm_within_one_ulp_of_rounding_model(
+    arithmetic: Callable[[str], None], name: str, dtype: torch.dtype
+) -> None:
+    arithmetic("emulated")
+    fn, make = GEMMS[name]
+    torch.manual_seed(0)
+    inputs = make()
+    with autocast("cpu", dtype):
+        out = fn(*inputs)
+    _assert_within_one_ulp(out, inputs, fn, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", ["linear", "conv2d", "baddbmm"])
+def test_half_compute_emulated_gemm_within_one_ulp_of_rounding_model(
+    arithmetic: Callable[[str], None], name: str, dtype: torch.dtype
+) -> None:
+    arithmetic("emulated")
+    fn, make = GEMMS[name]
+    torch.manual_seed(1)
+    inputs = tuple(t.to(dtype) for t in make())  # a half model: parameters and activations in dtype
+    with half_compute("cpu", dtype):
+        out = fn(*inputs)
+    _assert_within_one_ulp(out, inputs, fn, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_backward_is_the_emulated_gemm_of_the_right_operands(
+    arithmetic: Callable[[str], None], dtype: torch.dtype
+) -> None:
+    arithmetic("emulated")
+    torch.manual_seed(2)
+    x, w = torch.randn(8, 64, requires_grad=True), torch.randn(6, 64, requires_grad=True)
+    g = torch.randn(8, 6).to(dtype)
+    with autocast("cpu", dtype):
+        y = F.linear(x, w)
+    y.backward(g)
+    # dL/dx = g @ W and dL/dW = g^T @ x, each with its operands rounded and the result rounded once.
+    for got, fn, operands in ((x.grad, torch.mm, (g, w.detach())), (w.grad, torch.mm, (g.T, x.detach()))):
+        assert got is not None and got.dtype == torch.float32
+        _assert_within_one_ulp(got.to(dtype), operands, fn, dtype)
+        assert torch.equal(got.to(dtype).float(), got)  # values are dtype numbers: one rounding happened
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_native_override_runs_torchs_kernels(arithmetic: Callable[[str], None], dtype: torch.dtype) -> None:
+    arithmetic("native")
+    a, b = torch.randn(4, 16), torch.randn(16, 3)
+    with torch.autocast("cpu", dtype):
+        theirs = torch.mm(a, b)
+    with autocast("cpu", dtype, policy=TORCH_NATIVE):  # torch's tables, so only emulation needs a layer
+        assert torch._C._len_torch_function_stack() == 0  # torch's kernels: no Python layer
+        ours = torch.mm(a, b)
+    assert torch.equal(ours, theirs)
+    with half_compute("cpu", dtype):
+        assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_override_pushes_the_emulation(
+    arithmetic: Callable[[str], None], dtype: torch.dtype
+) -> None:
+    arithmetic("emulated")
+    assert emulates("cpu", dtype) and not emulates("cpu", dtype, allow=False)
+    with half_compute("cpu", dtype):
+        assert torch._C._len_torch_function_stack() == 1
+    with autocast("cpu", dtype, policy=TORCH_NATIVE):
+        assert torch._C._len_torch_function_stack() == 1
+
+
+# ---- compiled code computes the same bits ---------------------------------------------------------------
+
+
+def test_compiled_emulation_keeps_its_input_rounding() -> None:
+    dtype = torch.bfloat16
+    torch.manual_seed(4)
+    a = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(32, 8, requires_grad=True)
+    g = torch.randn(16, 8).to(dtype)
+
+    def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return emulated(torch.mm, (a, b), {}, dtype)
+
+    def run(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        a.grad = b.grad = None
+        out = fn(a, b)
+        out.backward(g)
+        assert a.grad is not None and b.grad is not None
+        return out.detach(), a.grad.clone(), b.grad.clone()
+
+    eager = run(gemm)
+    # The case is one where the rounding matters: an fp32 GEMM rounded once differs (what Inductor
+    # computed when the rounding was a plain cast pair it could fuse away).
+    assert not torch.equal(eager[0], (a @ b).to(dtype))
+    compiled = run(torch.compile(gemm, backend="inductor", fullgraph=True))
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)

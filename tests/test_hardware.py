@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mixprec import hardware
+from mixprec.cli import main
 from mixprec.errors import ConfigError
 from mixprec.hardware import Arithmetic, Decider, HalfArithmetic
 
@@ -144,3 +145,21 @@ def test_gemm_rate_is_positive_and_finite() -> None:
 def test_hardware_line_names_threads_and_torch() -> None:
     line = hardware.hardware_line()
     assert f"{torch.get_num_threads()} threads" in line and torch.__version__ in line
+
+
+@pytest.mark.parametrize("forced", ["native", "emulated"])
+def test_info_command_reports_each_dtype(capsys: pytest.CaptureFixture[str], forced: str) -> None:
+    assert main(["info", "--arithmetic", forced]) == 0
+    out = capsys.readouterr().out
+    assert hardware.hardware_line() in out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("fp16", "bf16"))]
+    assert len(rows) == 2 and all(forced in row and "argument" in row for row in rows)
+    assert ("fp32 accumulation" in out) == (forced == "emulated")
+
+
+def test_info_command_reports_the_env_override(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(hardware.ENV_VAR, "emulated")
+    assert main(["info"]) == 0
+    assert capsys.readouterr().out.count("environment") == 2

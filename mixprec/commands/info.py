@@ -1,0 +1,89 @@
+"""``mixprec info``: what this machine offers for half precision, and what mixprec will do with it.
+
+Prints the hardware line (CPU model, the flags that decide half-precision speed, threads, torch), then one
+row per half dtype: the arithmetic :mod:`mixprec.hardware` chose for its GEMMs and convolutions, what made
+the choice (an override, a query of torch, a timed probe), why, and what autocast, O2 models and the
+Learner compute as a result. ``--measure`` adds the GEMM rates of this machine, timed now.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from mixprec.commands.console import make_console
+
+if TYPE_CHECKING:
+    import torch
+    from rich.table import Table
+
+    from mixprec.hardware import HalfArithmetic
+
+HELP = "Show the detected half-precision hardware and the arithmetic mixprec will use (native or emulated)."
+
+# What the GEMMs/convs of a region (autocast, an O2/to_fp16 model) compute under each arithmetic.
+_WHAT_MIXPREC_DOES: dict[str, str] = {
+    "native": "torch's {name} kernels",
+    "emulated": "{name}-rounded inputs, exact fp32 upcast, fp32 accumulation, one rounding to {name}",
+}
+
+# GEMM size of --measure: large enough for a blocked kernel's steady rate, small enough that the slowest
+# half rate seen (0.5 GFLOP/s) answers in about a second.
+MEASURE_SIZE = 512
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="device type to describe (default: cpu)")
+    parser.add_argument("--arithmetic", choices=("native", "emulated"), default=None,
+                        help="show the effect of forcing one arithmetic (what MIXPREC_HALF_ARITHMETIC does)")
+    parser.add_argument("--measure", action="store_true",
+                        help=f"also time {MEASURE_SIZE}^3 GEMMs in fp32, fp16 and bf16 (seconds on a CPU "
+                        "without half units)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec import hardware
+
+    console = make_console()
+    console.print(f"[bold]hardware[/bold]  {hardware.hardware_line()}")
+    decisions = [hardware.half_arithmetic(args.device, d, args.arithmetic) for d in hardware.HALF_DTYPES]
+    rates = _rates(args.device) if args.measure else {}
+    console.print(_table(decisions, rates))
+    console.print(
+        f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes), or "
+        "mixprec.hardware.half_arithmetic(device, dtype, override=...)."
+    )
+    return 0
+
+
+def _rates(device_type: str) -> dict[torch.dtype, float]:
+    import torch
+
+    from mixprec import hardware
+
+    dtypes = (torch.float32, *hardware.HALF_DTYPES)
+    return {d: hardware.gemm_gflops(device_type, d, MEASURE_SIZE) for d in dtypes}
+
+
+def _table(decisions: list[HalfArithmetic], rates: dict[torch.dtype, float]) -> Table:
+    import torch
+    from rich import box
+    from rich.table import Table
+
+    from mixprec.formats import dtype_label
+
+    table = Table(title="Half-precision GEMMs and convolutions", box=box.SIMPLE_HEAD)
+    for header in ("dtype", "arithmetic", "decided by", "why", "mixprec computes"):
+        table.add_column(header)
+    if rates:
+        table.add_column(f"GEMM {MEASURE_SIZE}^3\nGFLOP/s (fp32)", justify="right")
+    for d in decisions:
+        name = dtype_label(d.dtype)
+        style = "yellow" if d.emulated else "green"
+        row = [name, f"[{style}]{d.arithmetic.value}[/{style}]", d.decided_by.value, d.reason,
+               _WHAT_MIXPREC_DOES[d.arithmetic.value].format(name=name)]
+        if rates:
+            row.append(f"{rates[d.dtype]:.1f} ({rates[torch.float32]:.1f})")
+        table.add_row(*row)
+    return table
