@@ -19,12 +19,14 @@ from mixprec import policy as P
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(autouse=True)
-def reference_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, scope="session")  # session: module-scoped fixtures train models too
+def reference_arithmetic() -> Iterator[None]:
     """The arithmetic the suite was written for (fp16 GEMMs emulated, bf16 native), on any CPU: left to
     mixprec.hardware, it would depend on the machine (AVX2-only CPUs emulate bf16 too). Tests of the
     choice itself (test_hardware, test_emulation) set or clear the variable."""
-    monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+        yield
 
 
 @pytest.fixture
