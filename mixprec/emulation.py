@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mixprec import hardware
+from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = ["emulated", "emulates", "round_result", "round_to_half"]
@@ -49,7 +49,7 @@ RoundInput = Callable[[torch.Tensor], torch.Tensor]
 def emulates(device_type: str, dtype: torch.dtype, allow: bool = True) -> bool:
     """Whether ``dtype`` GEMMs on ``device_type`` are emulated (:func:`mixprec.hardware.half_arithmetic`,
     which honours ``MIXPREC_HALF_ARITHMETIC``); ``allow=False`` (a policy's ``emulate_fp16=False``) never."""
-    return allow and dtype in hardware.HALF_DTYPES and hardware.half_arithmetic(device_type, dtype).emulated
+    return allow and dtype in HALF_DTYPES and half_arithmetic(device_type, dtype).emulated
 
 
 @torch.library.custom_op("mixprec::round_to_half", mutates_args=())
