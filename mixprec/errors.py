@@ -43,3 +43,7 @@ class PersistentOverflowError(MixprecError, FloatingPointError):
 
 class UnsupportedParameterError(MixprecError, TypeError):
     """A parameter's dtype, or its gradient's layout, is one the optimizer wrapper cannot update."""
+
+
+class ApexPropertyError(ConfigError, RuntimeError):
+    """An apex opt-level property that apex itself refused (apex raised RuntimeError for these)."""

@@ -39,63 +39,18 @@ from torch import nn
 
 from mixprec.errors import ConfigError, ParameterMismatchError
 
+# re-exported: they lived here before mixprec.half_model
+from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
+
 __all__ = [
     "MasterWeights",
     "HALF_DTYPES",
     "BATCHNORM",
+    "Converted",
     "check_params_belong",
     "model_to_half",
     "fp32_originals",
 ]
-
-# The dtypes that get an fp32 master. Everything else floating (fp32, fp64) is updated in place.
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class Converted:
-    """One tensor :func:`model_to_half` turned to half precision, and how to turn it back."""
-
-    module: nn.Module
-    name: str
-    is_param: bool
-    dtype: torch.dtype  # its dtype before
-    before: torch.Tensor  # its value before (a parameter's old storage: no copy was made)
-
-
-# Kept fp32 when a model is cast to half (apex O2's keep_batchnorm_fp32).
-BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
-
-
-def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
-    """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
-    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
-
-    BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
-    loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
-    converted: to undo it, and to seed fp32 masters from the values before rounding (:func:`fp32_originals`).
-    """
-    converted = []
-    with torch.no_grad():
-        for module in model.modules():
-            if keep_bn_fp32 and isinstance(module, BATCHNORM):
-                continue
-            for name, param in module.named_parameters(recurse=False):
-                if param.is_floating_point() and param.dtype != dtype:
-                    converted.append(Converted(module, name, True, param.dtype, param.detach()))
-                    param.data = param.data.to(dtype)
-                    param.grad = None
-            for name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point() and buf.dtype != dtype:
-                    converted.append(Converted(module, name, False, buf.dtype, buf))
-                    setattr(module, name, buf.to(dtype))
-    return converted
-
-
-def fp32_originals(converted: list[Converted]) -> dict[torch.Tensor, torch.Tensor]:
-    """Each converted parameter's value before the cast: ``MasterWeights(..., initial=...)``."""
-    return {getattr(c.module, c.name): c.before for c in converted if c.is_param}
-
 
 @dataclass
 class _GroupMasters:

@@ -1,0 +1,205 @@
+"""A model in half precision: cast it (BatchNorm kept fp32), remember the fp32 values that seed the
+masters, cast its inputs to half and its outputs to fp32, run its forward in a precision region, and undo
+all of it. ``mixprec.initialize`` (O1-O3) and the Learner's ``MixedPrecision`` callback are each a short
+arrangement of :func:`prepare` and :meth:`HalfModel.restore`.
+
+What runs in the forward's region: a half model (O2/O3, ``to_fp16``) runs under
+:class:`~mixprec.autocast.half_compute` (its GEMMs computed as a tensor core does, on any device; its
+numerically sensitive ops kept in fp32); fp32 weights with a cast policy (O1) run under
+:class:`~mixprec.autocast.autocast`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from mixprec.autocast import autocast, half_compute
+from mixprec.tree import cast_floating
+
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
+
+__all__ = [
+    "HALF_DTYPES",
+    "BATCHNORM",
+    "Converted",
+    "HalfModel",
+    "model_to_half",
+    "model_to_float",
+    "fp32_originals",
+    "prepare",
+]
+
+# The dtypes that get an fp32 master. Everything else floating (fp32, fp64) is updated in place.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# Kept fp32 when a model is cast to half (apex O2's keep_batchnorm_fp32).
+BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One tensor :func:`model_to_half` turned to half precision, and how to turn it back."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    dtype: torch.dtype  # its dtype before
+    before: torch.Tensor  # its value before (a parameter's old storage: no copy was made)
+
+
+def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
+    """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
+    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
+
+    BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
+    loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
+    converted: to undo it, and to seed fp32 masters from the values before rounding (:func:`fp32_originals`).
+    """
+    converted = []
+    with torch.no_grad():
+        for module in model.modules():
+            if keep_bn_fp32 and isinstance(module, BATCHNORM):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    converted.append(Converted(module, name, True, param.dtype, param.detach()))
+                    param.data = param.data.to(dtype)
+                    param.grad = None
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    converted.append(Converted(module, name, False, buf.dtype, buf))
+                    setattr(module, name, buf.to(dtype))
+    return converted
+
+
+def fp32_originals(converted: list[Converted]) -> dict[torch.Tensor, torch.Tensor]:
+    """Each converted parameter's value before the cast: ``MasterWeights(..., initial=...)``."""
+    return {getattr(c.module, c.name): c.before for c in converted if c.is_param}
+
+
+def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] | None = None) -> None:
+    """Undo :func:`model_to_half`. A parameter whose id is in ``values`` (its fp32 master) takes that
+    value rather than its rounded half value, so leaving mixed precision loses nothing the optimizer
+    accumulated."""
+    values = values or {}
+    with torch.no_grad():
+        for c in converted:
+            tensor = getattr(c.module, c.name)
+            if c.is_param:
+                source = values.get(id(tensor), tensor)
+                tensor.data = source.detach().to(c.dtype, copy=True)
+                tensor.grad = None
+            else:
+                setattr(c.module, c.name, tensor.to(c.dtype))
+
+
+class _CastOutputs:
+    """Casts a forward's floating outputs: to fp32, the half ones (the loss and its reductions need fp32;
+    fp64 outputs stay); to another dtype, every floating one (apex's ``cast_model_outputs``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.only = HALF_DTYPES if dtype == torch.float32 else None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floating(output, self.dtype, only=self.only)
+
+
+def _fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """apex O2's state_dict hook: the module's own half tensors are saved as fp32, so a checkpoint of a
+    half model loads into an fp32 one (and back: load_state_dict copies across dtypes)."""
+    for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        key = prefix + name
+        if tensor is not None and tensor.dtype in HALF_DTYPES and key in state_dict:
+            state_dict[key] = state_dict[key].float()
+
+
+class _Region:
+    """Enters the forward's precision region in a pre-hook and leaves it in an always-called hook.
+    A stack per module, so a module that calls itself (or is shared) nests correctly."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self.make = make
+        self.stack: list[contextlib.AbstractContextManager[Any]] = []
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        ctx = self.make()
+        ctx.__enter__()
+        self.stack.append(ctx)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+
+def _region_factory(recipe: Recipe, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    dtype = recipe.half_dtype
+    assert dtype is not None  # only half recipes have a region
+    if recipe.casts_model:
+        return lambda: half_compute(device_type, dtype)
+    return lambda: autocast(device_type, dtype=dtype, policy=recipe.policy)
+
+
+@dataclass
+class HalfModel:
+    """What :func:`prepare` did to a model, so that it can be undone."""
+
+    model: nn.Module
+    recipe: Recipe
+    converted: list[Converted] = field(default_factory=list)
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def fp32_originals(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
+        return fp32_originals(self.converted)
+
+    def restore(self, masters: Any = None) -> None:
+        """Remove the hooks and cast the model back; parameters take their fp32 master's value when
+        ``masters`` (a :class:`~mixprec.master.MasterWeights`) holds one."""
+        for handle in self.handles:
+            handle.remove()
+        values = {}
+        if masters is not None:
+            values = {id(p): m for p, m in zip(masters.model_params(), masters.master_views(), strict=True)}
+        model_to_float(self.converted, values)
+        self.handles, self.converted = [], []
+
+
+def prepare(
+    model: nn.Module,
+    recipe: Recipe,
+    device_type: str,
+    *,
+    output_dtype: torch.dtype | None = None,
+    fp32_state_dict: bool = False,
+) -> HalfModel:
+    """Cast ``model`` as ``recipe`` says and hook its forward: floating inputs to the model's half dtype,
+    the forward inside the recipe's precision region, outputs cast to ``output_dtype`` (by default fp32
+    for the half ones when ``recipe.loss_fp32``). ``fp32_state_dict``: ``model.state_dict()`` holds fp32
+    tensors (apex O2). An fp32 recipe changes nothing."""
+    half = HalfModel(model, recipe)
+    if recipe.is_fp32:
+        return half
+    hooks = half.handles
+    if recipe.casts_model:
+        dtype = recipe.model_dtype
+        half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
+        cast_inputs = lambda module, args, kwargs: cast_floating((args, kwargs), dtype)  # noqa: E731
+        hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        if fp32_state_dict:
+            hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
+    region = _Region(_region_factory(recipe, device_type))
+    hooks.append(model.register_forward_pre_hook(region.enter, with_kwargs=True))
+    hooks.append(model.register_forward_hook(region.leave, always_call=True))
+    out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
+    if out_dtype is not None:
+        hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))
+    return half

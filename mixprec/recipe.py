@@ -1,0 +1,284 @@
+"""A precision recipe: which dtype each part of a training step uses, and how the loss is scaled.
+
+One frozen :class:`Recipe` describes a mixed precision set-up completely; every interface and tool builds
+from it: apex's opt levels (:meth:`Recipe.from_opt_level`), fastai's ``to_fp16`` (:meth:`Recipe.fastai`),
+the ladder's rungs, the memory estimate and the report. :data:`RECIPES` names the presets, and those names
+are the vocabulary of the command line.
+
+======================  ===========  ==========  ===========  ========  =============================
+preset                  weights      BatchNorm   fp32 master  autocast  loss scale
+======================  ===========  ==========  ===========  ========  =============================
+fp32 / O0               fp32         fp32        (are fp32)   -         none
+pure-fp16 / pure-bf16   half         half        no           -         none
+fp16-master             fp16         fp32        yes          -         none
+fp16-static             fp16         fp32        yes          -         static 512
+fp16 / fp16-dynamic     fp16         fp32        yes          -         dynamic from 512 (fastai)
+O1                      fp32         fp32        (are fp32)   fp16      dynamic from 2**16 (apex)
+O2                      fp16         fp32        yes          -         dynamic from 2**16 (apex)
+O3                      fp16         fp16        no           -         static 1 (apex)
+bf16                    bf16         fp32        yes          -         none (fp32's exponent range)
+======================  ===========  ==========  ===========  ========  =============================
+
+Why two starting scales: apex and torch.amp start at 2**16 and let the first few overflowing steps find the
+level (each costs a skipped step); fastai starts at 512, which already moves fp16's underflow threshold from
+2**-24 to 2**-33 and rarely overflows, so its first steps are not skipped. Both converge to the same level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.errors import ConfigError
+from mixprec.half_model import HALF_DTYPES
+from mixprec.scaler import (
+    DEFAULT_BACKOFF_FACTOR,
+    DEFAULT_GROWTH_FACTOR,
+    DEFAULT_GROWTH_INTERVAL,
+    DEFAULT_INIT_SCALE,
+    GradScaler,
+)
+
+__all__ = [
+    "ScaleConfig",
+    "Recipe",
+    "RECIPES",
+    "OPT_LEVELS",
+    "get_recipe",
+    "FASTAI_LOSS_SCALE",
+    "FASTAI_MAX_NOSKIP",
+    "APEX_MAX_LOSS_SCALE",
+]
+
+# fastai v1's to_fp16 starting scale: moves fp16's underflow threshold from 2**-24 to 2**-33, while a logit
+# gradient (at most 1 per sample, divided by the batch size) times 512 stays far below fp16's max 65504.
+FASTAI_LOSS_SCALE = 512.0
+# fastai v1's clean steps before a dynamic scale doubles: overflow is rare once the scale is tuned.
+FASTAI_MAX_NOSKIP = 1000
+# apex's (and fastai's) ceiling on a dynamic scale: past it a scaled 2**-24 would already be 1, so larger
+# scales only buy overflows.
+APEX_MAX_LOSS_SCALE = 2.0**24
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """How a loss is scaled; the fields are :class:`~mixprec.scaler.GradScaler`'s keyword arguments, and
+    their defaults are the scaler's (torch.amp's), so no default is written twice."""
+
+    init_scale: float = DEFAULT_INIT_SCALE
+    dynamic: bool = True
+    growth_interval: int = DEFAULT_GROWTH_INTERVAL
+    growth_factor: float = DEFAULT_GROWTH_FACTOR
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR
+    max_scale: float | None = None  # torch.amp has no ceiling; the apex and fastai presets set 2**24
+    min_scale: float | None = None
+    hysteresis: int = 1  # overflows tolerated before backing off (DeepSpeed/Megatron's hysteresis)
+    skip_limit: int | None = None  # consecutive skipped steps before PersistentOverflowError
+
+    def __post_init__(self) -> None:
+        self.make_scaler("cpu")  # the scaler checks every value and names it as the user passed it
+
+    @classmethod
+    def static(cls, scale: float) -> ScaleConfig:
+        """A fixed scale; overflowing steps are still skipped."""
+        return cls(init_scale=scale, dynamic=False)
+
+    def make_scaler(self, device: str | torch.device, **extras: Any) -> GradScaler:
+        """A fresh scaler with this configuration; ``extras`` are GradScaler's other keywords."""
+        fields = dataclasses.asdict(self)
+        if not self.dynamic:  # a static scale never moves: no bounds to keep
+            fields.update(max_scale=None, min_scale=None)
+        device_type = torch.device(device).type
+        return GradScaler(device_type, **fields, **extras)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Which dtype each part of a training step uses.
+
+    ``model_dtype`` is the dtype of the model's parameters (and its floating inputs): half for apex's
+    O2/O3 and fastai's ``to_fp16``, fp32 otherwise. ``autocast_dtype`` runs the forward under a per-op cast
+    policy over fp32 weights (apex O1, torch.amp). Gradients take their parameter's dtype; the optimizer
+    state takes the dtype of what it steps (the fp32 masters when ``master_weights``). ``scale`` None means
+    no loss scaling."""
+
+    name: str
+    description: str
+    model_dtype: torch.dtype = torch.float32
+    keep_batchnorm_fp32: bool = True  # BatchNorm's statistics are long reductions: fp32 costs few bytes
+    master_weights: bool = False
+    flat_master: bool = False  # one contiguous fp32 buffer per param group (one long optimizer kernel)
+    autocast_dtype: torch.dtype | None = None
+    policy: Any = None  # a mixprec Policy or preset name for the autocast region; None: torch's op lists
+    scale: ScaleConfig | None = None
+    loss_fp32: bool = True  # compute the loss from an fp32 copy of the output: its reductions need fp32
+
+    def __post_init__(self) -> None:
+        allowed = (torch.float32, *HALF_DTYPES)
+        if self.model_dtype not in allowed:
+            raise ConfigError(
+                f"recipe {self.name!r}: model_dtype must be one of {allowed}, got {self.model_dtype!r}.",
+                "use torch.float32, torch.float16 or torch.bfloat16.",
+            )
+        if self.autocast_dtype is not None and self.autocast_dtype not in HALF_DTYPES:
+            raise ConfigError(
+                f"recipe {self.name!r}: autocast_dtype must be float16 or bfloat16, got "
+                f"{self.autocast_dtype!r}.",
+                "use autocast_dtype=None for no per-op casting.",
+            )
+        if self.flat_master and not self.uses_masters:
+            raise ConfigError(
+                f"recipe {self.name!r}: flat_master=True, but it keeps no fp32 master weights.",
+                "use master_weights=True with a half model_dtype, or drop flat_master.",
+            )
+        if self.scale is not None and not isinstance(self.scale, ScaleConfig):
+            raise ConfigError(
+                f"recipe {self.name!r}: scale must be a ScaleConfig or None, got "
+                f"{type(self.scale).__name__}.",
+                "pass scale=ScaleConfig(...) or ScaleConfig.static(512.0).",
+            )
+
+    # ---- what the recipe implies
+    @property
+    def casts_model(self) -> bool:
+        return self.model_dtype in HALF_DTYPES
+
+    @property
+    def uses_masters(self) -> bool:
+        """fp32 masters exist only for half weights: fp32 weights already are the masters."""
+        return self.master_weights and self.casts_model
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The half dtype arithmetic runs in, if any."""
+        return self.model_dtype if self.casts_model else self.autocast_dtype
+
+    @property
+    def is_fp32(self) -> bool:
+        return self.half_dtype is None
+
+    def replace(self, **changes: Any) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+    def make_scaler(self, device: str | torch.device, **extras: Any) -> GradScaler:
+        """The scaler this recipe trains with: disabled (every call a pass-through) when it scales nothing.
+        Without masters the optimizer steps the half gradients in place, which the scaler must allow."""
+        if self.scale is None:
+            return GradScaler(torch.device(device).type, enabled=False, **extras)
+        extras.setdefault("allow_fp16_grads", self.casts_model and not self.uses_masters)
+        return self.scale.make_scaler(device, **extras)
+
+    # ---- presets
+    @classmethod
+    def from_opt_level(cls, opt_level: str, dtype: torch.dtype = torch.float16) -> Recipe:
+        """apex's opt level ``O0``-``O3`` with ``dtype`` as its half dtype (fp16 as apex, or bf16).
+        apex's property overrides are applied by :func:`mixprec.apex_properties.apply_overrides`."""
+        if opt_level not in _APEX_FP16:
+            raise ConfigError(
+                f"Unknown opt_level {opt_level!r}.",
+                f"use one of {', '.join(_APEX_FP16)} (letter O, not zero: 'O1', not '01').",
+            )
+        return _APEX_FP16[opt_level].with_half_dtype(dtype)
+
+    def with_half_dtype(self, dtype: torch.dtype) -> Recipe:
+        """The same recipe computing in another half dtype. bf16 has fp32's exponent range, so gradients
+        do not underflow: a dynamic scale becomes a static 1 (which still skips an overflowing step)."""
+        if not (isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES):
+            raise ConfigError(
+                f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}.",
+                "integer dtypes are for quantization; use opt_level='O0' for fp32.",
+            )
+        if self.is_fp32 or dtype == self.half_dtype:
+            return self
+        scale = self.scale
+        if dtype == torch.bfloat16 and scale is not None and scale.dynamic:
+            scale = ScaleConfig.static(1.0)
+        return self.replace(
+            description=self.description.replace(_label(self.half_dtype), _label(dtype)),
+            model_dtype=dtype if self.casts_model else self.model_dtype,
+            autocast_dtype=dtype if self.autocast_dtype is not None else None,
+            scale=scale,
+        )
+
+    @classmethod
+    def fastai(
+        cls,
+        dtype: torch.dtype = torch.float16,
+        loss_scale: float | None = FASTAI_LOSS_SCALE,
+        max_noskip: int = FASTAI_MAX_NOSKIP,
+        dynamic: bool = True,
+        flat_master: bool = False,
+        max_scale: float = APEX_MAX_LOSS_SCALE,
+        loss_fp32: bool = True,
+        **scale_extras: Any,
+    ) -> Recipe:
+        """fastai v1's ``to_fp16`` (and ``to_bf16``): a half model with BatchNorm fp32, fp32 masters, and
+        (fp16 only, when ``loss_scale`` is set) loss scaling from 512. bf16 has fp32's exponent range:
+        no scaling."""
+        scale = None
+        if dtype == torch.float16 and loss_scale is not None:
+            bounds = {"max_scale": max_scale} if dynamic else {}
+            scale = ScaleConfig(init_scale=loss_scale, dynamic=dynamic, growth_interval=max_noskip,
+                                **bounds, **scale_extras)  # fmt: skip
+        name = "fp16" if dtype == torch.float16 else "bf16"
+        description = f"fastai to_{name}: {name} model, fp32 BatchNorm and masters"
+        return cls(name, description, dtype, master_weights=True, flat_master=flat_master, scale=scale,
+                   loss_fp32=loss_fp32)  # fmt: skip
+
+
+def _label(dtype: torch.dtype | None) -> str:
+    return "BF16" if dtype == torch.bfloat16 else "FP16"
+
+
+_FP16 = torch.float16
+_APEX_DYNAMIC = ScaleConfig(max_scale=APEX_MAX_LOSS_SCALE)  # from 2**16, as apex and torch.amp
+# apex.amp's four opt levels (see mixprec.apex_properties for apex's names of these fields).
+_APEX_FP16: dict[str, Recipe] = {
+    "O0": Recipe("O0", "Pure FP32 training.", scale=ScaleConfig.static(1.0)),
+    "O1": Recipe("O1", "Insert automatic casts around PyTorch functions and Tensor methods.",
+                 autocast_dtype=_FP16, scale=_APEX_DYNAMIC),
+    "O2": Recipe("O2", "FP16 training with FP32 batchnorm and FP32 master weights.", _FP16,
+                 master_weights=True, scale=_APEX_DYNAMIC),
+    "O3": Recipe("O3", "Pure FP16 training.", _FP16, keep_batchnorm_fp32=False,
+                 scale=ScaleConfig.static(1.0)),
+}  # fmt: skip
+_DYNAMIC_512 = ScaleConfig(init_scale=FASTAI_LOSS_SCALE, growth_interval=FASTAI_MAX_NOSKIP,
+                           max_scale=APEX_MAX_LOSS_SCALE)  # fmt: skip
+
+
+def _presets() -> dict[str, Recipe]:
+    fp32 = Recipe("fp32", "fp32 params, grads and optimizer state")
+    table = [
+        fp32,
+        Recipe("pure-fp16", "pure fp16: fp16 params, grads and optimizer state, no masters", _FP16,
+               keep_batchnorm_fp32=False),
+        Recipe("pure-bf16", "pure bf16: bf16 params, grads and optimizer state, no masters", torch.bfloat16,
+               keep_batchnorm_fp32=False),
+        Recipe("fp16-master", "fp16 model, fp32 masters, no loss scaling", _FP16, master_weights=True),
+        Recipe("fp16-static", f"fp16 model, fp32 masters, static loss scale {FASTAI_LOSS_SCALE:g}", _FP16,
+               master_weights=True, scale=ScaleConfig.static(FASTAI_LOSS_SCALE)),
+        Recipe("fp16-dynamic", "fp16 model, fp32 masters, dynamic loss scale from 512", _FP16,
+               master_weights=True, scale=_DYNAMIC_512),
+        Recipe.fastai(torch.float16),
+        Recipe.fastai(torch.bfloat16),
+        *_APEX_FP16.values(),
+    ]  # fmt: skip
+    return {r.name: r for r in table}
+
+
+RECIPES: dict[str, Recipe] = _presets()
+OPT_LEVELS: dict[str, Recipe] = {k: v for k, v in RECIPES.items() if k in ("O0", "O1", "O2", "O3")}
+
+
+def get_recipe(name: str | Recipe) -> Recipe:
+    """The preset named ``name`` (case-insensitive for opt levels), or ``name`` itself if a Recipe."""
+    if isinstance(name, Recipe):
+        return name
+    key = name.upper() if name.upper() in OPT_LEVELS else name.lower()
+    if key not in RECIPES:
+        hint = " (letter O, not zero)" if name.startswith("0") else ""
+        raise ConfigError(f"unknown precision recipe {name!r}{hint}.", f"use one of: {', '.join(RECIPES)}.")
+    return RECIPES[key]

@@ -1,0 +1,60 @@
+"""Tensors inside nested containers: a model's inputs and outputs, an op's arguments.
+
+Built on torch's pytree, which knows lists, tuples, dicts, namedtuples, OrderedDict and every class a
+library registered (HF's ``ModelOutput`` registers itself). A Mapping that pytree does not know (a dict
+subclass, an unregistered ``ModelOutput`` look-alike) is walked too: its copy gets the mapped values, so
+its type and attributes survive. Anything else is left as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["map_tensors", "iter_tensors", "cast_floating"]
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _map_leaf(fn: TensorFn, leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return fn(leaf)
+    if isinstance(leaf, MutableMapping):  # a Mapping pytree does not know: keep its type and attributes
+        out = copy.copy(leaf)
+        for key, value in leaf.items():
+            out[key] = map_tensors(fn, value)
+        return out
+    return leaf
+
+
+def map_tensors(fn: TensorFn, value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, containers rebuilt with their own types."""
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's flatten/unflatten
+        return fn(value)
+    return pytree.tree_map(lambda leaf: _map_leaf(fn, leaf), value)
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``, in pytree order."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, Mapping):
+            for item in leaf.values():
+                yield from iter_tensors(item)
+
+
+def cast_floating(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
+    """``value`` with its floating tensors cast to ``dtype`` (only those of a dtype in ``only``, if
+    given); integer tensors (token ids, labels) are left alone."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype or (only is not None and t.dtype not in only):
+            return t
+        return t.to(dtype)
+
+    return map_tensors(cast, value)

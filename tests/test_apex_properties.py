@@ -1,0 +1,89 @@
+"""apex's property overrides, tested against apex's documented rules (apex/amp/frontend.py's Properties):
+any property may be overridden at any level; only four O1-related combinations were refused, with a
+RuntimeError; keep_batchnorm_fp32 also took the strings "True"/"False"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.master import MasterWeights
+
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _init(level: str, **overrides: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return mixprec.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def test_o2_without_casting_the_model_keeps_fp32_weights_and_trains() -> None:
+    with pytest.warns(UserWarning, match="master_weights=True with fp32 weights"):
+        model, opt = _init("O2", cast_model_type=False)
+    assert model[0].weight.dtype == torch.float32
+    before = model[0].weight.detach().clone()
+    _one_step(model, opt)
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_o2_without_master_weights_steps_the_half_weights() -> None:
+    model, opt = _init("O2", master_weights=False)
+    assert model[0].weight.dtype == torch.float16 and not isinstance(opt, MasterWeights)
+    before = model[0].weight.detach().clone()
+    _one_step(model, opt)
+    assert not torch.equal(before, model[0].weight)
+
+
+@pytest.mark.parametrize("flag, bn_dtype", [("False", torch.float16), ("True", torch.float32)])
+def test_keep_batchnorm_fp32_takes_apexs_strings(flag: str, bn_dtype: torch.dtype) -> None:
+    model, _ = _init("O2", keep_batchnorm_fp32=flag)
+    assert model[1].weight.dtype == bn_dtype
+
+
+def test_o3_with_batchnorm_in_fp32_is_accepted() -> None:
+    model, _ = _init("O3", keep_batchnorm_fp32=True)
+    assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+
+
+def test_a_static_loss_scale_override_at_o2() -> None:
+    _init("O2", loss_scale=128.0)
+    assert mixprec.amp.loss_scaler().get_scale() == 128.0
+
+
+@pytest.mark.parametrize(
+    "level, overrides",
+    [
+        ("O1", dict(cast_model_type=torch.float16)),
+        ("O1", dict(keep_batchnorm_fp32=True)),
+        ("O1", dict(master_weights=True)),
+        ("O2", dict(patch_torch_functions=True)),
+    ],
+)
+def test_apexs_four_refusals_raise_runtime_error(level: str, overrides: dict[str, object]) -> None:
+    with pytest.raises(RuntimeError, match="apex refused"):
+        _init(level, **overrides)
+
+
+def test_o1_accepts_what_apex_accepted() -> None:
+    model, _ = _init("O1", cast_model_type=torch.float32, keep_batchnorm_fp32=None)
+    assert model[0].weight.dtype == torch.float32
+
+
+def test_bad_keep_batchnorm_value_names_apexs_choices() -> None:
+    with pytest.raises(mixprec.ConfigError, match="the string 'True' or 'False'"):
+        _init("O2", keep_batchnorm_fp32="yes")
