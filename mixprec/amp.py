@@ -1,44 +1,33 @@
 """apex-style opt levels: ``initialize``, ``scale_loss``, ``master_params`` and the loss scalers' state.
 
-An opt level is a named preset of one :class:`Properties` dataclass, exactly as apex.amp defined them:
-
-======  ===============  =====================  ===================  ==============  ===========
-level   cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
-======  ===============  =====================  ===================  ==============  ===========
-O0      float32          False                  None                 False           1.0
-O1      None             True                   None                 None            "dynamic"
-O2      half             False                  True                 True            "dynamic"
-O3      half             False                  False                False           1.0
-======  ===============  =====================  ===================  ==============  ===========
-
-Nothing here owns numerics: the pieces are the library's one ``GradScaler`` (one per loss), one
-``MasterWeights`` optimizer wrapper and one ``autocast`` engine. What this module adds is arrangement:
+An opt level is a named :class:`~mixprec.recipe.Recipe` (``Recipe.from_opt_level``), with apex's property
+overrides applied by :mod:`mixprec.apex_properties`. Nothing here owns numerics: the pieces are the
+library's one ``GradScaler`` (one per loss), one ``MasterWeights`` optimizer wrapper, and the half model
+of :mod:`mixprec.half_model`. What this module adds is apex's arrangement of them:
 
 * ``patch_torch_functions`` (O1): apex monkey-patched torch's functions globally. We do not patch globals;
-  the model's forward runs inside ``mixprec.autocast`` (a pre-hook enters the region, an always-called
-  forward hook leaves it), and its floating outputs are returned in fp32 so a loss computed outside the
-  model runs in fp32, which is what apex's patched loss functions achieved.
+  the model's forward runs inside ``mixprec.autocast``, and its floating outputs are returned in fp32 so a
+  loss computed outside the model runs in fp32, which is what apex's patched loss functions achieved.
 * ``cast_model_type`` (O2/O3): the model is cast in place (parameter objects keep their identity, so the
   optimizer built before ``initialize`` still refers to them); floating inputs are cast to the model's
-  dtype on the way in and outputs to fp32 on the way out. Where the device has no fast fp16 GEMM (CPU),
-  the forward runs inside ``half_compute``: fp16 GEMMs accumulate in fp32 on exact upcasts, as tensor
-  cores do.
+  dtype on the way in and outputs to fp32 (or ``cast_model_outputs``) on the way out, through torch's
+  pytree (namedtuples, OrderedDicts, HF ``ModelOutput``). ``model.state_dict()`` holds fp32 tensors, as
+  apex's state_dict hook made it, so an O2 checkpoint loads into an fp32 model.
 * ``master_weights`` (O2): the optimizer is wrapped in :class:`~mixprec.master.MasterWeights`.
-* ``loss_scale``: one :class:`~mixprec.scaler.GradScaler` per loss (``num_losses``); a number gives a
-  static scale, "dynamic" a dynamic one (init 2**16, apex's ``max_loss_scale`` 2**24 cap).
+* ``loss_scale``: one :class:`~mixprec.scaler.GradScaler` per loss (``num_losses``).
 
-``scale_loss`` unscales when its block exits and updates that loss's scaler; the optimizer's next
-``step()`` is skipped if a gradient was inf/NaN. The step decides without a host sync when the optimizer
-can skip on the device (torch's fused optimizers, which ``MasterWeights`` selects when it can); otherwise it
-reads the inf flag once, as apex did.
+Skipping follows apex, not torch.amp: when the loss of a ``scale_loss(loss, [opt0, opt1])`` block
+overflowed, the next ``step()`` of *every* optimizer passed to that block is skipped (torch.amp's
+``GradScaler.step`` skips an optimizer only when its own gradients overflowed). The decision is the
+scaler's (:func:`~mixprec.scaler.step_unless_inf`): on the device for fused optimizers, else one read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,17 +35,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mixprec.autocast import autocast, half_compute, map_tensors
+from mixprec.apex_properties import DYNAMIC, OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.master import (
-    HALF_DTYPES,
-    Converted,
-    MasterWeights,
-    check_params_belong,
-    fp32_originals,
-    model_to_half,
-)
-from mixprec.scaler import DEFAULT_INIT_SCALE, GradScaler, device_skip_is_safe
+from mixprec.half_model import HalfModel, prepare
+from mixprec.master import MasterWeights, check_params_belong
+from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
+from mixprec.scaler import GradScaler, device_skip_is_safe
 
 __all__ = [
     "Properties",
@@ -70,79 +54,9 @@ __all__ = [
     "load_state_dict",
 ]
 
-HALF = HALF_DTYPES  # the half dtypes of mixprec.master: one definition
-DYNAMIC = "dynamic"
-# apex's dynamic scaler: starts at 2**16 and never grows past 2**24 (larger scales only buy overflows).
-DEFAULT_MAX_LOSS_SCALE = 2.0**24
-
-
-@dataclass(frozen=True)
-class Properties:
-    """What an opt level does. ``None`` means "not applicable at this level"."""
-
-    opt_level: str
-    description: str
-    cast_model_type: torch.dtype | None
-    patch_torch_functions: bool
-    keep_batchnorm_fp32: bool | None
-    master_weights: bool | None
-    loss_scale: float | str
-    half_dtype: torch.dtype = torch.float16  # what "half" means at this level: fp16 (apex) or bf16
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.loss_scale, str) and self.loss_scale != DYNAMIC:
-            raise ConfigError(
-                f"loss_scale must be a positive number or 'dynamic', got {self.loss_scale!r}.",
-                "pass loss_scale='dynamic' or e.g. loss_scale=128.0.",
-            )
-        if not isinstance(self.loss_scale, str) and not float(self.loss_scale) > 0:
-            raise ConfigError(
-                f"loss_scale must be positive, got {self.loss_scale!r}.", "pass e.g. loss_scale=128.0."
-            )
-        casts_half = self.cast_model_type in HALF
-        if self.patch_torch_functions and casts_half:
-            raise ConfigError(
-                f"{self.opt_level}: patch_torch_functions=True (the O1 cast policy) together with casting "
-                f"the model to {self.cast_model_type} contradicts itself.",
-                "use opt_level='O1' for the cast policy with fp32 weights, or O2/O3 for a half model.",
-            )
-        if self.master_weights and not casts_half:
-            raise ConfigError(
-                f"{self.opt_level}: master_weights=True, but the model's weights stay fp32, so they already "
-                "are the master weights.",
-                "use opt_level='O2' for a half model with fp32 master weights, or drop master_weights.",
-            )
-        if self.keep_batchnorm_fp32 is not None and not casts_half:
-            raise ConfigError(
-                f"{self.opt_level}: keep_batchnorm_fp32 only applies when the model is cast to half "
-                "precision.",
-                "drop keep_batchnorm_fp32, or use opt_level='O2'/'O3'.",
-            )
-
-    @property
-    def casts_model(self) -> bool:
-        return self.cast_model_type in HALF
-
-    def overridden(self, **overrides: Any) -> Properties:
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-    def with_dtype(self, dtype: torch.dtype) -> Properties:
-        """The same level for another half dtype. bf16 has fp32's exponent range, so gradients do not
-        underflow: its default loss scale is a static 1.0."""
-        cast = dtype if self.casts_model else self.cast_model_type
-        scale: float | str = 1.0 if dtype == torch.bfloat16 else self.loss_scale
-        return dataclasses.replace(self, cast_model_type=cast, loss_scale=scale, half_dtype=dtype)
-
-
-OPT_LEVELS: dict[str, Properties] = {
-    "O0": Properties("O0", "Pure FP32 training.", torch.float32, False, None, False, 1.0),
-    "O1": Properties("O1", "Insert automatic casts around PyTorch functions and Tensor methods.",
-                     None, True, None, None, DYNAMIC),
-    "O2": Properties("O2", "FP16 training with FP32 batchnorm and FP32 master weights.",
-                     torch.float16, False, True, True, DYNAMIC),
-    "O3": Properties("O3", "Pure FP16 training.", torch.float16, False, False, False, 1.0),
-}  # fmt: skip
+# Kept for code that imported them from here; the values live in mixprec.recipe / apex_properties.
+DEFAULT_MAX_LOSS_SCALE = APEX_MAX_LOSS_SCALE
+__all__ += ["DYNAMIC", "DEFAULT_MAX_LOSS_SCALE"]
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -157,14 +71,17 @@ class _PendingStep:
 
 @dataclass
 class _AmpState:
-    properties: Properties
+    """What one ``initialize`` call set up; each of its optimizers points back to it."""
+
+    recipe: Recipe
     device_type: str
     scalers: list[GradScaler]
-    models: list[nn.Module]
+    models: list[HalfModel]
     pending: dict[int, _PendingStep] = field(default_factory=dict)
 
 
-_STATE: _AmpState | None = None
+_STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
+_OPT_STATE_ATTR = "_mixprec_amp"
 
 
 def _state() -> _AmpState:
@@ -190,88 +107,106 @@ def _as_list(x: T | Sequence[T] | None) -> tuple[list[T], bool]:
 
 def initialize(
     models: nn.Module | Sequence[nn.Module],
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    optimizers: Any = None,
     opt_level: str = "O1",
     *,
+    enabled: bool = True,
     dtype: torch.dtype = torch.float16,
-    cast_model_type: torch.dtype | None = None,
+    cast_model_type: torch.dtype | bool | None = None,
     patch_torch_functions: bool | None = None,
-    keep_batchnorm_fp32: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
     master_weights: bool | None = None,
     loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
     num_losses: int = 1,
     min_loss_scale: float | None = None,
-    max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
+    max_loss_scale: float = APEX_MAX_LOSS_SCALE,
+    skip_limit: int | None = None,
     verbosity: int = 1,
 ) -> Any:
     """Prepare models and optimizers for mixed precision at an apex opt level.
 
     Returns the same structure it was given: ``model, optimizer``; ``[models], [optimizers]``; or just the
-    model(s) when no optimizer is passed. Build the optimizers before calling this, over the fp32 model."""
+    model(s) when no optimizer is passed. Build the optimizers before calling this, over the fp32 model.
+    apex's arguments keep apex's meaning (``enabled=False`` returns everything untouched); ``dtype``
+    chooses the half dtype (bf16 too) and ``skip_limit`` stops a run whose steps keep overflowing
+    (:class:`~mixprec.errors.PersistentOverflowError`). ``verbosity``: 0 silent, 1 one line, 2 apex's
+    property list."""
     global _STATE
-    props = _resolve_properties(
-        opt_level,
-        dtype,
-        cast_model_type,
-        patch_torch_functions,
-        keep_batchnorm_fp32,
-        master_weights,
-        loss_scale,
-    )
-    model_list, models_were_list = _as_list(models)
-    opt_list, opts_were_list = _as_list(optimizers)
-    _check_models_and_optimizers(model_list, opt_list)
-    device_type = _device_type(model_list)
-    if verbosity > 0:
-        _print_properties(props)
-    originals: dict[torch.Tensor, torch.Tensor] = {}
-    for model in model_list:
-        originals.update(fp32_originals(_prepare_model(model, props, device_type)))
-    if props.master_weights:
-        # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
-        opt_list = [MasterWeights(opt, model=None, initial=originals) for opt in opt_list]
-    scalers = [_make_scaler(props, device_type, min_loss_scale, max_loss_scale) for _ in range(num_losses)]
-    _STATE = _AmpState(props, device_type, scalers, model_list)
-    for opt in opt_list:
-        _patch_step(opt)
-    out_models: Any = model_list if models_were_list else model_list[0]
-    if optimizers is None:
-        return out_models
-    return out_models, (opt_list if opts_were_list else opt_list[0])
-
-
-def _resolve_properties(
-    opt_level: str,
-    dtype: torch.dtype,
-    cast_model_type: torch.dtype | None,
-    patch_torch_functions: bool | None,
-    keep_batchnorm_fp32: bool | None,
-    master_weights: bool | None,
-    loss_scale: float | str | None,
-) -> Properties:
-    if opt_level not in OPT_LEVELS:
-        raise ConfigError(
-            f"Unknown opt_level {opt_level!r}.",
-            f"use one of {', '.join(OPT_LEVELS)} (letter O, not zero: 'O1', not '01').",
-        )
-    if not (isinstance(dtype, torch.dtype) and dtype in HALF):
-        raise ConfigError(
-            f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}.",
-            "integer dtypes are for quantization; use opt_level='O0' for fp32.",
-        )
-    base = OPT_LEVELS[opt_level]
-    if opt_level != "O0":
-        base = base.with_dtype(dtype)
-    return base.overridden(
+    if not enabled:
+        return models if optimizers is None else (models, optimizers)
+    recipe = apply_overrides(
+        Recipe.from_opt_level(opt_level, dtype),
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
         cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
         loss_scale=loss_scale,
     )
+    if skip_limit is not None and recipe.scale is not None:
+        recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
+    model_list, models_were_list = _as_list(models)
+    opt_list, opts_were_list = _as_list(optimizers)
+    _check_models_and_optimizers(model_list, opt_list)
+    device_type = _device_type(model_list)
+    for line in banner(recipe, verbosity):
+        print(line)
+    halves = [_prepare(m, recipe, device_type, cast_model_outputs) for m in model_list]
+    if recipe.uses_masters:
+        originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
+        # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
+        opt_list = [_with_masters(opt, originals) for opt in opt_list]
+    scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
+    if _STATE is not None and opt_list:
+        warnings.warn(
+            "mixprec.initialize was called again: its optimizers keep their own loss scalers, and "
+            "mixprec.amp.state_dict()/loss_scaler() now refer to this call's.",
+            stacklevel=2,
+        )
+    _STATE = _AmpState(recipe, device_type, scalers, halves)
+    for opt in opt_list:
+        _patch_step(opt, _STATE)
+    out_models: Any = model_list if models_were_list else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (opt_list if opts_were_list else opt_list[0])
 
 
-def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+def _prepare(model: nn.Module, recipe: Recipe, device_type: str, out: torch.dtype | None) -> HalfModel:
+    model._mixprec_opt_level = recipe.name  # type: ignore[assignment]
+    if recipe.name == "O0" and out is None:
+        return HalfModel(model, recipe)
+    if recipe.is_fp32:  # O0 (or an override that turned every cast off) with cast_model_outputs
+        model.register_forward_hook(lambda m, a, o: _cast_out(o, out))
+        return HalfModel(model, recipe)
+    return prepare(model, recipe, device_type, output_dtype=out, fp32_state_dict=True)
+
+
+def _cast_out(output: Any, dtype: torch.dtype | None) -> Any:
+    from mixprec.tree import cast_floating
+
+    return output if dtype is None else cast_floating(output, dtype)
+
+
+def _inner(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer of ``opt``: itself, or the one a wrapper (apex's LARC) holds in ``.optim``."""
+    inner = getattr(opt, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else opt
+
+
+def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor]) -> Any:
+    """Wrap the optimizer (or a LARC-style wrapper's inner one) in fp32 master weights."""
+    inner = _inner(opt)
+    masters = MasterWeights(inner, model=None, initial=originals)
+    if inner is opt:
+        return masters
+    opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
+    return opt
+
+
+def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any]) -> None:
     if not models or not all(isinstance(m, nn.Module) for m in models):
         raise ConfigError(
             "initialize expects an nn.Module or a list of them as its first argument.",
@@ -285,12 +220,14 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[torch
                 "call mixprec.initialize once per model, with every optimizer and the number of losses.",
             )
     for i, opt in enumerate(optimizers):
-        if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, MasterWeights):
+        inner = _inner(opt)
+        if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, MasterWeights):
             raise ConfigError(
-                f"optimizers[{i}] is a {type(opt).__name__}, not a plain torch.optim.Optimizer.",
+                f"optimizers[{i}] is a {type(opt).__name__}, not a plain torch.optim.Optimizer (or a wrapper "
+                "holding one in .optim, as apex's LARC).",
                 "pass the optimizer you built over the model's parameters; initialize adds master weights.",
             )
-        check_params_belong(opt, models, label=f"optimizers[{i}]")
+        check_params_belong(inner, models, label=f"optimizers[{i}]")
 
 
 def _device_type(models: list[nn.Module]) -> str:
@@ -303,104 +240,18 @@ def _device_type(models: list[nn.Module]) -> str:
     return types_.pop() if types_ else "cpu"
 
 
-def _make_scaler(
-    props: Properties, device_type: str, min_scale: float | None, max_scale: float
-) -> GradScaler:
-    dynamic = props.loss_scale == DYNAMIC
-    # Without master weights (O3, O2 with master_weights=False) the optimizer steps on the half gradients
-    # in place: allow that explicitly. A static scale (even 1.0) still goes through the scaler, so
-    # overflowing steps are skipped rather than written into the weights.
-    return GradScaler(
-        device_type,
-        init_scale=DEFAULT_INIT_SCALE if dynamic else float(props.loss_scale),
-        dynamic=dynamic,
-        min_scale=min_scale if dynamic else None,
-        max_scale=max_scale if dynamic else None,
-        allow_fp16_grads=not props.master_weights,
-    )
-
-
-def _print_properties(props: Properties) -> None:
-    print(f"Selected optimization level {props.opt_level}:  {props.description}")
-    for f in dataclasses.fields(props):
-        if f.name not in ("description",):
-            print(f"{f.name:<22} : {getattr(props, f.name)}")
-
-
-# ------------------------------------------------------------------------------------------------ models
-
-
-def _prepare_model(model: nn.Module, props: Properties, device_type: str) -> list[Converted]:
-    """Cast the model as ``props`` say and hook its forward; returns what was cast (with the fp32 values
-    before rounding, which seed the O2 masters)."""
-    model._mixprec_opt_level = props.opt_level  # type: ignore[assignment]
-    converted: list[Converted] = []
-    if props.casts_model:
-        dtype = props.cast_model_type
-        assert dtype is not None  # casts_model says it is a half dtype
-        converted = model_to_half(model, dtype, keep_bn_fp32=bool(props.keep_batchnorm_fp32))
-        model.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
-    if props.patch_torch_functions or props.casts_model:
-        model.register_forward_pre_hook(_EnterRegion(props, device_type), with_kwargs=True)
-        model.register_forward_hook(_LeaveRegion(), always_call=True)
-    if props.opt_level != "O0":
-        model.register_forward_hook(_outputs_to_fp32)
-    return converted
-
-
-def _cast_floating(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
-
-
-class _CastInputs:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        cast = functools.partial(_cast_floating, dtype=self.dtype)
-        return map_tensors(cast, args), map_tensors(cast, kwargs)
-
-
-class _EnterRegion:
-    """Enters the forward's precision context: the O1 cast policy, or half compute for O2/O3."""
-
-    def __init__(self, props: Properties, device_type: str) -> None:
-        self.props = props
-        self.device_type = device_type
-
-    def _context(self) -> contextlib.AbstractContextManager[Any]:
-        if self.props.patch_torch_functions:
-            return autocast(self.device_type, dtype=self.props.half_dtype)
-        return half_compute(self.device_type, self.props.half_dtype)
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        ctx = self._context()
-        ctx.__enter__()
-        module.__dict__.setdefault("_mixprec_regions", []).append(ctx)
-
-
-class _LeaveRegion:
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        regions = module.__dict__.get("_mixprec_regions")
-        if regions:
-            regions.pop().__exit__(None, None, None)
-
-
-def _outputs_to_fp32(module: nn.Module, args: Any, output: Any) -> Any:
-    return map_tensors(lambda t: t.float() if t.dtype in HALF else t, output)
-
-
 # ------------------------------------------------------------------------------------------------ steps
-def _patch_step(opt: torch.optim.Optimizer) -> None:
-    """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded (a bound method, so LR
-    schedulers can wrap it as they wrap any optimizer's step)."""
-    opt._mixprec_plain_step = opt.step  # type: ignore[attr-defined]
-    opt.step = types.MethodType(_amp_step, opt)  # type: ignore[method-assign]
+def _patch_step(opt: Any, state: _AmpState) -> None:
+    """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded."""
+    setattr(opt, _OPT_STATE_ATTR, state)
+    opt._mixprec_plain_step = opt.step
+    opt.step = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
 
 
-def _amp_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-    plain = opt._mixprec_plain_step  # type: ignore[attr-defined]
-    pending = _STATE.pending.get(id(opt)) if _STATE is not None else None
+def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+    state: _AmpState = getattr(opt, _OPT_STATE_ATTR)
+    plain = opt._mixprec_plain_step
+    pending = state.pending.get(id(opt))
     if pending is None or not pending.found_infs:
         return plain(*args, **kwargs)
     if pending.stepped:
@@ -411,47 +262,59 @@ def _amp_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         )
     pending.stepped = True
     found = torch.stack([f.to(pending.found_infs[0].device) for f in pending.found_infs]).sum()
-    if getattr(opt, "_step_supports_amp_scaling", False) and device_skip_is_safe(opt):
+    inner = _inner(opt)
+    if getattr(inner, "_step_supports_amp_scaling", False) and device_skip_is_safe(inner):
         # fused optimizers skip on the device: no host sync
-        opt.found_inf, opt.grad_scale = found, None  # type: ignore[attr-defined]
+        inner.found_inf, inner.grad_scale = found, None  # type: ignore[attr-defined]
         try:
             return plain(*args, **kwargs)
         finally:
-            del opt.found_inf, opt.grad_scale  # type: ignore[attr-defined]
+            del inner.found_inf, inner.grad_scale  # type: ignore[attr-defined]
     if found.item() == 0:  # one sync, as apex
         return plain(*args, **kwargs)
-    opt._opt_called = True  # type: ignore[attr-defined]  # skipped, but called in order (see GradScaler.step)
+    inner._opt_called = True  # type: ignore[attr-defined]  # skipped, but called in order (LR schedulers)
     return None
+
+
+def _state_of(opts: list[Any]) -> _AmpState:
+    states = {id(s): s for s in (getattr(o, _OPT_STATE_ATTR, None) for o in opts) if s is not None}
+    if len(states) > 1:
+        raise ConfigError(
+            "scale_loss got optimizers from two different initialize calls.",
+            "pass the optimizers of one initialize call per scale_loss block.",
+        )
+    return next(iter(states.values())) if states else _state()
 
 
 @contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    optimizers: Any,
     loss_id: int = 0,
     model: nn.Module | None = None,
     delay_unscale: bool = False,
 ) -> Iterator[torch.Tensor]:
     """``with scale_loss(loss, optimizer) as scaled: scaled.backward()``.
 
-    On exit the gradients are unscaled (into the fp32 masters under O2) and checked; the optimizer's next
-    ``step()`` is skipped if any was inf/NaN, and this loss's scaler is updated. Several losses may feed
-    one optimizer in an iteration: gradients already unscaled for an earlier loss are set aside and added
-    back after this loss's are unscaled. ``delay_unscale=True`` leaves the gradients scaled (accumulate,
-    then let the last ``scale_loss`` of the iteration unscale them all with the same scale)."""
-    state = _state()
+    On exit the gradients are unscaled (into the fp32 masters under O2) and checked; if any gradient of any
+    optimizer passed here was inf/NaN, the next ``step()`` of every one of them is skipped (apex's rule),
+    and this loss's scaler is updated. Several losses may feed one optimizer in an iteration: gradients
+    already unscaled for an earlier loss are set aside and added back after this loss's are unscaled.
+    ``delay_unscale=True`` leaves the gradients scaled (accumulate, then let the last ``scale_loss`` of the
+    iteration unscale them all with the same scale)."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(
             f"scale_loss got a loss of shape {shape}; it scales one scalar loss.",
             "reduce it first: loss.mean() (or loss.sum()).",
         )
+    opts, _ = _as_list(optimizers)
+    state = _state_of(opts)
     if not 0 <= loss_id < len(state.scalers):
         raise ConfigError(
             f"loss_id {loss_id} is out of range: initialize was called with num_losses={len(state.scalers)}.",
             f"pass num_losses={loss_id + 1} (or more) to mixprec.initialize.",
         )
-    opts, _ = _as_list(optimizers)
     scaler = state.scalers[loss_id]
     for opt in opts:  # a new iteration for these optimizers: flags of a consumed step are done
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
@@ -460,23 +323,36 @@ def scale_loss(
     yield scaler.scale(loss)
     if delay_unscale:
         return
+    flags: list[torch.Tensor] = []
     for opt in opts:
-        scaler.unscale_(opt)
+        inner = _inner(opt)
+        scaler.unscale_(inner)
         _add_stash(stashes[id(opt)])
+        flags.extend(scaler._found_inf_per_device(inner).values())
+    found = _combined(flags)
+    for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
-        pending.found_infs.extend(scaler._found_inf_per_device(opt).values())
+        if found is not None:
+            pending.found_infs.append(found)
         pending.unscaled = True
     scaler.update()
 
 
-def _stash_unscaled(state: _AmpState, opt: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor] | None:
+def _combined(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    if not flags:
+        return None
+    return torch.stack([f.to(flags[0].device) for f in flags]).sum()
+
+
+def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tensor] | None:
     """Set aside the gradients an earlier loss of this iteration left unscaled, keyed by the tensor they
     belong to (fp32 masters under O2): this loss's backward must start from zero."""
     pending = state.pending.get(id(opt))
     if pending is None or not pending.unscaled:
         return None
-    stash = {p: p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None}
-    opt.zero_grad(set_to_none=True)
+    inner = _inner(opt)
+    stash = {p: p.grad.clone() for g in inner.param_groups for p in g["params"] if p.grad is not None}
+    inner.zero_grad(set_to_none=True)
     return stash or None
 
 
@@ -490,13 +366,14 @@ def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ access
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise.
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``."""
-    if isinstance(optimizer, MasterWeights):
-        yield from optimizer.master_params()
+    inner = _inner(optimizer)
+    if isinstance(inner, MasterWeights):
+        yield from inner.master_params()
         return
-    for group in optimizer.param_groups:
+    for group in inner.param_groups:
         yield from group["params"]
 
 
@@ -513,11 +390,20 @@ def reset() -> None:
 
 
 def state_dict() -> dict[str, Any]:
-    """Every loss scaler's state, keyed ``loss_scaler0``, ``loss_scaler1``, ... as apex did."""
-    return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(_state().scalers)}
+    """Every loss scaler's state in apex's format, ``{"loss_scaler0": {"loss_scale": ..., "unskipped":
+    ...}, ...}``, each entry also carrying the scaler's full state (so apex can read ours, and we resume
+    exactly). Reads the scale: one host sync."""
+    out = {}
+    for i, scaler in enumerate(_state().scalers):
+        full = scaler.state_dict()
+        apex = {"loss_scale": scaler.get_scale(), "unskipped": int(full.get("_growth_tracker", 0))}
+        out[f"loss_scaler{i}"] = {**apex, **full}
+    return out
 
 
 def load_state_dict(saved: dict[str, Any]) -> None:
+    """Load :func:`state_dict`'s output, or a checkpoint written by apex (``loss_scale``/``unskipped``
+    only: the scale and the count of clean steps since the last overflow)."""
     scalers = _state().scalers
     if len(saved) != len(scalers):
         raise ConfigError(
@@ -525,4 +411,23 @@ def load_state_dict(saved: dict[str, Any]) -> None:
             "call initialize with the same num_losses as the run that saved it.",
         )
     for i, scaler in enumerate(scalers):
-        scaler.load_state_dict(saved[f"loss_scaler{i}"])
+        entry = saved.get(f"loss_scaler{i}")
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"The saved amp state has no entry 'loss_scaler{i}'.",
+                "pass what mixprec.amp.state_dict() (or apex's amp.state_dict()) returned.",
+            )
+        scaler.load_state_dict(_full_scaler_state(scaler, entry))
+
+
+def _full_scaler_state(scaler: GradScaler, entry: dict[str, Any]) -> dict[str, Any]:
+    apex_only = "scale" not in entry
+    if not apex_only:
+        return {k: v for k, v in entry.items() if k not in ("loss_scale", "unskipped")}
+    if "loss_scale" not in entry:
+        raise ConfigError("An apex loss scaler entry needs 'loss_scale'.",
+                          "pass what apex's amp.state_dict() returned.")  # fmt: skip
+    full = scaler.state_dict()  # this run's settings; the saved scale and clean-step count
+    full["scale"] = float(entry["loss_scale"])
+    full["_growth_tracker"] = int(entry.get("unskipped", 0))
+    return full

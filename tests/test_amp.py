@@ -267,3 +267,133 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step_under_o2() -> None:
         amp.reset()
     for a, b in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# apex's documented behaviours (issue: a home for apex.amp users)
+
+
+def test_o2_model_state_dict_is_fp32_and_loads_into_an_fp32_model() -> None:
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    saved = model.state_dict()
+    assert all(not t.is_floating_point() or t.dtype == torch.float32 for t in saved.values())
+    fp32 = _net(seed=5)
+    fp32.load_state_dict(saved)
+    torch.testing.assert_close(fp32[0].weight, model[0].weight.float(), atol=0, rtol=0)
+
+
+def test_amp_state_dict_has_apexs_keys_and_loads_an_apex_checkpoint() -> None:
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    saved = amp.state_dict()["loss_scaler0"]
+    assert saved["loss_scale"] == 2.0**16 and saved["unskipped"] == 0
+    # What apex's LossScaler.state_dict() wrote: the scale and the clean steps since the last overflow.
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 1999}})
+    scaler = amp.loss_scaler()
+    assert scaler.get_scale() == 128.0 and amp.state_dict()["loss_scaler0"]["unskipped"] == 1999
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()  # apex: the 2000th clean step (its scale_window) doubles the scale
+    assert scaler.get_scale() == 256.0
+
+
+def test_one_overflowing_loss_skips_every_optimizer_of_its_scale_loss() -> None:
+    """apex: scale_loss(loss, [opt0, opt1]) skips both steps when that loss overflowed, even if only
+    opt1's gradients were inf (torch.amp would step opt0)."""
+    m0, m1 = _net(0), _net(1)
+    o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1), torch.optim.SGD(m1.parameters(), lr=0.1)
+    # a small static scale: m0's own fp16 gradients stay finite, only m1's are inf
+    (m0, m1), (o0, o1) = mixprec.initialize([m0, m1], [o0, o1], "O1", loss_scale=4.0, verbosity=0)
+    before = [p.detach().clone() for p in [*m0.parameters(), *m1.parameters()]]
+    x = torch.randn(8, 10)
+    loss = m0(x).sum() + m1(x).sum() * torch.tensor(float("inf"))
+    with mixprec.scale_loss(loss, [o0, o1]) as scaled:
+        scaled.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m0.parameters() if p.grad is not None)
+    o0.step()
+    o1.step()
+    after = [p.detach() for p in [*m0.parameters(), *m1.parameters()]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_second_initialize_keeps_the_first_models_scaler() -> None:
+    m0, m1 = _net(0), _net(1)
+    m0, o0 = mixprec.initialize(m0, torch.optim.SGD(m0.parameters(), lr=0.1), "O2", loss_scale=64.0,
+                                verbosity=0)  # fmt: skip
+    with pytest.warns(UserWarning, match="called again"):
+        m1, o1 = mixprec.initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), "O2", loss_scale=8.0,
+                                    verbosity=0)  # fmt: skip
+    x = torch.randn(8, 10)
+    for model, opt, scale in [(m0, o0, 64.0), (m1, o1, 8.0)]:
+        loss = model(x).mean()
+        with mixprec.scale_loss(loss, opt) as scaled:
+            assert scaled.item() == loss.item() * scale
+            scaled.backward()
+
+
+class _LarcLike:
+    """apex's LARC as documented: wraps an optimizer in ``.optim``, exposes its param_groups, rescales
+    each gradient by a trust ratio, then calls ``optim.step()``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trust: float = 0.5) -> None:
+        self.optim, self.trust = optimizer, trust
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    def zero_grad(self) -> None:
+        self.optim.zero_grad()
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for group in self.optim.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self.trust)
+        self.optim.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_larc_style_wrappers_are_accepted(level: str) -> None:
+    model, ref = _net(), _net()
+    larc = _LarcLike(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, larc = mixprec.initialize(model, larc, level, loss_scale=1.0, verbosity=0)
+    ref_opt = _LarcLike(torch.optim.SGD(ref.parameters(), lr=0.1))
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), larc) as scaled:
+        scaled.backward()
+    larc.step()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    tol = 1e-2  # an fp16 forward (O1's GEMMs, O2's weights) against fp32: a few fp16 ulps in the update
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.float(), q, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------
+# real models' inputs and outputs
+
+
+def test_namedtuple_inputs_and_model_output_mappings_are_cast() -> None:
+    from collections import OrderedDict, namedtuple
+
+    Batch = namedtuple("Batch", "x mask")
+
+    class Output(OrderedDict):  # HF's ModelOutput is an OrderedDict subclass
+        pass
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(10, 4)
+
+        def forward(self, batch: Batch) -> Output:
+            assert batch.x.dtype == self.lin.weight.dtype  # the input reached the model in its dtype
+            return Output(logits=self.lin(batch.x) * batch.mask)
+
+    model = Net()
+    model = mixprec.initialize(model, opt_level="O2", verbosity=0)
+    out = model(Batch(torch.randn(2, 10), torch.ones(2, 1)))
+    assert type(out) is Output and out["logits"].dtype == torch.float32
