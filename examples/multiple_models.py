@@ -11,6 +11,8 @@ Two models, two losses that each depend on both models' outputs, one optimizer p
 
 With opt levels (apex's way): ``initialize([m0, m1], [opt0, opt1], num_losses=2)`` and one ``scale_loss``
 per loss, each naming the optimizers its backward reaches and its own ``loss_id`` (one scaler per loss).
+Skipping follows apex there: when a loss overflowed, every optimizer named in its ``scale_loss`` skips its
+next step, whichever model's gradients held the inf.
 
 Run:  python examples/multiple_models.py --api scaler --precision fp16
 """
@@ -85,7 +87,7 @@ def train_amp(half: bool, steps: int, fault_at: Iterable[int]) -> dict[str, Any]
             scaled.backward(retain_graph=True)
         with mixprec.scale_loss(loss1, [opt0, opt1], loss_id=1) as scaled:
             scaled.backward()
-        opt0.step()  # each skips on its own gradients' inf/NaN
+        opt0.step()  # both skip when either loss overflowed (apex's rule)
         opt1.step()
         history.append((flat(m0), flat(m1)))
         losses.append((loss0.item(), loss1.item()))

@@ -261,7 +261,8 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             "call optimizer.zero_grad() and run the next forward/backward inside scale_loss before stepping.",
         )
     pending.stepped = True
-    found = torch.stack([f.to(pending.found_infs[0].device) for f in pending.found_infs]).sum()
+    found = _combined(pending.found_infs)
+    assert found is not None  # checked above: there are flags
     inner = _inner(opt)
     if getattr(inner, "_step_supports_amp_scaling", False) and device_skip_is_safe(inner):
         # fused optimizers skip on the device: no host sync
@@ -339,9 +340,11 @@ def scale_loss(
 
 
 def _combined(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """One 0/1 flag from several: the max, not the sum, because torch's fused optimizers skip only when
+    ``found_inf == 1`` (a sum of two overflows, 2.0, would let the step write inf/NaN)."""
     if not flags:
         return None
-    return torch.stack([f.to(flags[0].device) for f in flags]).sum()
+    return torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
 
 def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tensor] | None:

@@ -78,8 +78,11 @@ def test_gradient_penalty_matches_fp32(api: str) -> None:
 def test_multiple_models_match_fp32(api: str) -> None:
     recipe = example("multiple_models")
     half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    # amp (apex's rule): an overflowing loss skips both optimizers, so while the dynamic scale comes down
+    # from 2**16 model 0 also misses the 3 first of its 30 steps (torch.amp's rule skips only model 1's).
+    atol = 0.1 if api == "amp" else 0.06
     for m_half, m_ref in zip(half["models"], ref["models"], strict=True):
-        assert_weights_close(m_half, m_ref, atol=0.06)
+        assert_weights_close(m_half, m_ref, atol=atol)
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -88,7 +91,8 @@ def test_multiple_models_each_optimizer_skips_on_its_own(api: str) -> None:
     k = 5
     run = recipe.main(api, "fp16", steps=k + 3, fault_at={k})  # an inf in model 1's gradient at iteration k
     h = run["history"]  # h[i] = (model 0, model 1) weights before iteration i
-    assert not torch.equal(h[k + 1][0], h[k][0])  # optimizer 0 stepped: its gradients were finite
+    # torch.amp: optimizer 0 steps, its gradients were finite; apex: the loss overflowed, so both skip
+    assert torch.equal(h[k + 1][0], h[k][0]) == (api == "amp")
     assert torch.equal(h[k + 1][1], h[k][1])  # optimizer 1 skipped
     assert not torch.equal(h[k + 2][1], h[k + 1][1])  # and steps again at the next iteration
     if api == "scaler":
