@@ -158,6 +158,8 @@ def initialize(
         originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
         opt_list = [_with_masters(opt, originals) for opt in opt_list]
+    else:
+        _warn_if_state_underflows(recipe, opt_list)
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
     if _STATE is not None and opt_list:
         warnings.warn(
@@ -204,6 +206,28 @@ def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor]) -> Any:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
     return opt
+
+
+# fp16's smallest subnormal: an optimizer constant below it rounds to 0 in an fp16 tensor op.
+_FP16_TINY = 2.0**-24
+
+
+def _warn_if_state_underflows(recipe: Recipe, optimizers: list[Any]) -> None:
+    """O3 (or O2 with master_weights=False) with fp16 weights: the optimizer's state and arithmetic are fp16.
+    Adam-style ``eps`` (1e-8) rounds to 0 there and small squared gradients underflow, so the first update
+    divides by zero and every weight becomes inf/NaN; say so before it happens."""
+    if recipe.model_dtype != torch.float16:
+        return
+    for i, opt in enumerate(optimizers):
+        eps = [g.get("eps") for g in _inner(opt).param_groups if isinstance(g.get("eps"), float)]
+        if any(e < _FP16_TINY for e in eps):
+            warnings.warn(
+                f"optimizers[{i}] ({type(_inner(opt)).__name__}, eps={min(eps):g}) will update fp16 weights "
+                f"with fp16 state at {recipe.name}: eps rounds to 0 in fp16 and squared gradients underflow, "
+                "so its first step makes the weights inf/NaN. Use opt_level='O2' (fp32 master weights and "
+                "optimizer state), or eps >= 1e-4, or dtype=torch.bfloat16.",
+                stacklevel=3,
+            )
 
 
 def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any]) -> None:

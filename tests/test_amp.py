@@ -397,3 +397,26 @@ def test_namedtuple_inputs_and_model_output_mappings_are_cast() -> None:
     model = mixprec.initialize(model, opt_level="O2", verbosity=0)
     out = model(Batch(torch.randn(2, 10), torch.ones(2, 1)))
     assert type(out) is Output and out["logits"].dtype == torch.float32
+
+
+def test_o3_with_adam_warns_before_the_weights_go_non_finite() -> None:
+    """The reference: one real O3 Adam step does make the fp16 weights non-finite (eps 1e-8 -> 0 in fp16)."""
+    model = _net()
+    with pytest.warns(UserWarning, match="eps rounds to 0"):
+        model, opt = mixprec.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), "O3",
+                                        verbosity=0)  # fmt: skip
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("level, opt_class", [("O3", torch.optim.SGD), ("O2", torch.optim.Adam)])
+def test_no_warning_where_the_optimizer_state_is_safe(level: str, opt_class: type) -> None:
+    import warnings
+
+    model = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixprec.initialize(model, opt_class(model.parameters(), lr=1e-3), level, verbosity=0)
