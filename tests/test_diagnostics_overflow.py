@@ -214,3 +214,29 @@ def test_tracer_reads_outputs_nested_in_dicts() -> None:
     assert tracer.event is not None and tracer.event.module == "" and tracer.event.module_type == "Heads"
     assert [r.dtype for r in tracer.event.outputs] == [torch.float32, torch.float32]
     assert not tracer.event.outputs[1].finite
+
+
+def test_o3_adam_is_blamed_on_the_optimizer_update_not_on_log0() -> None:
+    """The newcomer's trap: O3 + Adam writes NaN into the fp16 weights on its first step; the tracer must
+    point at the weights (and the optimizer), not at the forward's arithmetic."""
+    import warnings
+
+    import mixprec
+
+    torch.manual_seed(0)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # initialize warns about exactly this
+        model, opt = mixprec.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), "O3",
+                                        verbosity=0)  # fmt: skip
+    try:
+        with mixprec.scale_loss(model(_input()).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        with trace_nonfinite(model) as tracer:
+            model(_input())
+    finally:
+        mixprec.amp.reset()
+    event = tracer.event
+    assert event is not None and event.nonfinite_state
+    assert "earlier optimizer step" in event.explain() and "log(0)" not in event.explain()

@@ -195,6 +195,7 @@ class NonfiniteEvent:
     outputs: tuple[TensorRange, ...]
     fp32_outputs: tuple[TensorRange, ...] | None = None  # the same forward on fp32 copies
     fp32_error: str | None = None  # why the fp32 re-run failed, if it did
+    nonfinite_state: tuple[str, ...] = ()  # the module's own parameters/buffers that already held inf/NaN
 
     @property
     def inputs_finite(self) -> bool:
@@ -211,6 +212,14 @@ class NonfiniteEvent:
                     "module's forward (in the batch itself, or by code in the parent module's forward).")
         out = next(r for r in self.outputs if not r.finite)
         what = _kind(out)
+        if self.nonfinite_state:
+            bad = ", ".join(self.nonfinite_state)
+            return (f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too: "
+                    f"its own weights already held inf/NaN ({bad}), written by an earlier optimizer step, not "
+                    "by this forward. Typical causes: an fp16 optimizer update without fp32 masters (O3 or pure fp16 "
+                    "with Adam: eps=1e-8 rounds to 0 in fp16), or a step that was not skipped on overflow. "
+                    "mixprec.faults.nonfinite_optimizer_state(optimizer) shows which state went bad; use "
+                    "fp32 master weights (O2, to_fp16).")
         if self.fp32_outputs is None:
             reason = f"; fp32 re-run failed: {self.fp32_error}" if self.fp32_error else ""
             return f"{self.label} output {what} in {_dtype_name(out.dtype)}{reason}."
@@ -248,6 +257,14 @@ def _kind(r: TensorRange) -> str:
 
 def _max_of(dtype: torch.dtype) -> float | None:
     return torch.finfo(dtype).max if dtype.is_floating_point else None
+
+
+def _nonfinite_state(module: nn.Module) -> tuple[str, ...]:
+    """The module's own floating parameters and buffers that hold inf/NaN (only read for the event)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    named = [(n, t) for n, t in named if t.is_floating_point()]
+    flags = finite_flags([t.detach() for _, t in named])
+    return tuple(n for (n, _), ok in zip(named, flags, strict=True) if not ok)
 
 
 class NonfiniteTracer:
@@ -293,7 +310,8 @@ class NonfiniteTracer:
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
             fp32, error = self._rerun_fp32(module, args, kwargs) if self.compare_fp32 else (None, None)
-            self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error)
+            state = _nonfinite_state(module)
+            self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state)
 
         return hook
 
