@@ -19,6 +19,8 @@ from mixprec.master import MasterWeights
 from mixprec.scaler import GradScaler
 
 BF16, FP16 = torch.bfloat16, torch.float16
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
 MODES = [m.value for m in UpdateMode]
 OPTS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd_momentum": lambda ps, lr=0.05: torch.optim.SGD(ps, lr=lr, momentum=0.9),
@@ -36,18 +38,19 @@ def _spacing_below_one(dtype: torch.dtype) -> float:
 
 
 # --------------------------------------------------------------------------------------------- the stall
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_classic_stall_naive_stalls_every_other_mode_tracks_fp32(dtype: torch.dtype) -> None:
+def test_classic_stall_naive_stalls_every_other_mode_tracks_fp32(dtype: torch.dtype, device: str) -> None:
     """Weight 1.0, SGD lr=1e-4 with gradient 1: 1 - 1e-4 is nearer to 1.0 than to the next value below
     (half the spacing below 1.0 is 2**-9 ~ 2e-3 in bf16, 2**-12 ~ 2.4e-4 in fp16): a plain update stalls."""
     steps, lr, m = 300, 1e-4, 4096  # m independent weights: stochastic rounding draws for each
-    ref = torch.ones(m)
+    ref = torch.ones(m, device=device)
     for _ in range(steps):
         ref -= lr  # the fp32 run, same update order
     ulp = _spacing_below_one(dtype)  # the spacing on [0.5, 1), where the weights live after the first step
     result = {}
     for mode in _modes_for(dtype):
-        w = nn.Parameter(torch.ones(m, dtype=dtype))
+        w = nn.Parameter(torch.ones(m, dtype=dtype, device=device))
         opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=lr), mode)
         for _ in range(steps):
             w.grad = torch.ones_like(w)
@@ -55,7 +58,7 @@ def test_classic_stall_naive_stalls_every_other_mode_tracks_fp32(dtype: torch.dt
         result[mode] = (w.detach().float(), opt.master_values()[0])
     naive_w, _ = result["naive"]
     # 1 - 1e-4 is nearer to 1.0 than to the next value below (1 - ulp), whenever ulp/2 > 1e-4: it stalls.
-    assert ulp / 2 > lr and torch.equal(naive_w, torch.ones(m))
+    assert ulp / 2 > lr and torch.equal(naive_w, torch.ones_like(ref))
     if "split" in result:  # the fp32 master itself: bit for bit the fp32 run
         assert torch.equal(result["split"][1], ref)
     # kahan: each step rounds the compensation (|c| <= ulp/2) to the weight's dtype, an error of at most half
@@ -96,11 +99,12 @@ def _groups(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).to(dtype) for s in [(16, 8), (8,), (3, 16), (3,)]]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_name", OPTS)
-def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str) -> None:
+def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str, device: str) -> None:
     """Two param groups (different lr), a StepLR schedule, chunks smaller than a group: the 16+16 master is
     the fp32 optimizer's weight bit for bit, and the bf16 weight is that master rounded to nearest."""
-    init = _groups(BF16)
+    init = [t.to(device) for t in _groups(BF16)]
     half = [nn.Parameter(t.clone()) for t in init]
     ref = [nn.Parameter(t.float()) for t in init]
 
@@ -114,7 +118,7 @@ def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str) -> Non
     g = torch.Generator().manual_seed(2)
     for _ in range(10):
         for h, r in zip(half, ref, strict=True):
-            h.grad = torch.randn(h.shape, generator=g).to(BF16)
+            h.grad = torch.randn(h.shape, generator=g).to(device, BF16)
             r.grad = h.grad.float()  # the same gradients, exactly
         opt.step()
         ref_opt.step()
@@ -128,6 +132,39 @@ def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str) -> Non
         assert torch.equal(h.detach()[~tie], nearest[~tie])
     assert [p.data_ptr() for p in half] == ptrs  # the model's storage is written in place
     assert opt.param_groups[1]["lr"] == ref_opt.param_groups[1]["lr"] != 0.003  # the schedule reached it
+
+
+EVERY_OPTIMIZER = {
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # makes its state at construction
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),  # factored state, not shaped like params
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", EVERY_OPTIMIZER)
+def test_split_is_bit_exact_for_every_torch_optim_optimizer(name: str) -> None:
+    init = _groups(BF16)
+    half = [nn.Parameter(t.clone()) for t in init]
+    ref = [nn.Parameter(t.float()) for t in init]
+    opt = LowPrecisionOptimizer(EVERY_OPTIMIZER[name](half), "split", chunk_numel=100)
+    ref_opt = EVERY_OPTIMIZER[name](ref)
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        for h, r in zip(half, ref, strict=True):
+            h.grad = torch.randn(h.shape, generator=g).to(BF16)
+            r.grad = h.grad.float()
+        opt.step()
+        ref_opt.step()
+    for m, r in zip(opt.master_values(), ref, strict=True):
+        assert torch.equal(m, r.detach())
 
 
 # --------------------------------------------------------------------------------------------- resume

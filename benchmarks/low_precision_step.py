@@ -1,0 +1,62 @@
+"""One AdamW step on bf16 parameters without fp32 masters (LowPrecisionOptimizer, each mode) vs fp32
+masters (MasterWeights) vs torch's AdamW on fp32 parameters, timed side by side in one run, with the bytes
+per parameter each holds (counted from the live tensors by mixprec.low_precision.footprint).
+
+Every row uses torch's fused AdamW kernel. The low-precision step rebuilds fp32 weights and grads per chunk
+(a few passes), runs the kernel on them, and stores the result (one or two passes; stochastic rounding also
+draws 16 random bits per element, and bf16 state doubles the conversions). It trades time for memory.
+
+    .venv/bin/python benchmarks/low_precision_step.py [--params 9e6] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from master_step import _median_ms, _params, _shapes  # same parameter mix and timing as master_step.py
+from rich.console import Console
+from rich.table import Table
+
+from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode, footprint
+from mixprec.master import MasterWeights
+
+
+def _setups() -> list[tuple[str, torch.dtype, object]]:
+    """(label, parameter dtype, wrap) for each row."""
+    rows: list[tuple[str, torch.dtype, object]] = [
+        ("torch AdamW on fp32 params", torch.float32, lambda o: o),
+        ("MasterWeights(AdamW) on bf16 params", torch.bfloat16, MasterWeights),
+    ]
+    for mode in UpdateMode:
+        for state_dtype in (None, torch.bfloat16):
+            label = f"LowPrecisionOptimizer({mode.value}{', bf16 state' if state_dtype else ''})"
+            rows.append((label, torch.bfloat16,
+                         lambda o, m=mode, s=state_dtype: LowPrecisionOptimizer(o, m, state_dtype=s)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--params", type=float, default=9e6, help="number of parameters")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    shapes = _shapes(args.params)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    table = Table(title=f"One AdamW step over {n / 1e6:.1f}M parameters (median of {args.repeats}, "
+                  f"{torch.get_num_threads()} threads)")
+    for column in ("step", "ms", "vs fp32", "B/param"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+    base = None
+    for label, dtype, wrap in _setups():
+        params = _params(shapes, dtype)
+        # torch's fused AdamW kernel for every row (MasterWeights would pick it anyway): one pass over memory
+        opt = wrap(torch.optim.AdamW(params, lr=1e-3, fused=True))  # type: ignore[operator]
+        ms = _median_ms(opt.step, args.repeats)  # grads stay attached: each call is one full step
+        base = base or ms
+        table.add_row(label, f"{ms:.1f}", f"{ms / base:.2f}x", f"{footprint(opt).per_param:.1f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
