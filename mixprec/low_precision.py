@@ -80,21 +80,20 @@ def _random16(n: int, device: torch.device, generator: torch.Generator | None) -
     return words.view(torch.int16)[:n].to(torch.int32).add_(1 << 15)  # int16 [-2**15, 2**15) -> [0, 2**16)
 
 
-def _stochastic_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
+def _round_bf16_(x: Tensor, generator: torch.Generator | None) -> None:
     # bf16 is the high half of fp32. Adding uniform random 16 bits to the bit pattern and truncating carries
     # into the high half with probability (discarded low bits) / 2**16: exactly the distance to the lower
     # neighbour over the ulp, so E[result] == x. On the raw pattern this acts on the magnitude (the sign bit
     # is untouched), so negative numbers round symmetrically.
-    noise = _random16(x.numel(), x.device, generator).view(x.shape)
-    bits = x.contiguous().view(torch.int32) + noise
-    return bits.bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
+    bits = x.view(torch.int32)
+    bits.add_(_random16(x.numel(), x.device, generator).view(x.shape)).bitwise_and_(-(1 << 16))
 
 
-def _stochastic_any(dtype: torch.dtype) -> Callable[[Tensor, torch.Generator | None], Tensor]:
+def _rounder_via_neighbours(dtype: torch.dtype) -> Callable[[Tensor, torch.Generator | None], None]:
     """Stochastic rounding to any float dtype through its two neighbours (fp16: its exponent bias differs
     from fp32's, so the bit trick of bf16 does not apply)."""
 
-    def round_(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    def round_(x: Tensor, generator: torch.Generator | None) -> None:
         near = x.to(dtype)
         away = torch.full((), math.inf, dtype=dtype, device=x.device)
         other = torch.nextafter(near, torch.where(x > near, away, -away))
@@ -105,14 +104,16 @@ def _stochastic_any(dtype: torch.dtype) -> Callable[[Tensor, torch.Generator | N
         p_up = (x - low.float()) / (high.float() - low.float())
         u = _random16(x.numel(), x.device, generator).view(x.shape).float().mul_(2.0**-16)
         rounded = torch.where(u < p_up, high, low)
-        return torch.where(torch.isfinite(near), rounded, near)  # inf/NaN stay visible
+        x.copy_(torch.where(torch.isfinite(near), rounded, near))  # inf/NaN stay visible; exact upcast
 
     return round_
 
 
-_STOCHASTIC: dict[torch.dtype, Callable[[Tensor, torch.Generator | None], Tensor]] = {
-    torch.bfloat16: _stochastic_bf16,
-    torch.float16: _stochastic_any(torch.float16),
+# In place on a contiguous fp32 tensor: afterwards every value is representable in the dtype, so the copy
+# into the half tensors that follows is exact (no second rounding, no intermediate half buffer).
+_ROUND_IN_PLACE: dict[torch.dtype, Callable[[Tensor, torch.Generator | None], None]] = {
+    torch.bfloat16: _round_bf16_,
+    torch.float16: _rounder_via_neighbours(torch.float16),
 }
 
 
@@ -120,12 +121,14 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator |
     """``x`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: to the neighbour above with
     probability (x - lower neighbour) / (upper - lower), so the expected result is ``x``. Values exactly
     representable in ``dtype`` are returned unchanged."""
-    if x.dtype != torch.float32 or dtype not in _STOCHASTIC:
+    if x.dtype != torch.float32 or dtype not in _ROUND_IN_PLACE:
         raise ConfigError(
-            f"stochastic_round rounds float32 to {sorted(map(str, _STOCHASTIC))}; got {x.dtype} -> {dtype}.",
+            f"stochastic_round rounds float32 to bf16 or fp16; got {x.dtype} -> {dtype}.",
             "pass a float32 tensor and dtype=torch.bfloat16 or torch.float16.",
         )
-    return _STOCHASTIC[dtype](x, generator)
+    y = x.clone(memory_format=torch.contiguous_format)
+    _ROUND_IN_PLACE[dtype](y, generator)
+    return y.to(dtype)  # exact
 
 
 # --------------------------------------------------------------------------------- per-mode load / store
@@ -166,8 +169,8 @@ def _store_nearest(c: _Chunk, generator: torch.Generator) -> None:
 
 
 def _store_stochastic(c: _Chunk, generator: torch.Generator) -> None:
-    rounded = stochastic_round(c.master, c.halves[0].dtype, generator)  # one dtype per chunk
-    torch._foreach_copy_(c.halves, c.views(rounded))
+    _ROUND_IN_PLACE[c.halves[0].dtype](c.master, generator)  # one dtype per chunk
+    _store_nearest(c, generator)  # exact now
 
 
 def _store_kahan(c: _Chunk, generator: torch.Generator) -> None:
@@ -210,6 +213,15 @@ _MODES: dict[UpdateMode, _Mode] = {
         "torch.bfloat16, or use mode='kahan' or 'stochastic' for fp16.",
     ),
 }
+
+
+@dataclass
+class _StateSwap:
+    """Optimizer state lent to one step in fp32: the half tensors it came from, and the fp32 buffer."""
+
+    kept: dict[tuple[int, Any], Tensor]  # (id(state dict), key) -> the half tensor, refilled after the step
+    flat: Tensor
+    views: list[Tensor]  # what the state dicts held during the step
 
 
 def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
@@ -392,30 +404,36 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             if _is_moment(k, v, p)
         ]
 
-    def _state_to_fp32(self, params: list[Tensor]) -> dict[tuple[int, Any], Tensor]:
-        """With ``state_dtype``: swap the state for fp32 views of one buffer; return the half tensors kept."""
+    def _state_to_fp32(self, params: list[Tensor]) -> _StateSwap | None:
+        """With ``state_dtype``: swap the state for fp32 views of one buffer; remember the half tensors."""
         entries = self._moments(params) if self.state_dtype is not None else []
         if not entries:
-            return {}
+            return None
         flat = torch.empty(sum(v.numel() for _, _, v in entries), device=entries[0][2].device)
         views = _views_like(flat, [v for _, _, v in entries])
         torch._foreach_copy_(views, [v for _, _, v in entries])  # bf16 -> fp32 is exact
         for (st, k, _), view in zip(entries, views, strict=True):
             st[k] = view
-        return {(id(st), k): v for st, k, v in entries}
+        return _StateSwap({(id(st), k): v for st, k, v in entries}, flat, views)
 
-    def _state_from_fp32(self, params: list[Tensor], kept: dict[tuple[int, Any], Tensor]) -> None:
+    def _state_from_fp32(self, params: list[Tensor], swap: _StateSwap | None) -> None:
         """With ``state_dtype``: round the stepped state (or what the first step made) into half tensors."""
         entries = self._moments(params) if self.state_dtype is not None else []
         if not entries:
             return
-        flat = torch.empty(sum(v.numel() for _, _, v in entries), device=entries[0][2].device)
-        torch._foreach_copy_(_views_like(flat, [v for _, _, v in entries]), [v for _, _, v in entries])
-        rounded = stochastic_round(flat, self.state_dtype, self._generator(flat.device))  # type: ignore[arg-type]
+        now = [v for _, _, v in entries]
+        lent = swap.views if swap is not None else []
+        if swap is not None and len(now) == len(lent) and all(a is b for a, b in zip(now, lent, strict=True)):
+            flat = swap.flat  # the optimizer updated our views in place (torch's optimizers do)
+        else:  # it made its state in this step, or replaced tensors: gather them
+            flat = torch.empty(sum(v.numel() for v in now), device=now[0].device)
+            torch._foreach_copy_(_views_like(flat, now), now)
+        _ROUND_IN_PLACE[self.state_dtype](flat, self._generator(flat.device))  # type: ignore[index]
+        kept = swap.kept if swap is not None else {}
         stores = [kept.get((id(st), k)) for st, k, _ in entries]
         stores = [s if s is not None else torch.empty_like(v, dtype=self.state_dtype)
-                  for s, (_, _, v) in zip(stores, entries, strict=True)]
-        torch._foreach_copy_(stores, _views_like(rounded, stores))  # exact: already representable
+                  for s, v in zip(stores, now, strict=True)]
+        torch._foreach_copy_(stores, _views_like(flat, stores))  # exact: already representable
         for (st, k, _), s in zip(entries, stores, strict=True):
             st[k] = s
 
