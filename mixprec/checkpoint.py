@@ -27,9 +27,11 @@ checkpoint whole, never a torn one.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from mixprec.errors import ConfigError, MixprecError
+from mixprec import checkpoint_checks as checks
+from mixprec.checkpoint_digest import payload_digest
+from mixprec.errors import CheckpointError, ConfigError
 
 __all__ = [
     "CheckpointError",
@@ -48,15 +52,15 @@ __all__ = [
     "ResumableLoader",
     "save_checkpoint",
     "load_checkpoint",
+    "read_extra",
     "rng_state",
     "set_rng_state",
 ]
 
-FORMAT_VERSION = 1  # bump when the layout of the saved dict changes; load refuses unknown versions
-
-
-class CheckpointError(MixprecError, RuntimeError):
-    """A checkpoint cannot be read, or does not fit the objects it is loaded into."""
+# Bump when the layout of the saved dict changes; load refuses unknown versions. 2 added "classes" and
+# "checksum"; format 1 files still load, unverified, with a warning.
+FORMAT_VERSION = 2
+LEGACY_FORMATS = (1,)
 
 
 @runtime_checkable
@@ -165,13 +169,44 @@ class ResumableLoader:
 
 
 # --------------------------------------------------------------------------------------------- atomic I/O
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+TEMP_SUFFIX = ".tmp"
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete the temporary files a killed save of ``path`` left behind (a SIGKILL runs no cleanup). Two
+    processes must not save the same path at once anyway: the later rename would win."""
+    for stale in path.parent.glob(f"{glob.escape(_temp_prefix(path))}*{TEMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
+
+
+def _umask() -> int:
+    """The process umask. Linux shows it in /proc; elsewhere set-and-restore is the only way to read it
+    (a thread creating a file in between would see 0o022 for that instant)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def _atomic_file(path: Path) -> Iterator[Any]:
     """Yield a binary file in ``path``'s directory; on success it replaces ``path`` atomically and durably,
     on any exception it is deleted and ``path`` is left as it was."""
     directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    _remove_leftovers(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=directory)
     try:
+        # mkstemp makes the file 0o600; the checkpoint gets the mode open() would give it (0o666 less the
+        # umask), as torch.save(path) would, so that a group-shared run directory stays readable.
+        os.chmod(tmp_name, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -212,6 +247,9 @@ def _states(objects: Sequence[Any]) -> list[dict[str, Any]]:
     return [obj.state_dict() for obj in objects]
 
 
+KINDS = ("model", "optimizer", "scaler", "scheduler")  # the payload holds each under KIND + "s"
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -223,45 +261,90 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     loader: ResumableLoader | None = None,
 ) -> Path:
-    """Write everything needed to resume at ``step`` to ``path``, atomically (see the module docstring).
+    """Write everything needed to resume at ``step`` to ``path``, atomically (see the module docstring),
+    with the classes of the objects and a checksum of their state (``load_checkpoint`` verifies both).
 
     ``model``, ``optimizer``, ``scaler`` and ``scheduler`` each take one object or a sequence (several
     models / optimizers / scalers); ``load_checkpoint`` must get them in the same order. Pass the
     ``MasterWeights`` wrapper (not the wrapped optimizer) so the fp32 masters are saved, and the unwrapped
-    model (``ddp.module``) so the checkpoint loads without DDP. Call it after ``scaler.update()``: the
-    scaler refuses to serialise mid-iteration. Syncs with the device (the scaler's counters). Returns the
-    path written."""
+    model (``ddp.module``) so the checkpoint loads without DDP. Call it after ``scaler.update()``. Both
+    mistakes raise ``CheckpointError``. Syncs with the device (the scaler's counters, the checksum).
+    Returns the path written."""
     target = Path(path)
     if not target.parent.is_dir():
         raise ConfigError(
             f"Cannot write checkpoint {target}: directory {target.parent} does not exist.",
             f"create it first: Path({str(target.parent)!r}).mkdir(parents=True, exist_ok=True).",
         )
-    payload = {
+    objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    checks.check_can_save(objects["model"], objects["optimizer"], objects["scaler"])
+    payload: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "step": int(step),
         "extra": dict(extra or {}),
-        "models": _states(_as_list(model)),
-        "optimizers": _states(_as_list(optimizer)),
-        "scalers": _states(_as_list(scaler)),
-        "schedulers": _states(_as_list(scheduler)),
+        **{f"{kind}s": _states(objs) for kind, objs in objects.items()},
         "loader": None if loader is None else loader.state_dict(),
         "rng": rng_state(),
+        "classes": {kind: [checks.describe(o) for o in objs] for kind, objs in objects.items()},
     }
+    payload["checksum"] = payload_digest(payload)
     with _atomic_file(target) as f:
         torch.save(payload, f)
     return target
 
 
-def _load_into(kind: str, objects: Sequence[Any], states: Sequence[dict[str, Any]]) -> None:
-    if len(objects) != len(states):
+def _read(source: Path, map_location: str | torch.device | None) -> dict[str, Any]:
+    """The verified payload of ``source``: readable, of a known format, and with a matching checksum."""
+    if not source.is_file():
+        raise CheckpointError(f"No checkpoint at {source}.", "check the path, or start without --resume.")
+    try:
+        # weights_only=False: the RNG state holds numpy arrays and Python tuples; load only your own files.
+        payload = torch.load(source, map_location=map_location, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: say which, keep the cause
         raise CheckpointError(
-            f"The checkpoint holds {len(states)} {kind} state(s), but {len(objects)} were given to load "
-            "into.",
-            f"pass the same {kind}(s), in the same order, as to save_checkpoint.",
+            f"{source} is not a readable mixprec checkpoint ({type(exc).__name__}: {exc}).",
+            "load an earlier checkpoint; files written by save_checkpoint are never left half-written.",
+        ) from exc
+    version = payload.get("format") if isinstance(payload, dict) else None
+    if version not in (FORMAT_VERSION, *LEGACY_FORMATS):
+        raise CheckpointError(
+            f"{source} is not a mixprec checkpoint of format {FORMAT_VERSION}.",
+            "write it with mixprec.checkpoint.save_checkpoint (of this mixprec version).",
         )
-    for obj, state in zip(objects, states, strict=True):
-        obj.load_state_dict(state)
+    if version in LEGACY_FORMATS:
+        warnings.warn(f"{source} was written by an older mixprec without a checksum: loaded unverified. "
+                      "The next save_checkpoint writes one.", stacklevel=3)
+        return payload
+    stored = payload.pop("checksum", None)
+    if stored != payload_digest(payload):
+        raise CheckpointError(
+            f"{source} is damaged: its contents do not match the checksum saved with them (a changed bit "
+            "in the file, from the disk, a copy or an edit).",
+            "load an earlier checkpoint, or a copy of this one from elsewhere.",
+        )
+    return payload
+
+
+def _validate(payload: Mapping[str, Any], objects: Mapping[str, list[Any]], loader: Any) -> None:
+    """Everything load_checkpoint will load, checked against its target before anything is written."""
+    # Models first: a dtype difference names the cause (another precision) of the differences after it.
+    checks.check_counts("model", objects["model"], payload["models"])
+    for i, (obj, state) in enumerate(zip(objects["model"], payload["models"], strict=True)):
+        checks.check_model(i, obj, state)
+    for kind, objs in objects.items():
+        checks.check_counts(kind, objs, payload[f"{kind}s"])
+    classes = payload.get("classes", {})
+    for kind, objs in objects.items():
+        checks.check_classes(kind, objs, classes.get(kind))
+    for kind, check in (("optimizer", checks.check_optimizer), ("scaler", checks.check_scaler)):
+        for i, (obj, state) in enumerate(zip(objects[kind], payload[f"{kind}s"], strict=True)):
+            check(i, obj, state)
+    checks.check_can_save(objects["model"], objects["optimizer"], [])  # the inner optimizer of MasterWeights
+    if loader is not None and payload["loader"] is None:
+        raise CheckpointError(
+            "The checkpoint has no data-loader position.",
+            "save it with save_checkpoint(..., loader=...), or load without loader=.",
+        )
 
 
 def load_checkpoint(
@@ -277,35 +360,26 @@ def load_checkpoint(
 ) -> Resumed:
     """Load a checkpoint written by ``save_checkpoint`` into freshly built objects (same architecture, same
     optimizer wrapping) and restore the global RNGs. Returns ``Resumed(step, extra)``: continue the loop at
-    ``step``. Tensors are loaded to ``map_location`` first, then copied where the objects live."""
-    source = Path(path)
-    if not source.is_file():
-        raise CheckpointError(f"No checkpoint at {source}.", "check the path, or start without --resume.")
-    try:
-        # weights_only=False: the RNG state holds numpy arrays and Python tuples; load only your own files.
-        payload = torch.load(source, map_location=map_location, weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: say which, keep the cause
-        raise CheckpointError(
-            f"{source} is not a readable mixprec checkpoint ({type(exc).__name__}: {exc}).",
-            "load an earlier checkpoint; files written by save_checkpoint are never left half-written.",
-        ) from exc
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{source} is not a mixprec checkpoint of format {FORMAT_VERSION}.",
-            "write it with mixprec.checkpoint.save_checkpoint (of this mixprec version).",
-        )
-    _load_into("model", _as_list(model), payload["models"])
+    ``step``. Tensors are loaded to ``map_location`` first, then copied where the objects live.
+
+    All or nothing: the checksum, and every object's class, tensor names, shapes, dtypes and param groups
+    are checked first; a ``CheckpointError`` naming the difference leaves every object as it was."""
+    payload = _read(Path(path), map_location)
+    objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    _validate(payload, objects, loader)
     # Optimizers after models: MasterWeights.load_state_dict copies the masters into the model weights.
-    _load_into("optimizer", _as_list(optimizer), payload["optimizers"])
-    _load_into("scaler", _as_list(scaler), payload["scalers"])
-    _load_into("scheduler", _as_list(scheduler), payload["schedulers"])
+    for kind, objs in objects.items():
+        for obj, state in zip(objs, payload[f"{kind}s"], strict=True):
+            obj.load_state_dict(state)
     if loader is not None:
-        if payload["loader"] is None:
-            raise CheckpointError(
-                "The checkpoint has no data-loader position.",
-                "save it with save_checkpoint(..., loader=...), or load without loader=.",
-            )
         loader.load_state_dict(payload["loader"])
     if restore_rng:
         set_rng_state(payload["rng"])
+    return Resumed(payload["step"], payload["extra"])
+
+
+def read_extra(path: str | os.PathLike[str]) -> Resumed:
+    """The step and ``extra`` dict of a checkpoint, verified, without loading it into anything (e.g. to
+    see where a run stopped before building it)."""
+    payload = _read(Path(path), "cpu")
     return Resumed(payload["step"], payload["extra"])

@@ -47,3 +47,7 @@ class UnsupportedParameterError(MixprecError, TypeError):
 
 class ApexPropertyError(ConfigError, RuntimeError):
     """An apex opt-level property that apex itself refused (apex raised RuntimeError for these)."""
+
+
+class CheckpointError(MixprecError, RuntimeError):
+    """A checkpoint cannot be read, is damaged, or does not fit the objects it is loaded into."""

@@ -219,3 +219,100 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path) -> None:
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
     assert a["losses"] == b["losses"] and a["scales"] == b["scales"]
+
+
+# ------------------------------------------------------------------------ refusals (issue 14 items 3, 10)
+def _snapshot(run: Run) -> list[torch.Tensor]:
+    return [t.clone() for t in run.state()]
+
+
+def test_a_mismatched_optimizer_is_named_and_leaves_everything_untouched(tmp_path: Path) -> None:
+    """The model loads first: before, it was overwritten and only then did the optimizer fail, with torch's
+    KeyError. Now nothing is written, and the message names both classes."""
+    saved = Run()
+    saved.step()
+    saved.save(tmp_path / "ck.pt", step=1)
+    other = Run()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(torch.randn_like(p))  # other weights than the checkpoint's, so a write would show
+    other.opt = mixprec.MasterWeights(torch.optim.SGD(other.model.parameters(), lr=0.1, momentum=0.9))
+    other.sched = torch.optim.lr_scheduler.StepLR(other.opt, step_size=3, gamma=0.5)
+    before = _snapshot(other)
+    with pytest.raises(CheckpointError, match=r"saved as MasterWeights\(AdamW\).*MasterWeights\(SGD\)"):
+        other.load(tmp_path / "ck.pt")
+    assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(other), strict=True))
+
+
+def test_a_model_at_another_precision_is_named(tmp_path: Path) -> None:
+    saved = Run()
+    saved.save(tmp_path / "ck.pt", step=0)
+    fp32 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+    before = [p.clone() for p in fp32.parameters()]
+    with pytest.raises(CheckpointError, match=r"torch.float16 in the checkpoint, torch.float32 here"):
+        load_checkpoint(tmp_path / "ck.pt", model=fp32, optimizer=torch.optim.AdamW(fp32.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(before, fp32.parameters(), strict=True))
+
+
+def _flip_bit_in(path: Path, value: torch.Tensor) -> None:
+    """Flip one bit inside the stored bytes of ``value`` (found in the file by content)."""
+    data = bytearray(path.read_bytes())
+    raw = value.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0, "the tensor's bytes are stored verbatim in torch's zip archive"
+    data[at + len(raw) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_weight_is_refused(tmp_path: Path) -> None:
+    run = Run()
+    run.step()
+    path = tmp_path / "ck.pt"
+    run.save(path, step=1)
+    assert Run().load(path).step == 1  # intact: loads
+    _flip_bit_in(path, run.model[0].weight)
+    with pytest.raises(CheckpointError, match="damaged"):
+        Run().load(path)
+
+
+def test_saving_between_step_and_update_is_refused(tmp_path: Path) -> None:
+    run = Run()
+    x, y = next(run.batches)
+    run.scaler.scale(F.cross_entropy(run.model(x.half()).float(), y)).backward()
+    run.scaler.step(run.opt)
+    with pytest.raises(CheckpointError, match=r"after scaler.update\(\)"):
+        run.save(tmp_path / "ck.pt", step=1)
+    run.scaler.update()
+    run.save(tmp_path / "ck.pt", step=1)  # at the end of the iteration: fine
+
+
+def test_saving_the_optimizer_inside_master_weights_is_refused(tmp_path: Path) -> None:
+    run = Run()
+    run.step()
+    with pytest.raises(CheckpointError, match="pass the MasterWeights wrapper"):
+        save_checkpoint(tmp_path / "ck.pt", model=run.model, optimizer=run.opt.optimizer, scaler=run.scaler)
+    assert not (tmp_path / "ck.pt").exists()
+
+
+def test_a_killed_saves_temp_file_is_removed_at_the_next_save(tmp_path: Path) -> None:
+    run = Run()
+    path = tmp_path / "ck.pt"
+    leftover = tmp_path / ".ck.pt.x7k2_q9a.tmp"  # the name mkstemp gave a save that was SIGKILLed
+    leftover.write_bytes(b"half a checkpoint")
+    unrelated = tmp_path / ".other.pt.x7k2_q9a.tmp"  # another checkpoint's save may be running
+    unrelated.write_bytes(b"")
+    run.save(path, step=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.x7k2_q9a.tmp", "ck.pt"]
+
+
+def test_a_checkpoint_gets_the_umask_file_mode(tmp_path: Path) -> None:
+    """As torch.save(path) or open() would create it: 0o666 less the umask (mkstemp alone gives 0o600)."""
+    reference = tmp_path / "reference"
+    old = os.umask(0o022)
+    try:
+        reference.touch()
+        Run().save(tmp_path / "ck.pt", step=0)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ck.pt").stat().st_mode & 0o777 == reference.stat().st_mode & 0o777 == 0o644

@@ -1,0 +1,148 @@
+"""The checks ``save_checkpoint`` and ``load_checkpoint`` run before they touch anything.
+
+Save refuses the two mistakes that write a checkpoint which resumes wrongly without any error:
+
+- saving between ``scaler.step(opt)`` and ``scaler.update()``: the scale saved is the one before this
+  iteration's update, so the resumed run repeats or misses a backoff;
+- saving the optimizer wrapped by ``MasterWeights`` (``opt.optimizer``) instead of the wrapper: its
+  parameters are the fp32 masters, which the file would hold as anonymous optimizer params, and the first
+  step after the resume writes the stale masters back over the model.
+
+Load compares the checkpoint with the objects it is about to fill -- how many of each kind, each object's
+class, each model tensor's name, shape and dtype, each optimizer's param groups -- and names the first
+differences, so that a mismatch raises before a single tensor is overwritten (a load is all or nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import CheckpointError
+from mixprec.master import MasterWeights
+from mixprec.scaler import OptState
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+MAX_LISTED = 3  # differences named in one message: enough to see the pattern, short enough to read
+
+
+def describe(obj: Any) -> str:
+    """The class of ``obj`` as the checkpoint records it; a wrapper shows what it wraps:
+    ``MasterWeights(AdamW)``."""
+    inner = getattr(obj, "optimizer", None)
+    name = type(obj).__name__
+    return f"{name}({type(inner).__name__})" if isinstance(inner, torch.optim.Optimizer) else name
+
+
+# --------------------------------------------------------------------------------------------- at save
+def check_can_save(models: Sequence[nn.Module], optimizers: Sequence[Any], scalers: Sequence[Any]) -> None:
+    for i, opt in enumerate(optimizers):
+        _refuse_inner_optimizer(models, opt, i)
+        for scaler in scalers:
+            stage = scaler.stage(opt) if callable(getattr(scaler, "stage", None)) else OptState.READY
+            if stage is not OptState.READY:
+                raise CheckpointError(
+                    f"optimizer {i} is mid-iteration ({stage.name}: after scaler.unscale_/step, before "
+                    "scaler.update()); the scale saved now would be the one before this iteration's update.",
+                    "save after scaler.update(), at the end of the iteration.",
+                )
+
+
+def _refuse_inner_optimizer(models: Sequence[nn.Module], opt: Any, index: int) -> None:
+    """Refuse an optimizer whose fp32 parameters are not the models' while the models are half: the
+    optimizer inside a MasterWeights. Foreign parameters in an fp32 run (a learnable loss weight) pass."""
+    if isinstance(opt, MasterWeights):  # its param_groups are its masters, by design
+        return
+    owned = {id(p) for m in models for p in m.parameters()}
+    if not any(p.dtype in HALF_DTYPES for m in models for p in m.parameters()):
+        return
+    foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign and all(p.dtype == torch.float32 for p in foreign):
+        raise CheckpointError(
+            f"optimizer {index} ({describe(opt)}) updates {len(foreign)} fp32 tensors that are not "
+            "parameters of the half-precision model: the fp32 masters of a MasterWeights. Its own "
+            "state would resume without them, and the first step would write stale masters back.",
+            "pass the MasterWeights wrapper (the object you call .step() on), not wrapper.optimizer.",
+        )
+
+
+# --------------------------------------------------------------------------------------------- at load
+def check_counts(kind: str, objects: Sequence[Any], states: Sequence[Any]) -> None:
+    if len(objects) != len(states):
+        raise CheckpointError(
+            f"The checkpoint holds {len(states)} {kind} state(s), but {len(objects)} were given to load "
+            "into.",
+            f"pass the same {kind}(s), in the same order, as to save_checkpoint.",
+        )
+
+
+def check_classes(kind: str, objects: Sequence[Any], saved: Sequence[str] | None) -> None:
+    """Each object's class against the one saved (``saved`` is None for a checkpoint of format 1)."""
+    for i, (obj, name) in enumerate(zip(objects, saved or [describe(o) for o in objects], strict=True)):
+        if describe(obj) != name:
+            raise CheckpointError(
+                f"{kind} {i} was saved as {name}, and is loaded into {describe(obj)}.",
+                f"build it as the saved run did ({name}), or start afresh without the checkpoint.",
+            )
+
+
+def check_model(index: int, model: nn.Module, saved: Mapping[str, Any]) -> None:
+    """Names, shapes and dtypes of the saved tensors against the model's. A dtype difference is a
+    precision difference: ``load_state_dict`` would cast silently."""
+    own = model.state_dict()
+    problems = [f"missing {k!r}" for k in saved.keys() - own.keys()]
+    problems += [f"unexpected {k!r}" for k in own.keys() - saved.keys()]
+    for key in own.keys() & saved.keys():
+        mine, theirs = own[key], saved[key]
+        if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor):
+            continue
+        if mine.shape != theirs.shape:
+            problems.append(f"{key!r} is {tuple(theirs.shape)} in the checkpoint, {tuple(mine.shape)} here")
+        elif mine.dtype != theirs.dtype:
+            problems.append(f"{key!r} is {theirs.dtype} in the checkpoint, {mine.dtype} here "
+                            "(another precision)")
+    if problems:
+        listed = "; ".join(sorted(problems)[:MAX_LISTED])
+        more = f" and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        raise CheckpointError(
+            f"model {index} does not match the checkpoint: {listed}{more}.",
+            "build the model with the same architecture and precision (e.g. the same to_fp16/to_bf16, "
+            "opt level or .half()) as the saved run, before loading.",
+        )
+
+
+def check_optimizer(index: int, opt: Any, saved: Mapping[str, Any]) -> None:
+    """Param groups and their sizes: torch checks them too, but only after it replaced the groups."""
+    inner = saved.get("optimizer", saved)  # a MasterWeights state holds the wrapped optimizer's
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if groups is None:
+        raise CheckpointError(f"optimizer {index}'s saved state has no param groups.",
+                              "save the optimizer with save_checkpoint.")
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    saved_sizes = [len(g["params"]) for g in groups]
+    if sizes != saved_sizes:
+        raise CheckpointError(
+            f"optimizer {index} has param groups of sizes {sizes}, the checkpoint {saved_sizes}.",
+            "build the optimizer over the same parameters and groups as the saved run.",
+        )
+    if "flat" in saved and getattr(opt, "flat", saved["flat"]) != saved["flat"]:
+        raise CheckpointError(
+            f"optimizer {index} keeps its masters flat={opt.flat}, the checkpoint flat={saved['flat']}.",
+            f"construct MasterWeights(..., flat={saved['flat']}) (--flat-master in the CLI) to resume it.",
+        )
+
+
+def check_scaler(index: int, scaler: Any, saved: Mapping[str, Any]) -> None:
+    """A disabled scaler ignores a saved scale and an enabled one cannot start from an empty state: both
+    are a precision difference (fp16 with scaling against fp32/bf16 without)."""
+    enabled = bool(getattr(scaler, "is_enabled", lambda: True)())
+    if enabled != bool(saved):
+        was, now = ("with", "without") if saved else ("without", "with")
+        raise CheckpointError(
+            f"scaler {index}: the checkpoint was saved {was} loss scaling, this run is {now} it "
+            "(another precision).",
+            "resume at the precision the run was saved at (fp16 scales the loss; fp32 and bf16 do not).",
+        )
