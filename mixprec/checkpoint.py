@@ -52,7 +52,7 @@ __all__ = [
     "ResumableLoader",
     "save_checkpoint",
     "load_checkpoint",
-    "read_extra",
+    "read_checkpoint",
     "rng_state",
     "set_rng_state",
 ]
@@ -378,8 +378,9 @@ def load_checkpoint(
     return Resumed(payload["step"], payload["extra"])
 
 
-def read_extra(path: str | os.PathLike[str]) -> Resumed:
-    """The step and ``extra`` dict of a checkpoint, verified, without loading it into anything (e.g. to
-    see where a run stopped before building it)."""
-    payload = _read(Path(path), "cpu")
-    return Resumed(payload["step"], payload["extra"])
+def read_checkpoint(
+    path: str | os.PathLike[str], map_location: str | torch.device | None = "cpu"
+) -> dict[str, Any]:
+    """The saved dict, verified (format, checksum), without loading it into anything: e.g. to see where
+    a run stopped, or how it was set up, before building it."""
+    return _read(Path(path), map_location)

@@ -1,8 +1,11 @@
 """The ``mixprec`` command.
 
 Each subcommand lives in its own module under ``mixprec/commands/`` and exposes three names:
-``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``. This file is only the table
-that maps a subcommand name to its module, so adding a command never touches another one.
+``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and may define
+``unrecognized_hint(extras) -> str | None`` to explain arguments its parser did not take. This file is the
+table that maps a subcommand name to its module, so adding a command never touches another one, and the
+guard that prints a user's mistake as ``mixprec: error: ...`` (exit status 2, argparse's convention)
+instead of a traceback. A real bug -- any other exception -- still shows its traceback.
 """
 
 from __future__ import annotations
@@ -39,9 +42,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USAGE_ERROR = 2  # argparse's exit status for a bad command line; ours for any mistake the user can fix
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, with the command's own hint when arguments are left over (e.g. a negative VALUE)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        hint_of = getattr(importlib.import_module(COMMANDS[args.command]), "unrecognized_hint", None)
+        hint = hint_of(extras) if hint_of is not None else None
+        parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f"\n  - fix: {hint}" if hint else ""))
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    from mixprec.errors import MixprecError
+
+    args = _parse(build_parser(), argv)
+    try:
+        return int(args._run(args) or 0)
+    except MixprecError as err:  # raised on purpose for a user's mistake: its message says what to do
+        print(f"mixprec: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

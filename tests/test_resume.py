@@ -137,8 +137,10 @@ def test_cli_train_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     assert steps[0] == steps[1]  # the resumed run's metrics cover all epochs
 
 
-def test_cli_train_resume_without_a_checkpoint_exits_2(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    assert _train(tmp_path / "empty", 2, "--resume") == 2
-    err = capsys.readouterr().err
-    assert str(tmp_path / "empty" / "checkpoint.pt") in err and "drop --resume" in err
+def test_cli_train_resume_without_a_checkpoint_starts_afresh(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14 item 8: so that a job restarted automatically in its first epoch runs (it exited 2)."""
+    assert _train(tmp_path / "empty", 1, "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"no checkpoint at {tmp_path / 'empty' / 'checkpoint.pt'} yet; starting afresh" in out
+    assert (tmp_path / "empty" / "checkpoint.pt").is_file()

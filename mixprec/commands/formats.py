@@ -207,6 +207,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def unrecognized_hint(extras: list[str]) -> str | None:
+    """argparse reads a VALUE such as -2**-24 as an unknown option; say how to pass it."""
+    negative = [e for e in extras if e.startswith("-") and not e.startswith("--")]
+    if not negative:
+        return None
+    return f"a VALUE that starts with a minus goes after --: mixprec formats -- {' '.join(negative)}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Output
 

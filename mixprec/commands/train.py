@@ -10,12 +10,15 @@ arguments, to the same bits as an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mixprec.commands.console import make_console
+from mixprec.errors import MixprecError
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +41,9 @@ DATA_HELP = "digits (bundled, no download), mnist:PATH (a folder with the four I
 DEFAULT_SIZE: dict[str, int | None] = {"mlp": 28, "cnn": None, "vgg16": 32, "transformer": None}
 
 
-class UsageError(ValueError):
-    """A command-line argument that cannot work; the message says what to pass instead."""
+class UsageError(MixprecError, ValueError):
+    """A command-line argument that cannot work; the message says what to pass instead. ``mixprec.cli.main``
+    prints it as ``mixprec: error: ...`` with exit status 2."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,8 +147,9 @@ def _loss_scale_arg(text: str) -> float | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp16: fp32 masters + loss scaling (Learner.to_fp16); "
+    # default None, read as fp32: so that --opt-level can tell an explicit --precision from the default.
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="fp32 (the default); fp16: fp32 masters + loss scaling (Learner.to_fp16); "
                         "bf16: fp32 masters, no scaling")
     parser.add_argument("--opt-level", choices=OPT_LEVELS, default=None,
                         help="an apex opt level through mixprec.initialize, instead of --precision")
@@ -161,17 +166,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where metrics.json, metrics.csv, losses.png and checkpoint.pt go "
                         "(default: runs/train)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from DIR/checkpoint.pt of an interrupted run with the same arguments")
+                        help="continue from DIR/checkpoint.pt of an interrupted run with the same arguments "
+                        "(--epochs may grow); with no checkpoint there yet, start afresh")
 
 
 def _check(args: argparse.Namespace) -> None:
+    """Refuse arguments that cannot work, before any data is loaded; fill in --precision's default."""
     if args.epochs < 1:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}.")
-    if args.opt_level is not None and (args.precision != "fp32" or args.loss_scale is not None):
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {args.lr:g}.",
+                         "pass the peak learning rate, e.g. --lr 3e-3 (the default).")
+    if args.opt_level is not None and (args.precision is not None or args.loss_scale is not None):
+        pairs = (("--precision", args.precision), ("--loss-scale", args.loss_scale))
+        given = " ".join(f"{flag} {value}" for flag, value in pairs if value is not None)
         raise UsageError(
-            "--opt-level chooses the precision and loss scaling itself: drop --precision/--loss-scale, "
-            "or drop --opt-level."
+            f"--opt-level {args.opt_level} chooses the precision and loss scaling itself, and {given} "
+            "would be ignored: drop --precision/--loss-scale, or drop --opt-level."
         )
+    if args.opt_level is None and args.precision is None:
+        args.precision = "fp32"
     if args.loss_scale is not None and args.precision != "fp16":
         raise UsageError(
             f"--loss-scale applies to fp16 only; {args.precision} has fp32's exponent range and needs no "
@@ -182,12 +196,18 @@ def _check(args: argparse.Namespace) -> None:
     if args.flat_master and args.opt_level in ("O0", "O1", "O3"):
         raise UsageError(f"--flat-master needs fp32 master weights, which {args.opt_level} does not keep: "
                          "use --opt-level O2, or drop --flat-master.")
-    if args.resume and not (args.out / CHECKPOINT_NAME).is_file():
-        raise UsageError(
-            f"--resume: there is no checkpoint at {args.out / CHECKPOINT_NAME}. Check --out (a "
-            f"`mixprec train --out {args.out}` run writes it at every epoch end), or drop --resume to start "
-            "afresh."
-        )
+    _check_out(args.out)
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a folder this process can create and write into (checked now, not after training)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot create this folder ({err.strerror}).",
+                         "pass a folder you can write to, e.g. --out runs/train.") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: this folder is not writable.", "pass a folder you can write to.")
 
 
 def _opt_func(name: str) -> Any:
@@ -219,20 +239,26 @@ def _set_precision(learn: Learner, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
-    from mixprec.errors import MixprecError
+    from mixprec.commands import train_resume
     from mixprec.learner import Learner, accuracy
 
     console = make_console()
     try:
         _check(args)
         spec = data_spec(args)
+        plan = train_resume.plan(args, args.out / CHECKPOINT_NAME)
+        if plan.note is not None:
+            console.print(plan.note)
+        if plan.finished:
+            return 0
         data = spec.load()
         model = build_model(args.model, data, args.seed)
         learn = Learner(data, model, opt_func=_opt_func(args.opt), metrics=[accuracy], console=console)
         _set_precision(learn, args)
     except (UsageError, MixprecError, FileNotFoundError, ValueError) as err:
         return fail(err)
+    if plan.keep_settings:
+        learn.add_cb(train_resume.TrainSettings(train_resume.settings_of(args)))
     precision = args.opt_level or args.precision
     if args.opt_level == "O3" and args.opt == "adamw":
         # Measured: torch's AdamW on fp16 weights turns them inf/NaN in its first step (eps=1e-8 and the
@@ -241,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
                       "in fp16 and produces NaN. Use --opt sgd, or O2 (fp32 masters).")
     console.print(f"[bold]{args.model}[/] on [bold]{spec.name}[/], {precision}, {args.opt} lr {args.lr:g}, "
                   f"{args.schedule}, batch {args.batch_size}, seed {args.seed}")
-    ckpt = _checkpoint_args(args)
+    ckpt = _checkpoint_args(args, resume=not plan.start_fresh)
     try:
         if args.schedule == "one-cycle":
             learn.fit_one_cycle(args.epochs, args.lr, **ckpt)
@@ -258,10 +284,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_args(args: argparse.Namespace) -> dict[str, Path]:
+def _checkpoint_args(args: argparse.Namespace, resume: bool) -> dict[str, Path]:
     path = args.out / CHECKPOINT_NAME
-    args.out.mkdir(parents=True, exist_ok=True)
-    return {"checkpoint": path, "resume": path} if args.resume else {"checkpoint": path}
+    return {"checkpoint": path, "resume": path} if resume else {"checkpoint": path}
 
 
 def write_metrics(learn: Learner, args: argparse.Namespace, spec: DataSpec, precision: str) -> list[Path]:

@@ -1,0 +1,133 @@
+"""Issues 14 (item 8, 4) and 15: a user's mistake on the `mixprec` command line ends in `mixprec: error: ...`
+and exit status 2 (argparse's convention), never a traceback; a bug still raises."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mixprec import cli
+from mixprec.commands import formats
+from mixprec.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--model", "mlp", "--size", "8", "--batch-size", "256", "--schedule", "constant"]
+
+
+def _error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "-1"], "--lr must be a positive number, got -1"),  # it said "Invalid learning rate: -0.04"
+        (["--lr", "nan"], "--lr must be a positive number"),
+        (["--precision", "fp32", "--opt-level", "O2"], "--precision fp32 would be ignored"),  # it ran O2
+        (["--precision", "bf16", "--opt-level", "O1"], "drop --precision"),
+    ],
+)
+def test_train_refuses_arguments_that_cannot_work(argv: list[str], message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train", *TINY, "--out", str(tmp_path / "run"), *argv]) == 2
+    assert message in _error(capsys)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_train_refuses_an_out_folder_it_cannot_create(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """As `--out /proc/nope`: a folder whose parent cannot hold it (here a file), checked before training."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["train", *TINY, "--out", str(blocker / "run")]) == 2
+    assert f"--out {blocker / 'run'}: cannot create this folder" in _error(capsys)
+
+
+def test_formats_hints_the_double_dash_for_a_negative_expression(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["formats", "-2**-24"])
+    assert exit_.value.code == 2
+    assert "mixprec formats -- -2**-24" in _error(capsys)
+    assert cli.main(["formats", "--", "-2**-24"]) == 0  # the hint works: -2^-24 is fp16's smallest subnormal
+    assert "-5.960464477539063e-08" in capsys.readouterr().out
+
+
+def test_the_guard_prints_user_errors_and_lets_bugs_raise(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def user_error(args: object) -> int:
+        raise ConfigError("that value cannot work", "pass another one")
+
+    monkeypatch.setattr(formats, "run", user_error)
+    assert cli.main(["formats"]) == 2
+    assert _error(capsys) == "mixprec: error: that value cannot work\n  - fix: pass another one\n"
+
+    def bug(args: object) -> int:
+        raise ZeroDivisionError("a real bug")
+
+    monkeypatch.setattr(formats, "run", bug)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["formats"])
+
+
+# ----------------------------------------------------------------------------------------- --resume
+@pytest.fixture(scope="module")
+def finished_fp16_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One epoch of fp16 with dynamic scaling and AdamW, finished (shared: the tests below copy it)."""
+    out = tmp_path_factory.mktemp("fp16") / "run"
+    assert cli.main(["train", *TINY, "--precision", "fp16", "--epochs", "1", "--out", str(out)]) == 0
+    return out
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_resume_of_a_finished_run_says_so_and_writes_nothing(
+    finished_fp16_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = shutil.copytree(finished_fp16_run, tmp_path / "run")
+    before = _contents(run)
+    capsys.readouterr()
+    argv = ["train", *TINY, "--precision", "fp16", "--epochs", "1", "--out", str(run), "--resume"]
+    assert cli.main(argv) == 0
+    assert "is finished: it has trained its 1 epoch(s)" in capsys.readouterr().out
+    assert _contents(run) == before  # it rewrote metrics.json with an empty table
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--precision", "bf16"], "--precision bf16 here, fp16 in the saved run"),  # it trained on in bf16
+        (["--precision", "fp16", "--loss-scale", "1024"], "--loss-scale 1024 here, dynamic in the saved run"),
+        (["--precision", "fp16", "--opt", "sgd"], "--opt sgd here, adamw in the saved run"),  # KeyError
+        (["--opt-level", "O2"], "--opt-level O2 here, not given in the saved run"),  # KeyError 'param_groups'
+        (["--precision", "fp32"], "--precision fp32 here, fp16 in the saved run"),
+        (["--precision", "fp16", "--model", "cnn"], "--model cnn here, mlp in the saved run"),
+    ],
+)
+def test_resume_with_other_settings_names_the_difference_and_the_fix(
+    argv: list[str], named: str, finished_fp16_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = shutil.copytree(finished_fp16_run, tmp_path / "run")
+    before = _contents(run)
+    capsys.readouterr()
+    assert cli.main(["train", *TINY, "--epochs", "2", "--out", str(run), "--resume", *argv]) == 2
+    err = _error(capsys)
+    assert err.startswith("mixprec: error: --resume: these settings differ") and named in err
+    assert "fix: resume with the saved settings" in err
+    assert _contents(run) == before
+
+
+def test_resume_with_the_same_settings_continues(finished_fp16_run: Path, tmp_path: Path) -> None:
+    """The reference the refusals above are measured against: `--loss-scale dynamic` is the default spelt
+    out, so it is the same setting."""
+    run = shutil.copytree(finished_fp16_run, tmp_path / "run")
+    argv = ["train", *TINY, "--precision", "fp16", "--loss-scale", "dynamic", "--epochs", "2"]
+    assert cli.main([*argv, "--out", str(run), "--resume"]) == 0
+    assert [e["epoch"] for e in json.loads((run / "metrics.json").read_text())["epochs"]] == [0, 1]
