@@ -42,7 +42,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from mixprec import checkpoint_checks as checks
+from mixprec.checkpoint_checks import (
+    check_can_save,
+    check_classes,
+    check_counts,
+    check_model,
+    check_optimizer,
+    check_scaler,
+    describe,
+)
 from mixprec.checkpoint_digest import payload_digest
 from mixprec.errors import CheckpointError, ConfigError
 
@@ -277,7 +285,7 @@ def save_checkpoint(
             f"create it first: Path({str(target.parent)!r}).mkdir(parents=True, exist_ok=True).",
         )
     objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
-    checks.check_can_save(objects["model"], objects["optimizer"], objects["scaler"])
+    check_can_save(objects["model"], objects["optimizer"], objects["scaler"])
     payload: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "step": int(step),
@@ -285,7 +293,7 @@ def save_checkpoint(
         **{f"{kind}s": _states(objs) for kind, objs in objects.items()},
         "loader": None if loader is None else loader.state_dict(),
         "rng": rng_state(),
-        "classes": {kind: [checks.describe(o) for o in objs] for kind, objs in objects.items()},
+        "classes": {kind: [describe(o) for o in objs] for kind, objs in objects.items()},
     }
     payload["checksum"] = payload_digest(payload)
     with _atomic_file(target) as f:
@@ -328,18 +336,18 @@ def _read(source: Path, map_location: str | torch.device | None) -> dict[str, An
 def _validate(payload: Mapping[str, Any], objects: Mapping[str, list[Any]], loader: Any) -> None:
     """Everything load_checkpoint will load, checked against its target before anything is written."""
     # Models first: a dtype difference names the cause (another precision) of the differences after it.
-    checks.check_counts("model", objects["model"], payload["models"])
+    check_counts("model", objects["model"], payload["models"])
     for i, (obj, state) in enumerate(zip(objects["model"], payload["models"], strict=True)):
-        checks.check_model(i, obj, state)
+        check_model(i, obj, state)
     for kind, objs in objects.items():
-        checks.check_counts(kind, objs, payload[f"{kind}s"])
+        check_counts(kind, objs, payload[f"{kind}s"])
     classes = payload.get("classes", {})
     for kind, objs in objects.items():
-        checks.check_classes(kind, objs, classes.get(kind))
-    for kind, check in (("optimizer", checks.check_optimizer), ("scaler", checks.check_scaler)):
+        check_classes(kind, objs, classes.get(kind))
+    for kind, check in (("optimizer", check_optimizer), ("scaler", check_scaler)):
         for i, (obj, state) in enumerate(zip(objects[kind], payload[f"{kind}s"], strict=True)):
             check(i, obj, state)
-    checks.check_can_save(objects["model"], objects["optimizer"], [])  # the inner optimizer of MasterWeights
+    check_can_save(objects["model"], objects["optimizer"], [])  # the inner optimizer of MasterWeights
     if loader is not None and payload["loader"] is None:
         raise CheckpointError(
             "The checkpoint has no data-loader position.",
