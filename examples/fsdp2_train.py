@@ -14,6 +14,8 @@ Verified on torch 2.13 CPU with gloo: forward in fp16, fp32 DTensor gradients, s
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -96,8 +98,17 @@ def main(steps: int = 12, fault_step: int = 4, world_size: int = 2) -> dict[str,
     return {"ranks": ranks, "fp32": reference}
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="FSDP2 fp16 + loss scaler on local processes, vs fp32.")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--fault-step", type=int, default=4, help="the step with an inf on rank 1")
+    p.add_argument("--world-size", type=int, default=2, help="local processes (gloo on CPU)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    result = main()
+    cli_args = parse()
+    result = main(cli_args.steps, cli_args.fault_step, cli_args.world_size)
     for r in result["ranks"]:
         diff = max((r["weights"][k] - result["fp32"]["weights"][k]).abs().max().item() for k in r["weights"])
         print(

@@ -45,6 +45,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    for path in (args.ckpt, args.out):  # as docs/recipes.md gives it, on a fresh checkout: no run/ yet
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
     # The CPU GEMMs' summation order depends on the thread count: fix it so two runs can agree bit for bit.
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

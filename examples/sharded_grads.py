@@ -17,6 +17,8 @@ already all-reduces the found-inf flag of ``_amp_foreach_non_finite_check_and_un
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -84,8 +86,17 @@ def main(steps: int = 12, fault_step: int = 4, world_size: int = 2) -> dict[str,
     return {"ranks": per_rank, "single": single}
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Sharded gradients with and without sync_found_inf.")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--fault-step", type=int, default=4, help="the step with an inf on rank 1")
+    p.add_argument("--world-size", type=int, default=2, help="local processes (gloo on CPU)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    result = main()
+    cli_args = parse()
+    result = main(cli_args.steps, cli_args.fault_step, cli_args.world_size)
     for sync in (True, False):
         scales = [r[sync]["scales"][-1] for r in result["ranks"]]
         diff = max(

@@ -5,9 +5,11 @@ dividing by N, a penalty on scaled gradients) misses them by 20x to 10000x."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import example
+from conftest import EXAMPLES, example
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_amp_state")
@@ -98,3 +100,46 @@ def test_multiple_models_each_optimizer_skips_on_its_own(api: str) -> None:
     if api == "scaler":
         scales = run["scales"]
         assert scales[k + 1] == scales[k] / 2  # one update per iteration: backed off once, not per optimizer
+
+
+# ------------------------------------------------------------------- the scripts as a newcomer runs them
+@pytest.mark.parametrize("api", APIS)
+def test_multiple_models_fp32_from_the_command_line_matches_the_fault_free_reference(
+    api: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15: `multiple_models.py --precision fp32` printed NaN losses: the default fault was injected
+    into a run whose disabled scaler skips nothing. The fp32 run is now the fault-free reference."""
+    recipe = example("multiple_models")
+    run = recipe.cli(["--api", api, "--precision", "fp32", "--steps", "6"])
+    assert run["losses"] == recipe.main(api, "fp32", steps=6, fault_at=())["losses"]
+    assert "nan" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ["fsdp2_train", "sharded_grads"])
+def test_distributed_examples_print_help_instead_of_running(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import runpy
+
+    import mixprec.distributed
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("--help started the distributed run")
+
+    monkeypatch.setattr(mixprec.distributed, "launch", ran)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(EXAMPLES / f"{script}.py"), run_name="__main__")
+    assert exit_.value.code == 0
+    assert "--steps" in capsys.readouterr().out
+
+
+def test_resume_training_as_the_recipes_give_it_creates_its_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/recipes.md runs `--ckpt run/last.pt` in a fresh checkout, where run/ does not exist."""
+    monkeypatch.chdir(tmp_path)
+    recipe = example("resume_training")
+    first = recipe.main(["--ckpt", "run/last.pt", "--steps", "4", "--every", "2"])
+    assert (tmp_path / "run" / "last.pt").is_file()
+    again = recipe.main(["--ckpt", "run/last.pt", "--steps", "4", "--every", "2", "--resume"])
+    assert again["losses"] == first["losses"]
