@@ -15,6 +15,7 @@ gradients) must the scaler all-reduce its inf flags: ``GradScaler(..., sync_foun
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -26,14 +27,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, DistributedError
 
-__all__ = ["DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch"]
+__all__ = ["DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch", "LAUNCH_TIMEOUT"]
 
 # device type -> the collective backend for it
 BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 LOCALHOST = "127.0.0.1"  # launch() binds to loopback only: a test must not open a port to the network
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# launch()'s collective timeout, in seconds. Its processes share one machine and start together: a rank
+# that has not joined a collective after 5 minutes has stalled (or died), it is not slow. torch's default
+# (30 minutes for gloo) would leave the other ranks blocked, silent, for half an hour.
+LAUNCH_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,25 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(backend: str | None = None) -> DistInfo:
+def _timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        seconds = None if timeout is None else timeout.total_seconds()
+    else:
+        seconds = float(timeout)
+    if seconds is not None and not seconds > 0:
+        raise ConfigError(f"timeout must be > 0 seconds, got {seconds:g}.",
+                          "pass the seconds a collective may wait for the slowest rank, e.g. timeout=300.")
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def setup(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> DistInfo:
     """Join the default process group when launched by torchrun or :func:`launch`, else do nothing.
 
     ``backend`` None picks from ``BACKENDS`` by device. On CUDA the current device is set to
-    ``LOCAL_RANK`` so that NCCL and ``torch.cuda`` calls without an index use this process's GPU."""
+    ``LOCAL_RANK`` so that NCCL and ``torch.cuda`` calls without an index use this process's GPU.
+    ``timeout`` (seconds or a timedelta): how long a collective waits for the other ranks before it
+    raises, passed to ``init_process_group``; None keeps torch's default (30 minutes for gloo)."""
+    wait = _timedelta(timeout)
     if not all(name in os.environ for name in _ENV):
         return DistInfo(0, 1, 0, _device(0), None)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
@@ -75,7 +94,7 @@ def setup(backend: str | None = None) -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **({} if wait is None else {"timeout": wait}))
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
@@ -100,6 +119,7 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     backend: str | None,
+    timeout: float,
     results: str,
 ) -> None:
     os.environ.update(
@@ -109,7 +129,7 @@ def _worker(
     if not torch.cuda.is_available():
         # As torchrun does: N processes sharing the CPU cores would oversubscribe them with N x threads.
         torch.set_num_threads(1)
-    info = setup(backend)
+    info = setup(backend, timeout)
     try:
         result = fn(info, *args)
         torch.save(result, Path(results) / f"rank{info.rank}.pt")
@@ -123,17 +143,46 @@ def launch(
     args: tuple[Any, ...] = (),
     *,
     backend: str | None = None,
+    timeout: float | datetime.timedelta = LAUNCH_TIMEOUT,
 ) -> list[Any]:
     """Run ``fn(info, *args)`` in ``nprocs`` new processes that form one process group on 127.0.0.1, and
     return what each rank returned, in rank order (results travel through ``torch.save`` files, so they
     must be picklable; move tensors to the CPU first).
 
     ``fn`` must be importable by name in a fresh interpreter (a module-level function of an importable
-    module, or of the ``__main__`` script). An exception in any rank is re-raised here."""
+    module, or of the ``__main__`` script). ``timeout``: seconds a collective waits for the other ranks
+    (``LAUNCH_TIMEOUT`` by default). An exception in any rank -- a timeout included -- stops every rank
+    and raises ``DistributedError`` naming the rank that failed, the ranks that had not finished then
+    (the stalled ones, for a timeout), and the rank's own error."""
     if nprocs < 1:
         raise ConfigError(f"nprocs must be >= 1, got {nprocs}.", "e.g. launch(fn, nprocs=2).")
+    wait = _timedelta(timeout)
+    assert wait is not None  # a default is always given
     import torch.multiprocessing as mp  # local: only launchers need it
 
     with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as results:
-        mp.spawn(_worker, args=(nprocs, free_port(), fn, args, backend, results), nprocs=nprocs, join=True)
+        spawn_args = (nprocs, free_port(), fn, args, backend, wait.total_seconds(), results)
+        try:
+            mp.spawn(_worker, args=spawn_args, nprocs=nprocs, join=True)
+        except mp.ProcessRaisedException as err:
+            unfinished = [r for r in range(nprocs)
+                          if r != err.error_index and not (Path(results) / f"rank{r}.pt").exists()]
+            raise _rank_error(err.error_index, unfinished, wait, str(err)) from err
         return [torch.load(Path(results) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+_TIMEOUT_WORDS = ("timed out", "timeout")  # how gloo and NCCL word an expired collective
+
+
+def _rank_error(rank: int, unfinished: list[int], wait: datetime.timedelta, message: str) -> DistributedError:
+    cause = message.strip().splitlines()[-1] if message.strip() else "no message"
+    if any(word in message.lower() for word in _TIMEOUT_WORDS):
+        stalled = ", ".join(map(str, unfinished)) or "none still running (one may have died)"
+        return DistributedError(
+            f"rank {rank} waited {wait.total_seconds():g} s in a collective that the other ranks did not "
+            f"join; rank(s) that had not finished then: {stalled}. ({cause})",
+            "look at what those ranks were doing (a data loader that hangs, a rank that skipped a "
+            "collective, an uneven number of batches); raise timeout= if they are only slow.",
+        )
+    return DistributedError(f"rank {rank} failed: {cause}",
+                            f"see rank {rank}'s traceback above this error; the other ranks were stopped.")

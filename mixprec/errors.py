@@ -51,3 +51,7 @@ class ApexPropertyError(ConfigError, RuntimeError):
 
 class CheckpointError(MixprecError, RuntimeError):
     """A checkpoint cannot be read, is damaged, or does not fit the objects it is loaded into."""
+
+
+class DistributedError(MixprecError, RuntimeError):
+    """A rank of a distributed run failed or stalled; the message names the rank."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from conftest import EXAMPLES, example
 
 from mixprec.distributed import DistInfo, free_port, launch
+from mixprec.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, FAULT_STEP = 12, 4
@@ -113,3 +115,24 @@ def test_fsdp2_mixed_precision_with_scaler(spawned: list[dict[str, Any]]) -> Non
         assert r["scales"] == ref["scales"]
         assert max_diff(r["weights"], ref["weights"]) < 2e-2  # fp16 params in compute vs fp32
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in results[0]["weights"])
+
+
+# ------------------------------------------------------------------------------ a stalled rank (issue 14, 7)
+def stall_on_rank_1(info: DistInfo, seconds: float) -> None:
+    if info.rank == 1:
+        time.sleep(seconds)  # a hung data loader, say: rank 0 is already waiting in the all-reduce
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_stalled_rank_is_named_once_the_timeout_expires() -> None:
+    """Before, launch() had no timeout: rank 0 waited torch's default 30 minutes, silently."""
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 0 waited 3 s .* had not finished then: 1\b") as err:
+        launch(stall_on_rank_1, 2, (600.0,), timeout=3)
+    assert "raise timeout=" in str(err.value.fix)
+    assert time.monotonic() - start < 120  # process start-up on a loaded machine, plus 3 s; not 600 s
+
+
+def test_a_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="timeout must be > 0"):
+        launch(stall_on_rank_1, 2, (0.0,), timeout=0)

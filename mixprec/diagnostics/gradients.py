@@ -384,6 +384,9 @@ class GradientMonitor:
     :attr:`reports`. ``loss_scale`` is the scale the gradients carry: a number, or a function such as
     ``scaler.get_scale`` (which syncs with the device, paid only on the analysed steps). Each report also
     evaluates fp16 at that current scale. Between analysed steps a call costs one integer increment.
+    :attr:`reports` keeps the latest ``max_reports`` only (oldest dropped first), so a monitor left on
+    for a long run holds bounded memory; ``calls`` keeps counting, so each kept report's call number
+    still says when it was taken.
     """
 
     model: nn.Module
@@ -393,10 +396,17 @@ class GradientMonitor:
     margin: float = DEFAULT_MARGIN
     reports: list[tuple[int, GradientReport]] = field(default_factory=list)
     calls: int = 0
+    # A report holds a few statistics per parameter tensor (a few KiB for a large model): 1000 of them,
+    # at the default every=100, cover the last 100k steps in a few MiB -- a whole run, usually, but not a
+    # leak in a run that never ends.
+    max_reports: int = 1000
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"every must be >= 1, got {self.every}.", "use every=1 to analyse every step.")
+        if self.max_reports < 1:
+            raise ConfigError(f"max_reports must be >= 1, got {self.max_reports}.",
+                              "keep at least the latest report, e.g. max_reports=1000 (the default).")
 
     def after_backward(self) -> GradientReport | None:
         """Analyse this step's gradients if it is an ``every``-th call; returns the report, or None."""
@@ -407,6 +417,7 @@ class GradientMonitor:
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
         report = analyze_grads(grads, (*self.scales, current), self.margin, unscale=current)
         self.reports.append((self.calls, report))
+        del self.reports[: -self.max_reports]  # the oldest beyond the bound; a no-op below it
         return report
 
     @property
