@@ -131,3 +131,14 @@ def test_resume_with_the_same_settings_continues(finished_fp16_run: Path, tmp_pa
     argv = ["train", *TINY, "--precision", "fp16", "--loss-scale", "dynamic", "--epochs", "2"]
     assert cli.main([*argv, "--out", str(run), "--resume"]) == 0
     assert [e["epoch"] for e in json.loads((run / "metrics.json").read_text())["epochs"]] == [0, 1]
+
+
+def test_resume_of_a_one_cycle_run_with_more_epochs_is_refused(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-cycle schedule spans --epochs: resumed with another count it silently continued another
+    schedule (a learning rate jump at the resumed step)."""
+    argv = ["train", "--model", "mlp", "--size", "8", "--batch-size", "256", "--out", str(tmp_path / "run")]
+    assert cli.main([*argv, "--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*argv, "--epochs", "2", "--resume"]) == 2
+    assert "--epochs 2 here, 1 in the saved run: the one-cycle schedule spans all epochs" in _error(capsys)

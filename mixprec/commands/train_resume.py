@@ -23,8 +23,9 @@ from typing import Any
 from mixprec.callbacks import Callback
 from mixprec.checkpoint import read_checkpoint
 
-# The arguments a resumed run must share with the saved one, each with the reason. --epochs may grow (the
-# Learner continues to the new count); --out and --resume are where and how, not what.
+# The arguments a resumed run must share with the saved one, each with the reason. --epochs may grow under
+# --schedule constant (the Learner continues to the new count), not under one-cycle (the schedule spans
+# the epochs); --out and --resume are where and how, not what.
 MUST_MATCH: dict[str, str] = {
     "model": "the weights have this architecture",
     "data": "the batches and classes come from it",
@@ -90,7 +91,13 @@ def plan(args: argparse.Namespace, checkpoint: Path) -> Plan:
     saved = _saved_settings(payload)
     if saved is not None:
         _refuse_differences(saved, settings_of(args), checkpoint)
-    done = int(payload["extra"]["epoch"])
+    done, planned = int(payload["extra"]["epoch"]), int(payload["extra"]["n_epochs"])
+    if args.schedule == "one-cycle" and args.epochs != planned:
+        raise UsageError(
+            f"--resume: --epochs {args.epochs} here, {planned} in the saved run: the one-cycle schedule "
+            "spans all epochs, so another count would continue a different schedule from the saved step.",
+            f"resume with --epochs {planned}; to train longer, start a new run (or use --schedule constant).",
+        )
     if done > args.epochs:
         raise UsageError(
             f"--resume: the run in {checkpoint.parent} has trained {done} epochs, more than --epochs "
