@@ -22,6 +22,7 @@ from typing import Any
 
 from mixprec.callbacks import Callback
 from mixprec.checkpoint import read_checkpoint
+from mixprec.commands.train import UsageError
 
 # The arguments a resumed run must share with the saved one, each with the reason. --epochs may grow under
 # --schedule constant (the Learner continues to the new count), not under one-cycle (the schedule spans
@@ -81,8 +82,6 @@ class Plan:
 
 def plan(args: argparse.Namespace, checkpoint: Path) -> Plan:
     """Raise ``UsageError`` for a resume that cannot continue the saved run; else say what to do."""
-    from mixprec.commands.train import UsageError
-
     if not args.resume:
         return Plan(start_fresh=True)
     if not checkpoint.is_file():
@@ -107,8 +106,8 @@ def plan(args: argparse.Namespace, checkpoint: Path) -> Plan:
     if done == args.epochs:
         return Plan(start_fresh=False, finished=True,
                     note=f"The run in {checkpoint.parent} is finished: it has trained its {done} epoch(s). "
-                    "Nothing was trained or written. Pass a larger --epochs to train on, or another --out "
-                    "for a new run.")
+                    "Nothing was trained or written. To train on, pass a larger --epochs (under --schedule "
+                    "constant), or another --out for a new run.")
     return Plan(start_fresh=False, keep_settings=saved is not None)
 
 
@@ -137,8 +136,6 @@ def _as_given(name: str, value: Any) -> str:
 
 
 def _refuse_differences(saved: dict[str, Any], now: dict[str, Any], checkpoint: Path) -> None:
-    from mixprec.commands.train import UsageError
-
     diffs = [name for name in MUST_MATCH if saved.get(name) != now.get(name)]
     if "precision" in diffs or "opt_level" in diffs:
         diffs = [n for n in diffs if n != "loss_scale"]  # the default scale follows the precision
