@@ -260,6 +260,29 @@ def test_grad_scaler_unscales_in_fp32_and_skips_on_inf(dtype: torch.dtype) -> No
     assert len(momenta) == len(ps) and all(torch.equal(a, b) for a, b in momenta)
 
 
+def test_unscale_then_clip_then_step_with_bf16() -> None:
+    """Clipping needs unscaled grads: scaler.unscale_(wrapper) unscales the bf16 grads in place (exact for a
+    power-of-two scale), clip_grad_norm_ sees the true norm, and scaler.step does not unscale again: the
+    result equals clipping and stepping the unscaled grads without a scaler."""
+    scale, max_norm = 2.0**12, 0.5
+    runs = []
+    for scaled in (False, True):
+        ps = [nn.Parameter(t) for t in _groups(BF16)]
+        opt = LowPrecisionOptimizer(OPTS["adamw"](ps), "split")
+        scaler = GradScaler("cpu", init_scale=scale, enabled=scaled)
+        scaler.scale(torch.zeros(()))
+        g = torch.Generator().manual_seed(0)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(BF16) * (scale if scaled else 1.0)
+        scaler.unscale_(opt)
+        norm = nn.utils.clip_grad_norm_(ps, max_norm)
+        scaler.step(opt)
+        scaler.update()
+        runs.append((ps, norm))
+    assert runs[0][1] == runs[1][1] > max_norm
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0], strict=True))
+
+
 def test_closure_is_evaluated_and_its_gradients_used() -> None:
     w = nn.Parameter(torch.ones(3, dtype=BF16))
     opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=0.5), "split")
