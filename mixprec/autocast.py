@@ -200,7 +200,9 @@ def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
 
 
 def _round_to_half(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The emulation's input rounding for ``region``: parameters rounded once per region (cached)."""
+    """The emulation's input rounding for ``region``: each parameter rounded (an fp32 one) or upcast (a
+    half one, in an O2 model) once per region however often the region uses it, and autograd saves that
+    copy for backward, which therefore rounds no weight again."""
     cache = _STATE.cache
     device_type = region.device_type
     dtype = region.dtype
@@ -208,7 +210,7 @@ def _round_to_half(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not _eligible(t, device_type):
             return t
-        if t.dtype is not dtype and _cacheable(t, region):
+        if region.cache_enabled and t.requires_grad and t.is_leaf and not t._is_view():
             return cache.get(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
         return round_to_half(t, dtype)
 
@@ -665,7 +667,8 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         cached = _HALF_COMPUTE_MODES.get(key)
         if cached is None or cached[0] is not plan:
             names = frozenset(name for name, action in plan.actions.items() if action is Action.LOWER)
-            region = Region(self.device_type, self.dtype, True, False, plan.policy, True, {})
+            # cache_enabled: a weight used several times in one forward is upcast once (see __exit__)
+            region = Region(self.device_type, self.dtype, True, True, plan.policy, True, {})
             cached = _HALF_COMPUTE_MODES[key] = (plan, names, region)
         return _HalfComputeMode(cached[2], cached[1])
 
@@ -680,3 +683,5 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         mode = self._modes.pop()
         if mode is not None:
             mode.__exit__(*exc)
+            if not _STATE.regions:  # the upcasts live for this forward only (autograd keeps its own)
+                _STATE.cache.clear()

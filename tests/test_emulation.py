@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import autocast, half_compute, hardware
 from mixprec.emulation import emulated, emulates, round_to_half
@@ -197,3 +198,52 @@ def test_compiled_emulation_keeps_its_input_rounding() -> None:
     compiled = run(torch.compile(gemm, backend="inductor", fullgraph=True))
     for e, c in zip(eager, compiled, strict=True):
         assert torch.equal(e, c)
+
+
+# ---- cast cost: each weight rounded once per step ---------------------------------------------------------
+
+
+class _CountCasts(TorchDispatchMode):
+    """Counts the casts (aten._to_copy, the rounding op) whose source is one given tensor."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self.source, self.count = source, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        casts = (torch.ops.aten._to_copy.default, torch.ops.mixprec.round_to_half.default)
+        if func in casts and args[0] is self.source:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Shared(torch.nn.Module):
+    """One weight, three uses per forward (a shared layer, as in ALBERT or a recurrent cell)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.relu(self.lin(x))
+        return x
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("region", ["autocast", "half_compute"])
+def test_each_weight_is_cast_once_per_step_and_not_in_backward(
+    arithmetic: Callable[[str], None], dtype: torch.dtype, region: str
+) -> None:
+    arithmetic("emulated")
+    model, x = _Shared(), torch.randn(2, 8)
+    if region == "half_compute":  # an O2 model: half weights, upcast (exactly) for the fp32 GEMM
+        model, x = model.to(dtype), x.to(dtype)
+    enter = {"autocast": autocast, "half_compute": half_compute}[region]
+    with _CountCasts(model.lin.weight) as counter:
+        for step in range(2):
+            with enter("cpu", dtype):
+                out = model(x)
+            assert counter.count == step + 1  # forward: once, not once per use
+            out.float().sum().backward()
+            assert counter.count == step + 1  # backward: autograd reuses the rounded copy
