@@ -24,7 +24,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +50,12 @@ if TYPE_CHECKING:
     from rich.console import Console
     from torch.utils.data import DataLoader
 
-__all__ = ["Learner", "accuracy", "error_rate", "DEFAULT_LR", "default_opt_func"]
+__all__ = ["Learner", "accuracy", "error_rate", "decay_groups", "DEFAULT_LR", "default_opt_func"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]
+LossFunc = Callable[[Tensor, Tensor], Tensor]
 OptFunc = Callable[..., torch.optim.Optimizer]
+ParamGroups = list[dict[str, Any]]
 
 DEFAULT_LR = 3e-3  # fastai's default learning rate for Adam-style optimizers
 
@@ -72,15 +74,46 @@ def error_rate(pred: Tensor, targ: Tensor) -> Tensor:
     return 1 - accuracy(pred, targ)
 
 
+def decay_groups(model: nn.Module, weight_decay: float) -> ParamGroups:
+    """Two param groups: tensors of 2 or more dimensions (matmul weights, embeddings) with
+    ``weight_decay``, the rest (biases, norm weights) without. Decaying a bias or a LayerNorm gain pulls it
+    towards 0, which is no regularisation (it only shifts or shrinks activations); nanoGPT and most
+    transformer recipes split this way. Tied and shared parameters appear once; frozen ones not at all.
+    Empty groups are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]  # model.parameters() yields tied ones once
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _pred_and_loss(out: Any) -> tuple[Any, Tensor]:
+    """Split the ``(pred, loss)`` a model returns when it computes its own loss (``loss_func=None``)."""
+    if isinstance(out, tuple | list) and len(out) >= 2 and isinstance(out[1], Tensor):
+        return out[0], out[1]
+    raise ConfigError(
+        f"loss_func=None means the model computes its loss: model(xb, yb) must return (pred, loss); it "
+        f"returned {type(out).__name__}.",
+        "return (logits, loss) from forward when given targets (as nanoGPT does), or pass a loss_func.",
+    )
+
+
 class Learner:
     """Trains ``model`` on ``data`` with ``loss_func`` and an optimizer made by ``opt_func(params, lr=lr)``.
 
     Args:
         data: a :class:`~mixprec.data.DataBunch` (train and valid loaders).
         model: the model; it stays where it is (batches are moved to its device).
-        loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch).
-        opt_func: builds the optimizer; each ``fit`` builds a fresh one, so optimizer state does not carry
-            over from one ``fit`` call to the next.
+        loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch). None: the model
+            computes its own loss (nanoGPT's and Hugging Face's convention): the learner calls
+            ``model(xb, yb)``, which returns ``(pred, loss)``; metrics and ``predict`` see ``pred``.
+        opt_func: builds the optimizer as ``opt_func(params, lr=lr)``; each ``fit`` builds a fresh one, so
+            optimizer state does not carry over from one ``fit`` call to the next. It may ignore ``params``
+            and return an optimizer with param groups of its own (e.g. the model's
+            ``configure_optimizers``); every group follows the fit's learning-rate schedule.
+        wd: when set, ``params`` is :func:`decay_groups` (weight decay ``wd`` on matmul weights and
+            embeddings only) instead of all parameters in one group with ``opt_func``'s weight decay.
         metrics: ``metric(pred, yb)`` -> scalar tensor, averaged over the validation set (weighted by batch
             size) and shown per epoch under the function's name.
         callbacks: extra callbacks, kept for every fit.
@@ -92,14 +125,17 @@ class Learner:
         self,
         data: DataBunch,
         model: nn.Module,
-        loss_func: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+        loss_func: LossFunc | None = F.cross_entropy,
         opt_func: OptFunc = default_opt_func,
         metrics: Sequence[Metric] = (),
         callbacks: Iterable[Callback] = (),
         silent: bool = False,
         console: Console | None = None,
+        *,
+        wd: float | None = None,
     ) -> None:
         self.data, self.model, self.loss_func, self.opt_func = data, model, loss_func, opt_func
+        self.wd = wd
         self.metrics = list(metrics)
         self.callbacks: list[Callback] = []
         self.recorder = Recorder()
@@ -195,37 +231,65 @@ class Learner:
     # ------------------------------------------------------------------ training
     def fit(
         self,
-        epochs: int,
+        epochs: int | None = None,
         lr: float = DEFAULT_LR,
         callbacks: Iterable[Callback] = (),
         checkpoint: str | os.PathLike[str] | None = None,
         resume: str | os.PathLike[str] | None = None,
+        *,
+        steps: int | None = None,
     ) -> None:
-        """Train for ``epochs`` epochs at learning rate ``lr``; ``callbacks`` apply to this fit only.
+        """Train for ``epochs`` epochs, or for ``steps`` optimizer steps (language models count steps, not
+        epochs), at learning rate ``lr``; ``callbacks`` apply to this fit only. A step-based fit validates
+        at every epoch end and after its last step (its last epoch may be cut short).
 
         ``checkpoint``: save everything that decides the next epoch to this file at every epoch end.
         ``resume``: load such a file and train the epochs after it (up to ``epochs`` in all); the fit must
         be set up as the saved one. A resumed fit keeps saving to ``resume`` unless ``checkpoint`` names
         another file."""
-        if not (isinstance(epochs, int) and epochs >= 1):
-            raise ConfigError(f"epochs must be an int >= 1, got {epochs!r}.", "e.g. learn.fit(3).")
+        n_epochs, n_steps = self._fit_length(epochs, steps)
         extra = list(callbacks)
         if checkpoint is not None or resume is not None:
             extra.append(Checkpoint(checkpoint if checkpoint is not None else resume, resume_from=resume))
         for cb in extra:
             self.add_cb(cb)
         try:
-            self.opt = self.opt_func(self.model.parameters(), lr=lr)
-            self.scaler, self.n_epochs, self.iteration, self.start_epoch = None, epochs, 0, 0
-            self.n_steps = epochs * len(self.data.train)
-            self._fit(epochs)
+            self.opt = self._make_optimizer(lr)
+            self.scaler, self.iteration, self.start_epoch = None, 0, 0
+            self.n_epochs, self.n_steps = n_epochs, n_steps
+            self._fit()
         finally:
             for cb in extra:
                 self.remove_cb(cb)
 
+    def _fit_length(self, epochs: int | None, steps: int | None) -> tuple[int, int]:
+        """(epochs, steps) of a fit given one of them."""
+        for name, value in (("epochs", epochs), ("steps", steps)):
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}.", f"e.g. learn.fit({name}=3).")
+        if (epochs is None) == (steps is None):
+            raise ConfigError(
+                f"fit needs exactly one of epochs and steps, got epochs={epochs!r}, steps={steps!r}.",
+                "e.g. learn.fit(3) for three epochs, or learn.fit(steps=500).",
+            )
+        per_epoch = len(self.data.train)
+        if steps is None:
+            return epochs, epochs * per_epoch  # type: ignore[operator,return-value]
+        return math.ceil(steps / per_epoch), steps
+
+    def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        params = self.model.parameters() if self.wd is None else decay_groups(self.model, self.wd)
+        opt = self.opt_func(params, lr=lr)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(
+                f"opt_func returned a {type(opt).__name__}, not a torch.optim.Optimizer.",
+                "make opt_func(params, lr=lr) return an optimizer, e.g. torch.optim.AdamW(params, lr=lr).",
+            )
+        return opt
+
     def fit_one_cycle(
         self,
-        epochs: int,
+        epochs: int | None = None,
         lr_max: float = DEFAULT_LR,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
@@ -233,17 +297,20 @@ class Learner:
         moms: tuple[float, float] = (0.95, 0.85),
         checkpoint: str | os.PathLike[str] | None = None,
         resume: str | os.PathLike[str] | None = None,
+        *,
+        steps: int | None = None,
     ) -> None:
-        """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`); ``checkpoint``
-        and ``resume`` as in :meth:`fit` (resume with the same ``epochs``: the schedule spans them all)."""
+        """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`) over ``epochs``
+        or ``steps``; ``checkpoint`` and ``resume`` as in :meth:`fit` (resume with the same length: the
+        schedule spans it all)."""
         sched = OneCycleScheduler(lr_max, div_factor, pct_start, final_div, moms)
-        self.fit(epochs, lr_max / div_factor, callbacks=[sched], checkpoint=checkpoint, resume=resume)
+        self.fit(epochs, lr_max / div_factor, [sched], checkpoint, resume, steps=steps)
 
-    def _fit(self, epochs: int) -> None:
+    def _fit(self) -> None:
         try:
             self._event("on_train_begin")
-            start = self.start_epoch  # after on_train_begin: a Checkpoint resume moves it
-            for self.epoch in range(start, epochs):
+            start, end = self.start_epoch, self.n_epochs  # after on_train_begin: a resume moves start
+            for self.epoch in range(start, end):
                 self._event("on_epoch_begin")
                 self._train_epoch()
                 self.valid_loss, self.valid_metrics = self._evaluate(self.data.valid, events=True)
@@ -258,6 +325,8 @@ class Learner:
         self.model.train()
         self.training = True
         for xb, yb in self.data.train:
+            if self.iteration >= self.n_steps:  # a step-based fit ends mid-epoch
+                break
             self._train_batch(xb, yb)
             self.iteration += 1
 
@@ -274,10 +343,19 @@ class Learner:
         self.xb, self.yb = xb.to(device), yb.to(device)
         if events:
             self._event("on_batch_begin")
-        self.pred = self.model(self.xb)
+        model_loss = None
+        if self.loss_func is None:
+            self.pred, model_loss = _pred_and_loss(self.model(self.xb, self.yb))
+        else:
+            self.pred = self.model(self.xb)
         if events:
             self._event("on_loss_begin")
-        self.loss = self.loss_func(self.pred, self.yb)
+        if model_loss is not None:
+            # The model's own loss goes on in fp32 like a loss_func's (exact: every fp16 or bf16 value is an
+            # fp32 value), so the Recorder's averages and the scaled loss are fp32 whatever the model used.
+            self.loss = model_loss.float()
+        else:
+            self.loss = self.loss_func(self.pred, self.yb)  # type: ignore[misc]
 
     def _step(self) -> None:
         self._cancelled = False
@@ -354,7 +432,10 @@ class Learner:
         single = tuple(x.shape) == tuple(self.data.input_shape)
         xb = x.unsqueeze(0) if single else x
         self.model.eval()
-        out = self.model(xb.to(self.device)).float()
+        out = self.model(xb.to(self.device))
+        if self.loss_func is None and isinstance(out, tuple | list):
+            out = out[0]  # (logits, loss) models return (logits, None) without targets
+        out = out.float()
         return out[0] if single else out
 
     def get_preds(self, split: str = "valid") -> tuple[Tensor, Tensor]:

@@ -5,6 +5,7 @@
   ``AutocastMixedPrecision``;
 - :mod:`~mixprec.callbacks.recorder` -- ``Recorder`` and ``StepTimer``;
 - :mod:`~mixprec.callbacks.progress` -- ``ProgressBar``;
+- :mod:`~mixprec.callbacks.clip` -- ``GradientClipping``, in any precision;
 - :mod:`~mixprec.callbacks.schedule` -- ``OneCycleScheduler`` and ``WarmupCosineScheduler``;
 - :mod:`~mixprec.callbacks.checkpoint` -- ``Checkpoint``.
 
@@ -12,6 +13,7 @@ Every name is re-exported here: ``from mixprec.callbacks import MixedPrecision``
 """
 
 from mixprec.callbacks.checkpoint import Checkpoint
+from mixprec.callbacks.clip import GradientClipping
 from mixprec.callbacks.core import (
     EVENTS,
     Callback,
@@ -32,7 +34,7 @@ from mixprec.callbacks.fp16 import (
 )
 from mixprec.callbacks.progress import ProgressBar
 from mixprec.callbacks.recorder import EpochResult, Recorder, StepTimer
-from mixprec.callbacks.schedule import OneCycleScheduler
+from mixprec.callbacks.schedule import OneCycleScheduler, StepScheduler, WarmupCosineScheduler
 
 __all__ = [
     # the loop
@@ -56,8 +58,11 @@ __all__ = [
     "EpochResult",
     "StepTimer",
     "ProgressBar",
-    # schedules
+    # clipping and schedules
+    "GradientClipping",
+    "StepScheduler",
     "OneCycleScheduler",
+    "WarmupCosineScheduler",
     # checkpoints
     "Checkpoint",
 ]

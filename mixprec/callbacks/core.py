@@ -29,6 +29,8 @@ This module imports nothing from :mod:`mixprec.learner`: the learner is known to
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +49,8 @@ __all__ = [
     "CancelTrainException",
     "LearnerState",
     "scaler_saw_step",
+    "positive_finite",
+    "positive_int",
 ]
 
 # The loop's events, in the order they fire (see the module docstring).
@@ -147,3 +151,14 @@ def scaler_saw_step(scaler: GradScaler | None, optimizer: torch.optim.Optimizer 
     if scaler is None or optimizer is None:
         return False
     return scaler.stage(optimizer) is not OptState.READY
+
+
+# Argument checks shared by the callbacks' constructors (numpy scalars pass, as torch accepts them; bools do
+# not, though Python counts them as ints).
+def positive_finite(value: Any) -> bool:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value > 0
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1

@@ -10,18 +10,16 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch import nn
 
-from mixprec.amp import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, Properties, master_params
+from mixprec.amp import DEFAULT_MAX_LOSS_SCALE, DYNAMIC, Properties
 from mixprec.autocast import autocast, half_compute
-from mixprec.callbacks.core import Callback, scaler_saw_step
+from mixprec.callbacks.clip import check_max_norm, clip_master_grads
+from mixprec.callbacks.core import Callback, positive_finite, positive_int, scaler_saw_step
 from mixprec.errors import ConfigError
 from mixprec.master import HALF_DTYPES, Converted, MasterWeights, fp32_originals, model_to_half
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
@@ -42,39 +40,26 @@ DEFAULT_MAX_NOSKIP = 1000  # clean steps before a dynamic scale doubles: overflo
 DEFAULT_MAX_SCALE = DEFAULT_MAX_LOSS_SCALE  # apex's ceiling too: beyond it a scaled 2**-24 would already be 1
 
 
-def _positive_finite(value: Any) -> bool:
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return real and math.isfinite(value) and value > 0
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-
-
 # The scaling arguments in the user's words (to_fp16's names, not GradScaler's): checked when the callback
 # is built, so a mistake is reported at the call that made it, not at the first batch. None always passes
 # (it switches the feature off). name -> (check, what it must be, the fix)
 _ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "loss_scale": (_positive_finite, "a positive, finite number", "e.g. loss_scale=512.0; None: no scaling"),
-    "max_noskip": (_count, "an int >= 1", "e.g. max_noskip=1000 (clean steps before the scale doubles)"),
-    "max_scale": (_positive_finite, "a positive, finite number", "e.g. max_scale=2.**24; None: unbounded"),
-    "min_scale": (_positive_finite, "a positive, finite number", "e.g. min_scale=1.0; None: no floor"),
-    "clip": (
-        _positive_finite,
-        "a positive, finite gradient norm (clip <= 0 would reverse or zero every update)",
-        "e.g. clip=1.0; None for no clipping",
-    ),
-    "skip_limit": (_count, "an int >= 1", "e.g. skip_limit=50 (consecutive skipped steps before stopping)"),
+    "loss_scale": (positive_finite, "a positive, finite number", "e.g. loss_scale=512.0; None: no scaling"),
+    "max_noskip": (positive_int, "an int >= 1", "e.g. max_noskip=1000 clean steps before growing"),
+    "max_scale": (positive_finite, "a positive, finite number", "e.g. max_scale=2.**24; None: unbounded"),
+    "min_scale": (positive_finite, "a positive, finite number", "e.g. min_scale=1.0; None: no floor"),
+    "skip_limit": (positive_int, "an int >= 1", "e.g. skip_limit=50 skipped steps in a row"),
 }
 
 
 def check_scaling_arguments(**values: Any) -> None:
     """Raise :class:`~mixprec.errors.ConfigError` naming the first argument (by the caller's name) that is
     out of range."""
-    for name, value in values.items():
-        check, expected, fix = _ARGUMENT_CHECKS[name]
+    for name, (check, expected, fix) in _ARGUMENT_CHECKS.items():
+        value = values.get(name)
         if value is not None and not check(value):
             raise ConfigError(f"{name} must be {expected}, got {value!r}.", fix)
+    check_max_norm("clip", values.get("clip"))
     low, high = values.get("min_scale"), values.get("max_scale")
     if low is not None and high is not None and low > high:
         raise ConfigError(f"min_scale={low!r} is larger than max_scale={high!r}.", "swap them, or drop one.")
@@ -143,7 +128,7 @@ class LossScaling(Callback):
         elif isinstance(self.opt, HasMasterGrads):
             self.opt.copy_grads_to_master()  # no scaler to do it (bf16): same contract for later callbacks
         if self.clip is not None:
-            nn.utils.clip_grad_norm_(list(master_params(self.opt)), self.clip)
+            clip_master_grads(self.opt, self.clip)
 
     def on_step_end(self) -> None:
         # An earlier callback may have cancelled the step before the scaler saw it: nothing to update.

@@ -41,6 +41,11 @@ class Recorder(Callback):
 
     order = -10  # before LossScaling's update: sees whether the scaler took part in this step
 
+    def __init__(self) -> None:
+        # Empty from the start, not only from on_train_begin: when an earlier callback's on_train_begin
+        # raises, on_train_end still runs here and must not hide that error behind an AttributeError.
+        self.on_train_begin()
+
     def on_train_begin(self) -> None:
         self.losses: list[float] = []
         self.lrs: list[float] = []
