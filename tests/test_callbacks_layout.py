@@ -51,7 +51,9 @@ def _imports(name: str) -> set[str]:
         if isinstance(node, ast.If):
             nodes.extend(node.body + node.orelse)
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mixprec"):
-            found.add(node.module)
+            # `from mixprec import hardware` imports the submodule, not every name of the package's __init__
+            submodules = [f"{node.module}.{a.name}" for a in node.names]
+            found.update([m for m in submodules if _module_path(m).is_file()] or [node.module])
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("mixprec"))
     return {m for m in found if _module_path(m).is_file()}
