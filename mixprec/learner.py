@@ -31,19 +31,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.callbacks import (
-    DEFAULT_MAX_NOSKIP,
-    DEFAULT_MAX_SCALE,
     Callback,
     CancelStepException,
     CancelTrainException,
     Checkpoint,
-    MixedPrecision,
     OneCycleScheduler,
     ProgressBar,
     Recorder,
+    callback_for,
+    fastai_recipe,
 )
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
+from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
 from mixprec.scaler import GradScaler
 
 if TYPE_CHECKING:
@@ -175,19 +175,20 @@ class Learner:
     # ------------------------------------------------------------------ precision
     def to_fp16(
         self,
-        loss_scale: float = 512.0,
-        max_noskip: int = DEFAULT_MAX_NOSKIP,
+        loss_scale: float = FASTAI_LOSS_SCALE,
+        max_noskip: int = FASTAI_MAX_NOSKIP,
         dynamic: bool = True,
         clip: float | None = None,
         flat_master: bool = False,
-        max_scale: float = DEFAULT_MAX_SCALE,
+        max_scale: float = APEX_MAX_LOSS_SCALE,
         loss_fp32: bool = True,
         *,
         min_scale: float | None = None,
         skip_limit: int | None = None,
     ) -> Learner:
         """Train in fp16 with fp32 master weights and loss scaling. The positional arguments are fastai v1's
-        ``to_fp16``, in its order; mixprec's extras are keyword-only.
+        ``to_fp16``, in its order; mixprec's extras are keyword-only. The recipe is
+        :meth:`Recipe.fastai <mixprec.recipe.Recipe.fastai>` (its defaults and their reasons live there).
 
         ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
         overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
@@ -200,21 +201,28 @@ class Learner:
         :class:`~mixprec.errors.PersistentOverflowError` after that many consecutive skipped steps, instead
         of skipping for ever when every batch overflows (e.g. NaN in the data).
         """
-        return self._set_mixed_precision(
-            MixedPrecision(
-                torch.float16, loss_scale, flat_master, dynamic, max_noskip, clip, max_scale, loss_fp32,
-                min_scale=min_scale, skip_limit=skip_limit,
-            )
-        )
+        recipe = fastai_recipe(torch.float16, loss_scale, max_noskip, dynamic, flat_master, max_scale,
+                               loss_fp32, min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
+        return self.to_recipe(recipe, clip=clip)
 
     def to_bf16(
         self, flat_master: bool = False, clip: float | None = None, loss_fp32: bool = True
     ) -> Learner:
         """Train in bf16 with fp32 master weights. No loss scaling: bf16 has fp32's exponent range, so
         gradients do not underflow; its 8-bit significand is why the fp32 masters matter even more."""
-        return self._set_mixed_precision(
-            MixedPrecision(torch.bfloat16, None, flat_master, clip=clip, loss_fp32=loss_fp32)
-        )
+        recipe = fastai_recipe(torch.bfloat16, flat_master=flat_master, loss_fp32=loss_fp32)
+        return self.to_recipe(recipe, clip=clip)
+
+    def to_recipe(self, recipe: Recipe | str, clip: float | None = None) -> Learner:
+        """Train with any precision recipe: a :class:`~mixprec.recipe.Recipe` or a preset's name
+        (``"O1"``, ``"O2"``, ``"fp16-static"``, ... see ``mixprec.recipe.RECIPES``); an fp32 one removes
+        mixed precision. ``clip`` bounds the fp32 gradient norm after unscaling."""
+        cb = callback_for(get_recipe(recipe), clip)
+        self.to_fp32()
+        if cb is not None:
+            self.mp_cb = cb
+            self.add_cb(cb)
+        return self
 
     def to_fp32(self) -> Learner:
         """Back to plain fp32 training (removes the mixed precision callback)."""
@@ -222,11 +230,6 @@ class Learner:
             self.remove_cb(self.mp_cb)
             self.mp_cb = None
         return self
-
-    def _set_mixed_precision(self, cb: Callback) -> Learner:
-        self.to_fp32()
-        self.mp_cb = cb
-        return self.add_cb(cb)
 
     # ------------------------------------------------------------------ training
     def fit(

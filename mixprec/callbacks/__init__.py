@@ -1,8 +1,8 @@
 """Callbacks of the :class:`~mixprec.learner.Learner` loop, one concept per module (as fastai's):
 
 - :mod:`~mixprec.callbacks.core` -- the events and their order, ``Callback``, the loop's exceptions;
-- :mod:`~mixprec.callbacks.fp16` -- mixed precision: ``LossScaling``, ``MixedPrecision``,
-  ``AutocastMixedPrecision``;
+- :mod:`~mixprec.callbacks.fp16` -- mixed precision from a ``Recipe``: ``MixedPrecision``,
+  ``AutocastMixedPrecision``, ``callback_for(recipe)``;
 - :mod:`~mixprec.callbacks.recorder` -- ``Recorder`` and ``StepTimer``;
 - :mod:`~mixprec.callbacks.progress` -- ``ProgressBar``;
 - :mod:`~mixprec.callbacks.clip` -- ``GradientClipping``, in any precision;
@@ -28,6 +28,8 @@ from mixprec.callbacks.fp16 import (
     AutocastMixedPrecision,
     LossScaling,
     MixedPrecision,
+    callback_for,
+    fastai_recipe,
     mixprec_callback_for,
     model_to_float,
     model_to_half,
@@ -49,6 +51,8 @@ __all__ = [
     "AutocastMixedPrecision",
     "DEFAULT_MAX_SCALE",
     "DEFAULT_MAX_NOSKIP",
+    "callback_for",
+    "fastai_recipe",
     "mixprec_callback_for",
     "model_to_half",
     "model_to_float",

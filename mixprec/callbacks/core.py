@@ -105,6 +105,9 @@ class LearnerState(Protocol):
     def metric_names(self) -> list[str]: ...
 
     @property
+    def device(self) -> torch.device: ...  # the model's
+
+    @property
     def step_skipped(self) -> bool: ...
 
     def step_skipped_async(self) -> bool | Tensor: ...

@@ -39,7 +39,7 @@ class Recorder(Callback):
     device meanwhile: recording costs a few syncs per epoch, not per step.
     """
 
-    order = -10  # before LossScaling's update: sees whether the scaler took part in this step
+    order = -10  # before MixedPrecision's update: sees whether the scaler took part in this step
 
     def __init__(self) -> None:
         # Empty from the start, not only from on_train_begin: when an earlier callback's on_train_begin

@@ -1,0 +1,65 @@
+"""The Learner's mixed precision is built from a Recipe: to_fp16/to_bf16 are the presets of mixprec.recipe
+(defaults written once, there), to_recipe takes any preset, and each trains as its recipe says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.callbacks import AutocastMixedPrecision, Callback, MixedPrecision, callback_for
+from mixprec.errors import ConfigError
+from mixprec.learner import Learner
+from mixprec.master import MasterWeights
+from mixprec.recipe import RECIPES, Recipe
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _learner() -> Learner:
+    data = mixprec.synthetic(n=256, input_shape=(16,), n_classes=4, batch_size=64, seed=0)
+    torch.manual_seed(0)
+    return Learner(data, mixprec.build_model("mlp", data, n_hidden=16), silent=True)
+
+
+@pytest.mark.parametrize(("switch", "preset"), [("to_fp16", "fp16"), ("to_bf16", "bf16")])
+def test_to_fp16_and_to_bf16_are_the_fastai_presets(switch: str, preset: str) -> None:
+    mp = getattr(_learner(), switch)().mp_cb
+    assert isinstance(mp, MixedPrecision) and mp.recipe == RECIPES[preset]
+
+
+@pytest.mark.parametrize(("name", "kind"), [("O1", AutocastMixedPrecision), ("O2", MixedPrecision),
+                                            ("O3", MixedPrecision), ("fp16-static", MixedPrecision)])
+def test_to_recipe_takes_any_half_preset(name: str, kind: type) -> None:
+    learn = _learner().to_recipe(name)
+    assert type(learn.mp_cb) is kind and learn.mp_cb.recipe == RECIPES[name]
+    assert type(callback_for(Recipe.from_opt_level("O1"))) is AutocastMixedPrecision
+
+
+def test_an_fp32_recipe_removes_mixed_precision() -> None:
+    learn = _learner().to_fp16().to_recipe("fp32")
+    assert learn.mp_cb is None and not any(isinstance(c, MixedPrecision) for c in learn.callbacks)
+    with pytest.raises(ConfigError, match="is fp32"):
+        MixedPrecision(recipe=RECIPES["O0"])
+
+
+class _Watch(Callback):
+    order = 1000
+
+    def on_step_end(self) -> None:
+        self.opt_type = type(self.opt)
+        self.dtypes = {p.dtype for p in self.learn.model.parameters()}
+
+
+@pytest.mark.parametrize(
+    ("name", "masters", "dtypes"),
+    [("O2", True, {torch.float16}), ("O3", False, {torch.float16}), ("O1", False, {torch.float32})],
+)
+def test_each_recipe_trains_as_it_says(name: str, masters: bool, dtypes: set[torch.dtype]) -> None:
+    learn = _learner().to_recipe(name)
+    watch = _Watch()
+    learn.fit(steps=2, callbacks=[watch])
+    assert (watch.opt_type is MasterWeights) == masters
+    assert watch.dtypes == dtypes  # the mlp has no BatchNorm: every parameter in the model dtype
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # restored after the fit
+    assert learn.recorder.loss_scales[0] == RECIPES[name].scale.init_scale
