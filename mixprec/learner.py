@@ -1,23 +1,19 @@
 """A fastai-style ``Learner``: data + model + loss + optimizer, a training loop with fastai v1's callback
-events, and one-line switches between fp32, fp16 and bf16 training.
+events, and one-line switches between precision recipes.
 
     learn = Learner(mixprec.digits(), model, metrics=[accuracy]).to_fp16()
     learn.fit_one_cycle(3, 1e-3)
 
 The loop itself (:meth:`Learner.fit`) knows no precision: mixed precision is a callback
-(:class:`~mixprec.callbacks.MixedPrecision`) arranged from the same GradScaler and MasterWeights that the
-other interfaces use. The event order is documented in :mod:`mixprec.callbacks`.
+(:class:`~mixprec.callbacks.MixedPrecision`) that arranges a :class:`~mixprec.recipe.Recipe` from the same
+half model, GradScaler and MasterWeights that the other interfaces use. The event order is documented in
+:mod:`mixprec.callbacks.core`, and so is the state a callback reads (``LearnerState``).
 
+Real models: ``fit(steps=...)`` counts optimizer steps; ``loss_func=None`` takes the loss from models that
+return ``(logits, loss)``; ``opt_func`` may build its own param groups, or ``wd=`` splits decay/no-decay.
 Checkpoints: ``fit(..., checkpoint="run.pt")`` saves at every epoch end; ``fit(..., resume="run.pt")``
 continues from it, bit for bit (see :class:`~mixprec.callbacks.Checkpoint`).
-
-State a callback can read during training (``self.<name>`` inside a callback): ``model``, ``data``,
-``opt``, ``epoch``, ``n_epochs``, ``start_epoch`` (the first epoch of this fit: > 0 when resumed),
-``iteration`` (training batches so far in this fit), ``training``, ``xb``, ``yb``, ``pred``, ``loss``
-(unscaled), ``loss_grad`` (what backward runs on), ``step_skipped``,
-``scaler`` (the loss scaler in use, or None), ``valid_loss`` and ``valid_metrics`` (at on_epoch_end).
 """
-
 from __future__ import annotations
 
 import functools
