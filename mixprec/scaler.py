@@ -1,33 +1,41 @@
 """Loss scaling: ``GradScaler``, a drop-in for ``torch.amp.GradScaler`` with static scaling, hysteresis,
-scale bounds and sync-free observability.
+a scale floor, scale bounds, sync-free observability and sync-free restoring of buffers on skipped steps.
 
 Why loss scaling: fp16 flushes magnitudes below 2**-24 to zero, and many gradients live below that.
 Multiplying the loss by S multiplies every gradient by S (backward is linear), lifting them into fp16's
 range; we divide by S again in fp32 before the optimizer sees them. If S is too large some gradient
 overflows to inf: the step is skipped and (dynamic scaling) S is halved. After ``growth_interval`` clean
-steps S is doubled again, so S hovers just below the largest value that does not overflow.
+steps S is doubled again, so S hovers just below the largest value that does not overflow. S never falls
+below a floor (1 by default, see ``scale_state.DEFAULT_SCALE_FLOOR``): below it 1/S could turn finite
+gradients into inf after the check.
 
 The protocol per optimizer is explicit (``OptState``): READY -> (unscale_) UNSCALED -> (step) STEPPED,
-and ``update()`` at the end of the iteration returns every optimizer to READY.
+and ``update()`` at the end of the iteration returns every optimizer to READY. The settings live in one
+``ScaleConfig``, the changing state in one ``ScaleState`` (``scale_state.py``); the step-or-skip decision
+is ``skip_step.step_unless_inf``, shared with apex-style ``scale_loss`` and the Learner.
 
 Host-device syncs: ``scale``, ``unscale_`` and ``update`` never sync (found-inf flags, the scale, the
 growth tracker, the hysteresis counter and the skip counters all stay device tensors). ``step`` syncs once
 to decide whether to call ``optimizer.step()``, unless the optimizer can skip by itself
 (``_step_supports_amp_scaling``, e.g. torch's fused Adam/AdamW/SGD), in which case nothing syncs.
 ``get_scale``, ``last_step_skipped``, ``skipped_steps`` and ``scale_history`` sync: read them when you log,
-not on every step.
+not on every step. ``update(new_scale=tensor)`` reads the tensor once to validate it.
+
+Why this module is over ~450 lines: it is one concept, torch.amp.GradScaler's API surface (its methods,
+state machine, errors and the private names torch's own tests read), kept whole so it stays a drop-in.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
 
 import torch
+from torch import nn
 
 from mixprec.errors import (
     ConfigError,
@@ -36,19 +44,51 @@ from mixprec.errors import (
     PersistentOverflowError,
     ScalerStateError,
 )
+from mixprec.scale_state import (
+    DEFAULT_BACKOFF_FACTOR,
+    DEFAULT_GROWTH_FACTOR,
+    DEFAULT_GROWTH_INTERVAL,
+    DEFAULT_HISTORY_SIZE,
+    DEFAULT_INIT_SCALE,
+    DEFAULT_SCALE_FLOOR,
+    DeviceCounters,
+    HysteresisRule,
+    ScaleConfig,
+    ScaleState,
+    check_count,
+    check_scale,
+    update_dynamic,
+)
+from mixprec.skip_step import (
+    BufferWatch,
+    combined_found_inf,
+    device_skip_is_safe,
+    skips_on_device,
+    step_unless_inf,
+)
 
-__all__ = ["GradScaler", "OptState", "HasMasterGrads"]
-
-# Defaults, each with its reason (they equal torch.amp.GradScaler's, on purpose: drop-in).
-DEFAULT_INIT_SCALE = 2.0**16  # large on purpose: a few overflowing first steps find the right scale fast
-DEFAULT_GROWTH_FACTOR = 2.0  # powers of two: scaling by them is exact in binary floating point
-DEFAULT_BACKOFF_FACTOR = 0.5  # halve on overflow, the mirror of doubling
-DEFAULT_GROWTH_INTERVAL = 2000  # overflows are rare once tuned; probing upward too often wastes steps
-DEFAULT_HISTORY_SIZE = 1024  # scales kept for plotting: a ring buffer, 4 KiB on the device
-
+__all__ = [
+    "GradScaler",
+    "OptState",
+    "HasMasterGrads",
+    "BufferWatch",
+    "step_unless_inf",
+    "combined_found_inf",
+    "skips_on_device",
+    "device_skip_is_safe",
+    "DEFAULT_INIT_SCALE",
+    "DEFAULT_GROWTH_FACTOR",
+    "DEFAULT_BACKOFF_FACTOR",
+    "DEFAULT_GROWTH_INTERVAL",
+    "DEFAULT_HISTORY_SIZE",
+    "DEFAULT_SCALE_FLOOR",
+]
 
 # torch's own enum, not a copy: code written against torch.amp compares stages with `is`.
 OptState = torch.amp.grad_scaler.OptState
+
+# The entries torch.amp.GradScaler.state_dict() writes: a dict without them is not a scaler's.
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 @runtime_checkable
@@ -57,18 +97,6 @@ class HasMasterGrads(Protocol):
     the model's half-precision gradients into the master gradients before it unscales them."""
 
     def copy_grads_to_master(self) -> None: ...
-
-
-# The scaler's device tensors; pickling turns them into Python values (see __getstate__).
-_DEVICE_STATE = (
-    "_scale",
-    "_growth_tracker",
-    "_hysteresis_left",
-    "_skipped",
-    "_last_skipped",
-    "_consecutive",
-    "_history",
-)
 
 
 class _PerOptimizer(TypedDict):
@@ -85,28 +113,8 @@ def _refresh_per_optimizer_state() -> _PerOptimizer:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a fused optimizer may be left to skip an overflowing step on the device.
-
-    Not a fused SGD with momentum before its momentum buffers exist: torch 2.13's fused SGD allocates them
-    with torch.empty and, when ``found_inf`` skips that first step, never fills them, so the next step
-    reads garbage. Then we decide on the host (one sync) and do not call step() at all."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # MasterWeights wraps the optimizer that steps
-    if not isinstance(inner, torch.optim.SGD):
-        return True
-    return all(
-        group.get("momentum", 0) == 0 or "momentum_buffer" in inner.state.get(p, {})
-        for group in inner.param_groups
-        for p in group["params"]
-    )
-
-
-def _check_positive_finite(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ConfigError(
-            f"{name} must be a positive, finite number, got {value!r}.",
-            f"pass e.g. {name}=2.**16 (dynamic scaling) or a fixed power of two such as 512. (static).",
-        )
+def _is_namedtuple(value: object) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
 class GradScaler:
@@ -116,25 +124,34 @@ class GradScaler:
     Args (as torch):
         device: device type of the scaled tensors ("cuda", "cpu", ...). As in torch, "cuda" without CUDA
             warns and disables the scaler, so the same script runs unscaled on a CPU-only machine.
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.amp.GradScaler.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.amp.GradScaler
+            (numpy and 1-element tensor numbers are accepted, as torch does).
     Extras (keyword-only):
         dynamic: False gives static loss scaling: ``init_scale`` never changes (steps with inf/NaN
             gradients are still skipped). fastai's default static scale is 512; the fp16-from-scratch
             recipe uses 8192.
-        min_scale, max_scale: bounds for the dynamic scale (None: unbounded, as torch).
-        hysteresis: back off only after this many consecutive overflowing iterations (DeepSpeed's
-            ``hysteresis``); a clean iteration restores the allowance. 1 backs off at once (torch).
+        min_scale: the floor of the dynamic scale; None means 1.0 (``DEFAULT_SCALE_FLOOR``: why there).
+            Every scale that enters (``init_scale``, ``update(new_scale)``, a loaded state) must be >= it.
+        max_scale: the ceiling of the dynamic scale (None: unbounded, as torch).
+        hysteresis: how many overflows the scale tolerates before it backs off (DeepSpeed's
+            ``hysteresis``/``delayed_shift``). 1 backs off on every overflow (torch).
+        hysteresis_rule: "deepspeed" (default; DeepSpeed's DynamicLossScaler and Megatron-LM): once the
+            allowance is spent, every further overflow backs off, and only a growth restores it.
+            "consecutive" (mixprec 0.x): back off once per ``hysteresis`` consecutive overflowing
+            iterations; any clean iteration restores the allowance.
         history_size: how many per-iteration scales ``scale_history()`` keeps (a device ring buffer).
         allow_fp16_grads: unscale fp16 gradients in place (pure-fp16 training, apex O3). By default fp16
             gradients raise ``Fp16GradientError``: the fix is fp32 master weights.
         sync_found_inf: all-reduce the inf/NaN flags over the default ``torch.distributed`` process group
             (or ``process_group``) before deciding to skip, so every rank skips together. Needed when
             gradients are not already all-reduced (sharded or ``no_sync`` gradients, model parallelism);
-            with DDP's all-reduced gradients every rank sees the same flags anyway. Costs one collective.
+            with DDP's all-reduced gradients every rank sees the same flags anyway. Costs one collective
+            per optimizer and device; a rank without gradients in a step joins it with a zero flag.
         skip_limit: raise ``PersistentOverflowError`` once this many consecutive iterations were skipped.
             Overflow from too large a scale stops after a few back-offs; a run that keeps skipping has
             inf/NaN for another reason (bad data, log(0)) and would otherwise skip forever. Checking it
-            reads one counter per ``update()`` (a sync), so it is off (None) by default.
+            reads one counter per ``update()`` (a sync), so it is off (None) by default. The error leaves
+            the scaler ready for the next iteration, its count of consecutive skips reset.
     """
 
     def __init__(
@@ -150,6 +167,7 @@ class GradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         hysteresis: int = 1,
+        hysteresis_rule: HysteresisRule = "deepspeed",
         history_size: int = DEFAULT_HISTORY_SIZE,
         allow_fp16_grads: bool = False,
         sync_found_inf: bool = False,
@@ -159,106 +177,79 @@ class GradScaler:
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and not torch.cuda.is_available():
-            import warnings
-
             warnings.warn(
                 "mixprec.GradScaler is enabled with device='cuda', but CUDA is not available. Disabling "
                 "(pass device='cpu' to scale on the CPU).",
                 stacklevel=2,
             )
             self._enabled = False
-        if not self._enabled:
-            return
-        _check_positive_finite("init_scale", init_scale)
-        if not growth_factor > 1.0:
-            raise ConfigError(
-                "The growth factor must be > 1.0.", f"got {growth_factor!r}; use e.g. growth_factor=2.0."
-            )
-        if not 0.0 < backoff_factor < 1.0:
-            raise ConfigError(
-                "The backoff factor must be < 1.0 (and > 0).",
-                f"got {backoff_factor!r}; use e.g. backoff_factor=0.5.",
-            )
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ConfigError(
-                f"growth_interval must be an int >= 1, got {growth_interval!r}.",
-                "use e.g. growth_interval=2000 (iterations without overflow before the scale doubles).",
-            )
-        if not (isinstance(hysteresis, int) and hysteresis >= 1):
-            raise ConfigError(f"hysteresis must be an int >= 1, got {hysteresis!r}.", "1 means no delay.")
-        if not (isinstance(history_size, int) and history_size >= 1):
-            raise ConfigError(
-                f"history_size must be an int >= 1, got {history_size!r}.", "use e.g. history_size=1024."
-            )
-        for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-            if bound is not None:
-                _check_positive_finite(name, bound)
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ConfigError(
-                f"min_scale {min_scale} is larger than max_scale {max_scale}.",
-                "swap them, or leave one of them None.",
-            )
-
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = growth_interval
-        self._dynamic = dynamic
-        self._min_scale = min_scale
-        self._max_scale = max_scale
-        self._hysteresis = hysteresis
-        self._history_size = history_size
-        self._allow_fp16_grads = allow_fp16_grads
-        self._sync_found_inf = sync_found_inf
-        self._process_group = process_group
-        if skip_limit is not None and not (isinstance(skip_limit, int) and skip_limit >= 1):
-            raise ConfigError(f"skip_limit must be None or an int >= 1, got {skip_limit!r}.", "e.g. 50.")
-        self._skip_limit = skip_limit
-        self._init_consecutive = 0
-        # Python-side counters: known without a sync.
-        self._init_growth_tracker = 0
-        self._init_hysteresis_left = hysteresis
-        self._init_skipped = 0
-        self._init_last_skipped = False
-        self._updates = 0
-        self._init_history: list[float] = []
-        # Device tensors, created lazily on the device of the first scaled output (as torch does).
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._hysteresis_left: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
-        self._last_skipped: torch.Tensor | None = None
-        self._consecutive: torch.Tensor | None = None
-        self._history: torch.Tensor | None = None
+        self._config = ScaleConfig()
+        self._state = ScaleState(scale=1.0)
+        self._watches: list[BufferWatch] = []
         self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(
             _refresh_per_optimizer_state
         )
+        if not self._enabled:
+            return  # as torch: a disabled scaler validates nothing, every call is a pass-through
+        self._config = ScaleConfig(
+            growth_factor, backoff_factor, growth_interval, dynamic, min_scale, max_scale, hysteresis,
+            hysteresis_rule,
+        )  # fmt: skip
+        self._state = ScaleState(
+            scale=check_scale("init_scale", init_scale, self._config.floor),
+            hysteresis_left=self._config.hysteresis,
+            history_size=cast(int, check_count("history_size", history_size)),
+        )
+        self._allow_fp16_grads = allow_fp16_grads
+        self._sync_found_inf = sync_found_inf
+        self._process_group = process_group
+        self._skip_limit = check_count("skip_limit", skip_limit, optional=True)
+
+    # ------------------------------------------------------------------ torch's private names, kept readable
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return None if self._state.device is None else self._state.device.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return None if self._state.device is None else self._state.device.growth_tracker
+
+    @property
+    def _init_scale(self) -> float:
+        return self._state.scale
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._state.growth_tracker
+
+    @property
+    def _growth_factor(self) -> float:
+        return self._config.growth_factor
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._config.backoff_factor
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._config.growth_interval
 
     # ------------------------------------------------------------------ lazy device state
-    def _lazy_init(self, dev: torch.device) -> None:
+    def _lazy_init(self, dev: torch.device) -> DeviceCounters:
         if dev.type != self._device:
             raise DeviceMismatchError(
                 f"This GradScaler was made for device '{self._device}' but is scaling a tensor on '{dev}'.",
                 f"create it with mixprec.GradScaler('{dev.type}', ...), one scaler per device type.",
             )
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        self._hysteresis_left = torch.full((), self._init_hysteresis_left, dtype=torch.int32, device=dev)
-        self._skipped = torch.full((), self._init_skipped, dtype=torch.int64, device=dev)
-        self._last_skipped = torch.full((), self._init_last_skipped, dtype=torch.bool, device=dev)
-        self._consecutive = torch.full((), self._init_consecutive, dtype=torch.int64, device=dev)
-        self._history = torch.zeros(self._history_size, dtype=torch.float32, device=dev)
-        kept = self._init_history[-self._history_size :]
-        for i, s in enumerate(kept, start=self._updates - len(kept)):
-            self._history[i % self._history_size] = s
+        return self._state.to_device(dev)
 
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._scale is None or self._growth_tracker is None:
+    def _check_scale_growth_tracker(self, funcname: str) -> DeviceCounters:
+        if self._state.device is None:
             raise ScalerStateError(
                 f"Attempted {funcname} but _scale is None.",
                 "call scaler.scale(loss) (and backward on it) earlier in the iteration.",
             )
-        return self._scale, self._growth_tracker
+        return self._state.device
 
     # ------------------------------------------------------------------ scale
     @overload
@@ -268,27 +259,35 @@ class GradScaler:
     @overload
     def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     @overload
+    def scale(self, outputs: Mapping[Any, torch.Tensor]) -> Mapping[Any, torch.Tensor]: ...
+    @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor (or an iterable of tensors) by the scale. No sync."""
+        """Multiply a tensor, or every tensor in a nested structure, by the scale. No sync.
+
+        Lists, tuples (namedtuples too) and mappings come back as the same type, as torch returns lists
+        and tuples (torch breaks on namedtuples and returns a lazy ``map`` over a dict's keys); any
+        other iterable comes back as a lazy ``map``, as in torch."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            if self._scale is None or outputs.device.type != self._device:
-                self._lazy_init(outputs.device)  # raises DeviceMismatchError on a foreign device type
-            return outputs * cast(torch.Tensor, self._scale).to(device=outputs.device, non_blocking=True)
-        return self._scale_iterable(outputs)
-
-    def _scale_iterable(self, outputs: Any) -> Any:
-        if isinstance(outputs, torch.Tensor):
-            return self.scale(outputs)
-        if not isinstance(outputs, Iterable):
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-        scaled = map(self._scale_iterable, outputs)
+            dev = self._state.device
+            if dev is None or outputs.device.type != self._device:
+                dev = self._lazy_init(outputs.device)  # raises DeviceMismatchError on a foreign device type
+            return outputs * dev.scale.to(device=outputs.device, non_blocking=True)
+        if isinstance(outputs, Mapping):
+            scaled = copy.copy(outputs) if isinstance(outputs, MutableMapping) else dict(outputs)
+            for key, value in outputs.items():
+                scaled[key] = self.scale(value)
+            return scaled
+        if _is_namedtuple(outputs):
+            return type(outputs)(*map(self.scale, outputs))
         if isinstance(outputs, list | tuple):
-            return type(outputs)(scaled)
-        return scaled
+            return type(outputs)(map(self.scale, outputs))
+        if isinstance(outputs, Iterable) and not isinstance(outputs, str | bytes):
+            return map(self.scale, outputs)
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     # ------------------------------------------------------------------ unscale
     def _grads_by_device_and_dtype(
@@ -337,6 +336,8 @@ class GradScaler:
                     # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, dev_inv_scale)
         if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if not per_device_found:  # no gradients here this step: still join the other ranks' all-reduce
+                per_device_found[found_inf.device] = torch.zeros_like(found_inf)
             for found in per_device_found.values():
                 torch.distributed.all_reduce(found, group=self._process_group)  # SUM: > 0 if any rank saw inf
         return per_device_found
@@ -348,7 +349,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        self._check_scale_growth_tracker("unscale_")
+        dev = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise ScalerStateError(
@@ -359,10 +360,9 @@ class GradScaler:
             raise ScalerStateError(
                 "unscale_() is being called after step().", "call unscale_ before scaler.step(optimizer)."
             )
-        scale = cast(torch.Tensor, self._scale)
         # FP32 division can be imprecise under some compile options, so take the reciprocal in FP64.
-        inv_scale = scale.double().reciprocal().float()
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        inv_scale = dev.scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
         state["found_inf_per_device"] = self._unscale_grads_(
             optimizer, inv_scale, found_inf, self._allow_fp16_grads
         )
@@ -372,164 +372,155 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet), then ``optimizer.step(*args, **kwargs)`` unless a gradient was inf/NaN.
 
-        Syncs once to decide, unless the optimizer skips by itself (fused optimizers): then no sync.
-        Returns what ``optimizer.step`` returned, or None when the step was skipped.
+        The decision is ``step_unless_inf``: one sync, unless the optimizer skips by itself (fused
+        optimizers), then none. Returns what ``optimizer.step`` returned, or None when the step was skipped.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
+        dev = self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise ScalerStateError(
                 "step() has already been called since the last update().",
                 "call scaler.update() once at the end of each iteration, after stepping every optimizer.",
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and device_skip_is_safe(optimizer):
-            return self._step_self_skipping(optimizer, state, *args, **kwargs)
-        if state["stage"] is OptState.READY:
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and (
+            "grad_scaler" in inspect.signature(optimizer.step).parameters
+        ):
+            return self._step_passing_self(optimizer, state, *args, **kwargs)
+        grad_scale = None
+        if state["stage"] is OptState.READY and skips_on_device(optimizer):
+            self._check_inf_per_device(optimizer)  # the fused kernel unscales: only look for inf/NaN here
+            grad_scale = dev.scale * getattr(optimizer, "grad_scale", 1)  # torch: product with the user's
+        elif state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if not state["found_inf_per_device"]:
             raise ScalerStateError(
                 "No inf checks were recorded for this optimizer.",
                 "none of its parameters has a gradient: call backward on the scaled loss before step().",
             )
-        retval = None
-        if not sum(v.item() for v in state["found_inf_per_device"].values()):
-            retval = optimizer.step(*args, **kwargs)
-        else:
-            # The step was skipped, but the program called it in the right order: record the call where
-            # LR schedulers look for it, so they do not warn "lr_scheduler.step() before optimizer.step()"
-            # (pytorch#44511). The schedule advances with the iteration, as it does in torch.
-            optimizer._opt_called = True  # type: ignore[attr-defined]
+        found = combined_found_inf(state["found_inf_per_device"].values(), dev.scale.device)
+        retval = step_unless_inf(optimizer, found, optimizer.step, *args, grad_scale=grad_scale, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
 
-    def _step_self_skipping(
+    def _step_passing_self(
         self, optimizer: torch.optim.Optimizer, state: _PerOptimizer, *args: Any, **kwargs: Any
     ) -> Any:
-        """Optimizers with ``_step_supports_amp_scaling`` take ``grad_scale`` and ``found_inf`` tensors and
-        unscale/skip inside their fused kernel: no host sync at all."""
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            # The older protocol of custom optimizers; torch deprecates it with this FutureWarning.
-            warnings.warn(
-                "GradScaler passes itself to optimizer.step(grad_scaler=...); this protocol is deprecated "
-                "(as in torch.amp). Fix: drop the grad_scaler argument and read the tensors "
-                "`self.grad_scale` and `self.found_inf` that the scaler sets on the optimizer before step().",
-                FutureWarning,
-                stacklevel=3,
-            )
-            kwargs["grad_scaler"] = self
-            retval = optimizer.step(*args, **kwargs)
-            state["stage"] = OptState.STEPPED
-            return retval
-        scale = cast(torch.Tensor, self._scale)
-        if state["stage"] is OptState.READY:
-            ones = torch.ones((), dtype=torch.float32, device=scale.device)
-            found = torch.zeros((), dtype=torch.float32, device=scale.device)
-            state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found, allow_fp16=True)
-            optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
-        else:
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
-        found_inf = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        """The older protocol of custom optimizers, ``step(grad_scaler=...)``: the optimizer asks the scaler
+        itself. torch deprecates it with this FutureWarning."""
+        warnings.warn(
+            "GradScaler passes itself to optimizer.step(grad_scaler=...); this protocol is deprecated "
+            "(as in torch.amp). Fix: drop the grad_scaler argument and read the tensors "
+            "`self.grad_scale` and `self.found_inf` that the scaler sets on the optimizer before step().",
+            FutureWarning,
+            stacklevel=3,
+        )
+        kwargs["grad_scaler"] = self
+        retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale for the next iteration (back off on overflow, grow after ``growth_interval``
-        clean iterations), or set it to ``new_scale``. Call once per iteration after all steps. No sync."""
+        clean iterations), or set it to ``new_scale``; on a skipped iteration put the watched modules'
+        buffers back. Call once per iteration after all steps. No sync (``new_scale`` as a tensor: one)."""
         if not self._enabled:
             return
-        scale, tracker = self._check_scale_growth_tracker("update")
-        found = self._combined_found_inf(scale) if new_scale is None else None
-        self._record(scale, found)
-        if new_scale is not None:
-            self._set_scale(scale, new_scale)
-        elif self._dynamic:
-            self._update_dynamic(scale, tracker, cast(torch.Tensor, found))
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
-        if isinstance(new_scale, float):
-            _check_positive_finite("new_scale", new_scale)
-            scale.fill_(new_scale)
-            return
-        reason = (
-            "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-            "torch.FloatTensor with requires_grad=False."
-        )
-        if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ConfigError(reason, "pass a Python float, e.g. scaler.update(1024.0).")
-        scale.copy_(new_scale)
-
-    def _combined_found_inf(self, scale: torch.Tensor) -> torch.Tensor:
-        found_infs = [
-            found.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found in state["found_inf_per_device"].values()
-        ]
-        if not found_infs:
+        dev = self._check_scale_growth_tracker("update")
+        recorded = any(s["found_inf_per_device"] for s in self._per_optimizer_states.values())
+        if new_scale is None and not recorded:
             raise ScalerStateError(
                 "No inf checks were recorded prior to update.",
                 "call scaler.step(optimizer) (or unscale_) for at least one optimizer before update().",
             )
-        return torch.stack(found_infs).sum()
-
-    def _record(self, scale: torch.Tensor, found: torch.Tensor | None) -> None:
-        """Sync-free bookkeeping: the scale this iteration used, whether it skipped, how many skipped."""
-        history = cast(torch.Tensor, self._history)
-        history[self._updates % self._history_size].copy_(scale)
-        self._updates += 1
+        if new_scale is not None:  # validated before anything changes
+            new_scale = check_scale("new_scale", self._checked_new_scale(new_scale), self._config.floor)
+        found = self.found_inf_async() if recorded else None
+        self._state.record(found)
         if found is not None:
-            skipped = found > 0
-            cast(torch.Tensor, self._last_skipped).copy_(skipped)
-            cast(torch.Tensor, self._skipped).add_(skipped)
-            consecutive = cast(torch.Tensor, self._consecutive)
-            consecutive.copy_(torch.where(skipped, consecutive + 1, 0))
-            if self._skip_limit is not None and int(consecutive.item()) >= self._skip_limit:
-                raise PersistentOverflowError(
-                    f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients (scale now "
-                    f"{scale.item():g}). Backing off the scale did not help, so the inf/NaN does not come "
-                    "from overflow: look for NaN in the data or the loss (log(0), 0/0, a bad label).",
-                    "find the first non-finite layer with mixprec.diagnostics (overflow tracing), or the "
-                    "parameters with non-finite gradients; fix the data or the loss.",
+            for watch in self._watches:
+                watch.restore_if(found)
+        if new_scale is not None:
+            dev.scale.fill_(new_scale)
+        elif self._config.dynamic:
+            update_dynamic(self._config, dev, cast(torch.Tensor, found))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._check_skip_limit()
+
+    def _checked_new_scale(self, new_scale: Any) -> Any:
+        """torch accepts a float or a 1-element float tensor on the scaler's device; so do we (numpy floats
+        too), and say so in the user's words for anything else (torch: an AttributeError)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ConfigError(
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False; got a tensor of shape "
+                    f"{tuple(new_scale.shape)} on '{new_scale.device}' "
+                    f"(requires_grad={new_scale.requires_grad}).",
+                    "pass a Python float, e.g. scaler.update(1024.0), or a one-element tensor on "
+                    f"'{self._device}'.",
                 )
+            return new_scale
+        if isinstance(new_scale, float):  # numpy's float64 is a float; float32 is accepted below
+            return new_scale
+        if hasattr(new_scale, "dtype") and getattr(new_scale.dtype, "kind", "") == "f":
+            return float(new_scale)
+        raise ConfigError(
+            f"scaler.update(new_scale) takes the new scale as a float, got {new_scale!r} "
+            f"({type(new_scale).__name__}), as torch.amp does.",
+            f"write scaler.update({float(new_scale) if isinstance(new_scale, int) else 1024.0!r}).",
+        )
 
-    def _update_dynamic(self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor) -> None:
-        if self._hysteresis == 1:
-            # torch's fused kernel: exactly torch.amp.GradScaler's rule.
-            torch._amp_update_scale_(
-                scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+    def found_inf_async(self, *optimizers: torch.optim.Optimizer) -> torch.Tensor:
+        """This iteration's inf/NaN flag over ``optimizers`` (all with a recorded inf check when none are
+        named): a 0-dim float32 device tensor, > 0 when any of their gradients was inf/NaN. No sync.
+
+        apex's rule that one overflowing loss skips every optimizer it touched: pass this flag, over all
+        of them, to ``step_unless_inf`` for each."""
+        if not self._enabled:
+            raise ScalerStateError("found_inf_async() on a disabled GradScaler.", "check is_enabled() first.")
+        dev = self._check_scale_growth_tracker("found_inf_async")
+        states = (
+            [self._per_optimizer_states[id(opt)] for opt in optimizers]
+            if optimizers
+            else list(self._per_optimizer_states.values())
+        )
+        flags = [flag for state in states for flag in state["found_inf_per_device"].values()]
+        if not flags:
+            raise ScalerStateError(
+                "No inf checks were recorded prior to update.",
+                "call scaler.step(optimizer) (or unscale_) for at least one optimizer before update().",
             )
-        else:
-            self._update_with_hysteresis(scale, tracker, found)
-        if self._min_scale is not None or self._max_scale is not None:
-            scale.clamp_(min=self._min_scale, max=self._max_scale)
+        return combined_found_inf(flags, dev.scale.device)
 
-    def _update_with_hysteresis(
-        self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor
-    ) -> None:
-        """Like torch's rule, but an overflow only backs off after ``hysteresis`` consecutive overflowing
-        iterations. Every overflow still resets the growth tracker. Written as tensor ops: no sync."""
-        left = cast(torch.Tensor, self._hysteresis_left)
-        overflow = found > 0
-        left.copy_(torch.where(overflow, left - 1, self._hysteresis))
-        back_off = overflow & (left <= 0)
-        left.masked_fill_(back_off, self._hysteresis)
-        tracker.copy_(torch.where(overflow, 0, tracker + 1))
-        grown = scale * self._growth_factor
-        # Grow only if the grown scale is finite, as torch's kernel does.
-        grow = (tracker >= self._growth_interval) & torch.isfinite(grown)
-        tracker.masked_fill_(tracker >= self._growth_interval, 0)
-        scale.copy_(torch.where(back_off, scale * self._backoff_factor, torch.where(grow, grown, scale)))
+    def _check_skip_limit(self) -> None:
+        dev = cast(DeviceCounters, self._state.device)
+        if self._skip_limit is None or int(dev.consecutive.item()) < self._skip_limit:
+            return
+        dev.consecutive.zero_()  # the scaler stays usable: fix the data, then train on with it
+        raise PersistentOverflowError(
+            f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients (scale now "
+            f"{dev.scale.item():g}). Backing off the scale did not help, so the inf/NaN does not come "
+            "from overflow: look for NaN in the data or the loss (log(0), 0/0, a bad label).",
+            "find the first non-finite layer with mixprec.diagnostics (overflow tracing), or the "
+            "parameters with non-finite gradients; fix the data or the loss. The scaler is ready for the "
+            "next iteration (update(new_scale=...) resets the scale).",
+        )
+
+    # ------------------------------------------------------------------ buffers on skipped steps
+    def watch(self, module: nn.Module) -> BufferWatch:
+        """Keep ``module``'s buffers (BatchNorm running mean/var, ...) as they were when a step is skipped.
+
+        A forward pre-hook snapshots them at the first training forward of each iteration; ``update()``
+        puts them back where the iteration skipped, with ``torch.where`` on the device flag (no sync).
+        Returns the ``BufferWatch``; ``.remove()`` stops it. Watches are not pickled with the scaler."""
+        watch = BufferWatch(module)
+        self._watches.append(watch)
+        return watch
 
     # ------------------------------------------------------------------ getters and setters (torch API)
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -537,34 +528,28 @@ class GradScaler:
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs with the device."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else cast(float, self._scale.item())
+        return float(self._state.read("scale")) if self._enabled else 1.0
 
     def get_growth_factor(self) -> float:
-        return self._growth_factor
+        return self._config.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
+        self._config = self._config.replace(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._backoff_factor
+        return self._config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
+        self._config = self._config.replace(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._growth_interval
+        return self._config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
+        self._config = self._config.replace(growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        if self._growth_tracker is None:
-            return self._init_growth_tracker
-        return cast(int, self._growth_tracker.item())
+        return int(self._state.read("growth_tracker")) if self._enabled else 0
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -572,22 +557,22 @@ class GradScaler:
     # ------------------------------------------------------------------ observability (extras; these sync)
     @property
     def is_dynamic(self) -> bool:
-        return self._enabled and self._dynamic
+        return self._enabled and self._config.dynamic
+
+    @property
+    def scale_floor(self) -> float:
+        """The lowest scale this scaler accepts or backs off to (``min_scale``, or 1.0)."""
+        return self._config.floor
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last completed iteration skipped its step because of inf/NaN gradients. Syncs."""
-        if not self._enabled:
-            return False
-        t = self._last_skipped
-        return self._init_last_skipped if t is None else bool(t.item())
+        return bool(self._state.read("last_skipped")) if self._enabled else False
 
     @property
     def skipped_steps(self) -> int:
         """How many iterations skipped their step since the scaler was made (or loaded). Syncs."""
-        if not self._enabled:
-            return 0
-        return self._init_skipped if self._skipped is None else int(self._skipped.item())
+        return int(self._state.read("skipped")) if self._enabled else 0
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         """Where ``optimizer`` is in this iteration's protocol (READY before unscale_/step and after
@@ -599,56 +584,26 @@ class GradScaler:
         """This iteration's skip decision as a 0-dim bool device tensor, without a sync: from the inf
         checks recorded since the last update(), or, right after update(), the flag it recorded. None
         while disabled or before the first iteration."""
-        if not self._enabled or self._scale is None:
+        dev = self._state.device if self._enabled else None
+        if dev is None:
             return None
         if any(state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
-            return self._combined_found_inf(self._scale) > 0
-        return self._last_skipped
+            return self.found_inf_async() > 0
+        return dev.last_skipped
 
     def scale_history(self) -> list[float]:
         """The scale each of the last ``history_size`` iterations used, oldest first. Syncs once."""
-        if not self._enabled:
-            return []
-        if self._history is None:
-            return list(self._init_history)
-        n = min(self._updates, self._history_size)
-        order = [(self._updates - n + i) % self._history_size for i in range(n)]
-        return cast(list[float], self._history[order].tolist())
+        return list(self._state.to_python().history) if self._enabled else []
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly: torch's five entries plus mixprec's counters. Syncs.
-
-        Call it after ``update()``. Empty when disabled (as torch)."""
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "dynamic": self._dynamic,
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "hysteresis": self._hysteresis,
-            "_hysteresis_left": self._get_hysteresis_left(),
-            "skipped_steps": self.skipped_steps,
-            "last_step_skipped": self.last_step_skipped,
-            "_updates": self._updates,
-            "_consecutive_skips": self._get_int(self._consecutive, self._init_consecutive),
-            "scale_history": self.scale_history(),
-        }
-
-    def _get_hysteresis_left(self) -> int:
-        return self._get_int(self._hysteresis_left, self._init_hysteresis_left)
-
-    @staticmethod
-    def _get_int(t: torch.Tensor | None, default: int) -> int:
-        return default if t is None else int(t.item())
+        """Everything needed to resume exactly: torch's five entries plus mixprec's settings and counters.
+        Syncs once. Call it after ``update()``. Empty when disabled (as torch)."""
+        return {**self._config.as_dict(), **self._state.as_dict()} if self._enabled else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict`` returned (also accepts torch.amp.GradScaler's five-entry dict)."""
+        """Load what ``state_dict`` returned (also accepts torch.amp.GradScaler's five-entry dict). Every
+        value is validated before anything changes."""
         if not self._enabled:
             return
         if len(state_dict) == 0:
@@ -657,26 +612,22 @@ class GradScaler:
                 "from a disabled instance of GradScaler.",
                 "save the state of an enabled scaler, or construct this one with enabled=False.",
             )
-        self._init_scale = cast(float, state_dict["scale"])
-        self._growth_factor = cast(float, state_dict["growth_factor"])
-        self._backoff_factor = cast(float, state_dict["backoff_factor"])
-        self._growth_interval = cast(int, state_dict["growth_interval"])
-        self._init_growth_tracker = cast(int, state_dict["_growth_tracker"])
-        self._dynamic = state_dict.get("dynamic", self._dynamic)
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        self._init_hysteresis_left = state_dict.get("_hysteresis_left", self._hysteresis)
-        self._init_skipped = state_dict.get("skipped_steps", 0)
-        self._init_last_skipped = state_dict.get("last_step_skipped", False)
-        self._updates = state_dict.get("_updates", 0)
-        self._init_consecutive = state_dict.get("_consecutive_skips", 0)
-        self._init_history = list(state_dict.get("scale_history", []))
-        if self._scale is not None:
-            self._lazy_init(self._scale.device)
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise ScalerStateError(
+                f"The state dict lacks {', '.join(missing)}: it is not what a GradScaler's state_dict() "
+                "returned.",
+                "pass scaler.state_dict() (or torch.amp.GradScaler's) exactly as it was saved.",
+            )
+        config = self._config.from_dict(state_dict)
+        check_scale("the loaded scale", state_dict["scale"], config.floor)
+        check_count("_growth_tracker", state_dict["_growth_tracker"], 0)
+        self._config = config
+        self._state.load(state_dict, config.hysteresis)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_watches"] = []  # hooks on someone's modules are not the scaler's state
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise ScalerStateError(
@@ -685,16 +636,7 @@ class GradScaler:
                     "pickle (or deepcopy) it before scale() or after update().",
                 )
             # Tensors are turned into Python values and re-created lazily after unpickling.
-            snapshot = self.state_dict()
-            state["_init_scale"] = snapshot["scale"]
-            state["_init_growth_tracker"] = snapshot["_growth_tracker"]
-            state["_init_hysteresis_left"] = snapshot["_hysteresis_left"]
-            state["_init_skipped"] = snapshot["skipped_steps"]
-            state["_init_last_skipped"] = snapshot["last_step_skipped"]
-            state["_init_history"] = snapshot["scale_history"]
-            state["_init_consecutive"] = snapshot["_consecutive_skips"]
-            for name in _DEVICE_STATE:
-                state[name] = None
+            state["_state"] = self._state.host_copy()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -702,9 +644,9 @@ class GradScaler:
 
     # ------------------------------------------------------------------ torch-internal hooks kept for parity
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        ones = torch.ones((), dtype=torch.float32, device=scale.device)
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        dev = self._check_scale_growth_tracker("_check_inf_per_device")
+        ones = torch.ones((), dtype=torch.float32, device=dev.scale.device)
+        found = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found, True)
         return state["found_inf_per_device"]
