@@ -1,0 +1,151 @@
+"""Skipping a step: the one decision "step, or skip because a gradient was inf/NaN", and leaving the model
+as it was when a step is skipped.
+
+Every interface skips through ``step_unless_inf``: ``GradScaler.step``, apex-style ``scale_loss`` and the
+Learner. It decides in one of two ways:
+
+* on the device, with no host sync, when the optimizer can skip by itself (torch's fused Adam/AdamW/SGD
+  read ``optimizer.found_inf`` and ``optimizer.grad_scale`` inside their kernel; ``device_skip_is_safe``
+  excludes the one case where that is wrong);
+* otherwise on the host: the inf flag is read once (one sync) and ``step`` is not called at all.
+
+A skipped step must also leave the module's buffers (BatchNorm running mean/var, ``num_batches_tracked``)
+as they were: the forward of the bad batch already changed them. ``BufferWatch`` snapshots them before the
+first training forward of an iteration and puts them back, with ``torch.where`` on the device flag (no
+sync), when the iteration's step is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["step_unless_inf", "combined_found_inf", "skips_on_device", "device_skip_is_safe", "BufferWatch"]
+
+T = TypeVar("T")
+
+
+def device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a fused optimizer may be left to skip an overflowing step on the device.
+
+    Not a fused SGD with momentum before its momentum buffers exist: torch 2.13's fused SGD allocates them
+    with torch.empty and, when ``found_inf`` skips that first step, never fills them, so the next step
+    reads garbage. Then we decide on the host (one sync) and do not call step() at all."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # MasterWeights wraps the optimizer that steps
+    if not isinstance(inner, torch.optim.SGD):
+        return True
+    return all(
+        group.get("momentum", 0) == 0 or "momentum_buffer" in inner.state.get(p, {})
+        for group in inner.param_groups
+        for p in group["params"]
+    )
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``step_unless_inf`` leaves the skip to ``optimizer``'s own kernel (no host sync)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and device_skip_is_safe(optimizer)
+
+
+def combined_found_inf(flags: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """One 0-dim float32 flag, > 0 when any of ``flags`` is: the sum, on ``device`` (default: the first
+    flag's). No sync. apex's rule that one overflowing loss skips every optimizer it touched, or a skip
+    decided over several optimizers, is this sum over their flags."""
+    flags = list(flags)
+    if not flags:
+        raise ValueError("combined_found_inf needs at least one flag (record an inf check first).")
+    target = flags[0].device if device is None else device
+    return torch.stack(
+        [f.to(device=target, dtype=torch.float32, non_blocking=True).reshape(()) for f in flags]
+    ).sum()
+
+
+def step_unless_inf(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    step_fn: Callable[..., T],
+    *args: Any,
+    grad_scale: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> T | None:
+    """``step_fn(*args, **kwargs)`` (normally ``optimizer.step``) unless ``found_inf > 0``.
+
+    When ``skips_on_device(optimizer)``, the flag (and ``grad_scale``, the scale still in the gradients, or
+    None if they are unscaled) is handed to the optimizer's fused kernel, which skips by itself: no sync,
+    ``step_fn`` is always called and its result returned. Otherwise the flag is read once on the host (one
+    sync); a skipped step returns None without calling ``step_fn``, but marks the optimizer as stepped in
+    order so LR schedulers do not warn (pytorch#44511; the schedule advances with the iteration, as in
+    torch). ``grad_scale`` requires the device path: on the host path the gradients must be unscaled."""
+    if skips_on_device(optimizer):
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        try:
+            return step_fn(*args, **kwargs)
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+    assert grad_scale is None, "scaled gradients need an optimizer that unscales on the device"
+    if not found_inf.item():  # the one host sync of the host path
+        return step_fn(*args, **kwargs)
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+    return None
+
+
+class BufferWatch:
+    """Puts a module's buffers back as they were when its step is skipped. Sync-free.
+
+    A forward pre-hook copies every buffer (BatchNorm's running mean/var and ``num_batches_tracked``, any
+    buffer of any submodule) into a snapshot at the first training-mode forward after ``arm()``, so
+    gradient accumulation over several forwards snapshots once. ``restore_if(found_inf)`` then writes
+    ``where(found_inf > 0, snapshot, buffer)`` into each buffer on the device and re-arms.
+
+    ``GradScaler.watch(model)`` makes one and calls ``restore_if`` from ``update()``; use it directly
+    where the skip decision is made elsewhere (one ``restore_if`` per iteration, after the step).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._armed = True
+        self._taken = False
+        self._handle = module.register_forward_pre_hook(self._pre_forward)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._armed and module.training:  # eval forwards do not change BatchNorm buffers
+            self.snapshot()
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """Copy the buffers now (the pre-hook does this; call it yourself for buffers changed outside
+        forward). Snapshot tensors are reused while the buffers keep their identity and shape."""
+        old = {id(buf): snap for buf, snap in self._pairs}
+        pairs = []
+        for buf in self.module.buffers():
+            snap = old.get(id(buf))
+            if snap is None or (snap.shape, snap.dtype, snap.device) != (buf.shape, buf.dtype, buf.device):
+                snap = torch.empty_like(buf)
+            pairs.append((buf, snap))
+        if pairs:
+            torch._foreach_copy_([s for _, s in pairs], [b for b, _ in pairs])
+        self._pairs = pairs
+        self._armed, self._taken = False, True
+
+    @torch.no_grad()
+    def restore_if(self, found_inf: torch.Tensor) -> None:
+        """Where ``found_inf > 0``, put every buffer back to its snapshot; then re-arm. No sync. Does
+        nothing to the buffers if no training forward ran since the last call."""
+        if self._taken:
+            skipped = found_inf > 0
+            for buf, snap in self._pairs:
+                buf.copy_(torch.where(skipped.to(buf.device, non_blocking=True), snap, buf))
+        self.arm()
+
+    def arm(self) -> None:
+        """Take a new snapshot at the next training forward (start of an iteration)."""
+        self._armed, self._taken = True, False
+
+    def remove(self) -> None:
+        """Stop watching: remove the hook and drop the snapshot."""
+        self._handle.remove()
+        self._pairs = []
