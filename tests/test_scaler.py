@@ -109,7 +109,14 @@ def _hysteresis_reference(found: list[bool], hysteresis: int, init: float) -> li
 
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 def test_hysteresis(hysteresis: int) -> None:
-    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000, hysteresis=hysteresis)
+    # mixprec 0.x's rule, kept under a keyword (the default is DeepSpeed's: test_scale_hysteresis.py)
+    scaler = GradScaler(
+        "cpu",
+        init_scale=2.0**10,
+        growth_interval=10_000,
+        hysteresis=hysteresis,
+        hysteresis_rule="consecutive",
+    )
     scales, _ = _run(scaler, "cpu", 20, OPTIMIZERS["sgd"])
     expected = _hysteresis_reference([i in INF_AT for i in range(20)], hysteresis, 2.0**10)
     assert scales == expected
@@ -142,8 +149,10 @@ def test_observability() -> None:
 def test_state_dict_round_trip_mid_run_continues_identically() -> None:
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
         model = _model("cpu")
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2), GradScaler(
-            "cpu", init_scale=2.0**10, growth_interval=3, hysteresis=2
+        return (
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            GradScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=2),
         )
 
     def iterate(model: nn.Module, opt: torch.optim.Optimizer, scaler: GradScaler, its: range) -> None:
