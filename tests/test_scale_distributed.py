@@ -1,0 +1,48 @@
+"""``sync_found_inf=True`` when one rank's shard has no gradients in a step (issue 14 item 7): that rank
+still joins the all-reduce of the inf flags, so both ranks skip (or step) together. gloo, 2 local ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.distributed import DistInfo, launch
+from mixprec.scaler import GradScaler
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+    ),
+]
+
+
+def _rank(info: DistInfo) -> list[tuple[bool, bool]]:
+    """Rank 0 owns a shard with gradients (inf in the first step); rank 1's shard gets none."""
+    torch.manual_seed(0)
+    shard = nn.Linear(3, 1)
+    opt = torch.optim.SGD(shard.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**8, sync_found_inf=True)
+    out = []
+    for step in range(2):
+        before = shard.weight.detach().clone()
+        loss = shard(torch.ones(2, 3)).sum() if info.rank == 0 else torch.ones((), requires_grad=True)
+        scaler.scale(loss).backward()
+        if info.rank == 0 and step == 0:
+            shard.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append((scaler.last_step_skipped, not torch.equal(before, shard.weight)))
+    return out
+
+
+def test_a_rank_without_gradients_joins_the_inf_all_reduce() -> None:
+    results: list[Any] = launch(_rank, 2)
+    # both ranks skip the first step (rank 0's inf), both take the second; only rank 0 has weights to move
+    assert results[0] == [(True, False), (False, True)]
+    assert results[1] == [(True, False), (False, False)]

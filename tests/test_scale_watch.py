@@ -1,0 +1,78 @@
+"""A skipped step leaves BatchNorm's running statistics as they were (issue 14 item 2): the reference is
+the same run without the bad batch."""
+
+from __future__ import annotations
+
+import torch
+from test_scaler import _NoSync
+from torch import nn
+
+from mixprec.scaler import GradScaler
+
+
+def _bn_net() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _batches(bad_at: int | None) -> list[list[torch.Tensor]]:
+    """Iterations of micro-batches; at ``bad_at`` one sample of the last micro-batch is NaN."""
+    g = torch.Generator().manual_seed(1)
+    its = [[torch.randn(8, 6, generator=g) for _ in range(2)] for _ in range(5)]
+    if bad_at is not None:
+        its[bad_at][-1][3, 0] = float("nan")
+    return its
+
+
+def _train(
+    its: list[list[torch.Tensor]], watch: bool, no_sync_update: bool = False
+) -> tuple[dict, GradScaler]:
+    model, opt = _bn_net()
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    if watch:
+        scaler.watch(model)
+    for micro in its:
+        for x in micro:  # gradient accumulation: two forwards, one snapshot
+            scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        if no_sync_update:
+            with _NoSync():
+                scaler.update()
+        else:
+            scaler.update()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, scaler
+
+
+def test_skipped_step_leaves_buffers_as_a_run_without_the_bad_batch() -> None:
+    clean = _batches(None)
+    reference, _ = _train(clean[:2] + clean[3:], watch=True)
+    watched, scaler = _train(_batches(2), watch=True, no_sync_update=True)
+    assert scaler.skipped_steps == 1
+    assert watched.keys() == reference.keys()
+    for key, value in reference.items():  # weights and buffers, num_batches_tracked included: bit-identical
+        torch.testing.assert_close(watched[key], value, rtol=0, atol=0, msg=key)
+    unwatched, _ = _train(_batches(2), watch=False)  # what happens without it (and in torch.amp)
+    assert unwatched["1.running_mean"].isnan().any()
+
+
+def test_eval_forwards_and_removed_watches_change_nothing() -> None:
+    model, opt = _bn_net()
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    watch = scaler.watch(model)
+    x = torch.randn(8, 6)
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    model.eval()
+    model(x)  # eval forward between iterations: no snapshot, nothing to restore
+    model.train()
+    watch.remove()
+    before = model[1].running_mean.clone()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    scaler.scale(model(bad).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and model[1].running_mean.isnan().any() and not before.isnan().any()
