@@ -243,6 +243,9 @@ class GradScaler:
             )
         return self._state.to_device(dev)
 
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:  # torch's name for _lazy_init
+        self._lazy_init(dev)
+
     def _check_scale_growth_tracker(self, funcname: str) -> DeviceCounters:
         if self._state.device is None:
             raise ScalerStateError(
