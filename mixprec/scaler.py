@@ -342,7 +342,10 @@ class GradScaler:
             if not per_device_found:  # no gradients here this step: still join the other ranks' all-reduce
                 per_device_found[found_inf.device] = torch.zeros_like(found_inf)
             for found in per_device_found.values():
-                torch.distributed.all_reduce(found, group=self._process_group)  # SUM: > 0 if any rank saw inf
+                # MAX, not SUM: the flag stays exactly 1.0 when any rank saw inf, as fused optimizers need
+                torch.distributed.all_reduce(
+                    found, op=torch.distributed.ReduceOp.MAX, group=self._process_group
+                )
         return per_device_found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -487,12 +490,11 @@ class GradScaler:
         if not self._enabled:
             raise ScalerStateError("found_inf_async() on a disabled GradScaler.", "check is_enabled() first.")
         dev = self._check_scale_growth_tracker("found_inf_async")
-        states = (
-            [self._per_optimizer_states[id(opt)] for opt in optimizers]
-            if optimizers
-            else list(self._per_optimizer_states.values())
-        )
-        flags = [flag for state in states for flag in state["found_inf_per_device"].values()]
+        records = self._per_optimizer_states
+        states = [records.get(id(opt)) for opt in optimizers] if optimizers else list(records.values())
+        flags = [
+            flag for state in states if state is not None for flag in state["found_inf_per_device"].values()
+        ]
         if not flags:
             raise ScalerStateError(
                 "No inf checks were recorded prior to update.",

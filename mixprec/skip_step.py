@@ -50,16 +50,17 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def combined_found_inf(flags: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """One 0-dim float32 flag, > 0 when any of ``flags`` is: the sum, on ``device`` (default: the first
-    flag's). No sync. apex's rule that one overflowing loss skips every optimizer it touched, or a skip
-    decided over several optimizers, is this sum over their flags."""
+    """One 0-dim float32 flag on ``device`` (default: the first flag's): exactly 1.0 when any of ``flags``
+    is > 0, else 0.0. No sync. Never a sum: torch's fused optimizers skip only when ``found_inf == 1``, so
+    two overflowing flags summed to 2.0 would let the step write inf/NaN. apex's rule that one overflowing
+    loss skips every optimizer it touched, or a skip decided over several optimizers, is this flag over
+    all of theirs."""
     flags = list(flags)
     if not flags:
         raise ValueError("combined_found_inf needs at least one flag (record an inf check first).")
     target = flags[0].device if device is None else device
-    return torch.stack(
-        [f.to(device=target, dtype=torch.float32, non_blocking=True).reshape(()) for f in flags]
-    ).sum()
+    stacked = torch.stack([f.to(device=target, non_blocking=True).reshape(()) for f in flags])
+    return (stacked > 0).any().to(torch.float32)
 
 
 def step_unless_inf(

@@ -72,7 +72,19 @@ def test_combined_flag_skips_every_optimizer_when_one_overflowed() -> None:
         step_unless_inf(opt, both, opt.step)
     after = [p.detach() for p in (*a.parameters(), *b.parameters())]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
-    assert float(combined_found_inf([torch.tensor(0.0), torch.tensor([2.0])])) == 2.0
+
+
+def test_two_overflowing_flags_still_skip_a_fused_step() -> None:
+    """torch's fused optimizers skip only when found_inf == 1: a summed flag (2.0) would step on inf."""
+    p = _param_with_grad(float("inf"))
+    opt = OPTS["device"]([p])
+    two = [torch.tensor(1.0), torch.tensor([1.0])]  # two devices, or two ranks, or two losses
+    step_unless_inf(opt, combined_found_inf(two), opt.step)
+    assert torch.equal(p, torch.ones(4))
+    summed = _param_with_grad(float("inf"))
+    opt = OPTS["device"]([summed])
+    step_unless_inf(opt, torch.tensor(2.0), opt.step)  # what a sum hands the kernel: it steps
+    assert not torch.isfinite(summed).all()
 
 
 def test_found_inf_async_without_checks_says_what_to_do() -> None:
