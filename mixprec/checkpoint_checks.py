@@ -93,19 +93,21 @@ def check_model(index: int, model: nn.Module, saved: Mapping[str, Any]) -> None:
     """Names, shapes and dtypes of the saved tensors against the model's. A dtype difference is a
     precision difference: ``load_state_dict`` would cast silently."""
     own = model.state_dict()
-    problems = [f"missing {k!r}" for k in saved.keys() - own.keys()]
-    problems += [f"unexpected {k!r}" for k in own.keys() - saved.keys()]
-    for key in own.keys() & saved.keys():
+    problems = [f"missing {k!r}" for k in sorted(saved.keys() - own.keys())]
+    problems += [f"unexpected {k!r}" for k in sorted(own.keys() - saved.keys())]
+    casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}  # (saved, here) -> tensor names
+    for key in sorted(own.keys() & saved.keys()):
         mine, theirs = own[key], saved[key]
         if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor):
             continue
         if mine.shape != theirs.shape:
             problems.append(f"{key!r} is {tuple(theirs.shape)} in the checkpoint, {tuple(mine.shape)} here")
         elif mine.dtype != theirs.dtype:
-            problems.append(f"{key!r} is {theirs.dtype} in the checkpoint, {mine.dtype} here "
-                            "(another precision)")
+            casts.setdefault((theirs.dtype, mine.dtype), []).append(key)
+    problems += [f"{len(keys)} tensor(s) ({keys[0]!r}, ...) are {was} in the checkpoint, {now} here "
+                 "(another precision)" for (was, now), keys in casts.items()]
     if problems:
-        listed = "; ".join(sorted(problems)[:MAX_LISTED])
+        listed = "; ".join(problems[:MAX_LISTED])
         more = f" and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         raise CheckpointError(
             f"model {index} does not match the checkpoint: {listed}{more}.",

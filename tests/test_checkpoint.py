@@ -250,7 +250,7 @@ def test_a_model_at_another_precision_is_named(tmp_path: Path) -> None:
     saved.save(tmp_path / "ck.pt", step=0)
     fp32 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
     before = [p.clone() for p in fp32.parameters()]
-    with pytest.raises(CheckpointError, match=r"torch.float16 in the checkpoint, torch.float32 here"):
+    with pytest.raises(CheckpointError, match=r"are torch.float16 in the checkpoint, torch.float32 here"):
         load_checkpoint(tmp_path / "ck.pt", model=fp32, optimizer=torch.optim.AdamW(fp32.parameters()))
     assert all(torch.equal(x, y) for x, y in zip(before, fp32.parameters(), strict=True))
 
@@ -316,3 +316,19 @@ def test_a_checkpoint_gets_the_umask_file_mode(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "ck.pt").stat().st_mode & 0o777 == reference.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_checkpoint_of_format_1_loads_with_a_warning_that_it_is_unverified(tmp_path: Path) -> None:
+    """Files written before the checksum existed still resume: unverified, and said so."""
+    run = Run()
+    run.step()
+    path = tmp_path / "ck.pt"
+    run.save(path, step=1)
+    payload = torch.load(path, weights_only=False)
+    for key in ("checksum", "classes"):  # what format 1 did not have
+        del payload[key]
+    torch.save({**payload, "format": 1}, path)
+    other = Run()
+    with pytest.warns(UserWarning, match="without a checksum: loaded unverified"):
+        assert other.load(path).step == 1
+    assert all(torch.equal(x, y) for x, y in zip(run.state(), other.state(), strict=True))

@@ -142,3 +142,17 @@ def test_resume_of_a_one_cycle_run_with_more_epochs_is_refused(tmp_path: Path,
     capsys.readouterr()
     assert cli.main([*argv, "--epochs", "2", "--resume"]) == 2
     assert "--epochs 2 here, 1 in the saved run: the one-cycle schedule spans all epochs" in _error(capsys)
+
+
+def test_resume_from_a_damaged_checkpoint_is_refused(finished_fp16_run: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    run = shutil.copytree(finished_fp16_run, tmp_path / "run")
+    payload = torch.load(run / "checkpoint.pt", weights_only=False)
+    weight = payload["models"][0]["1.weight"]
+    weight.view(torch.int16).view(-1)[0] ^= 1  # one bit of one weight, as the disk could flip it
+    torch.save(payload, run / "checkpoint.pt")
+    argv = ["train", *TINY, "--precision", "fp16", "--epochs", "2", "--out", str(run), "--resume"]
+    assert cli.main(argv) == 2
+    assert "is damaged: its contents do not match the checksum" in _error(capsys)
