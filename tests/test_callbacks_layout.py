@@ -18,6 +18,7 @@ MODULES = [
     "mixprec.callbacks.fp16",
     "mixprec.callbacks.recorder",
     "mixprec.callbacks.progress",
+    "mixprec.callbacks.clip",
     "mixprec.callbacks.schedule",
     "mixprec.callbacks.checkpoint",
     "mixprec.callbacks",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.callbacks import Callback, GradientClipping, WarmupCosineScheduler
+from mixprec.callbacks import Callback, CancelTrainException, GradientClipping, WarmupCosineScheduler
 from mixprec.errors import ConfigError
 from mixprec.learner import Learner, decay_groups
 
@@ -227,3 +229,29 @@ def test_gradient_clipping_bounds_the_norm_the_optimizer_reads(precision: str) -
 def test_a_clipping_norm_that_inverts_training_is_refused(max_norm: float) -> None:
     with pytest.raises(ConfigError, match="max_norm must be a positive, finite gradient norm"):
         GradientClipping(max_norm)
+
+
+# ------------------------------------------------------------------------------------------ resume
+class _CrashAfterEpoch(Callback):
+    order = 300  # after the Checkpoint callback (200) saved the epoch
+
+    def on_epoch_end(self) -> None:
+        raise CancelTrainException()
+
+
+def test_a_step_based_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """13 steps over 5-batch epochs (the last one cut short), warm-up + cosine, fp16: crashed after the first
+    epoch and resumed, it ends where the uninterrupted fit ends."""
+
+    def fit(**kw: Any) -> Learner:
+        torch.manual_seed(0)
+        learn = Learner(_data(), LossModel(), loss_func=None, silent=True).to_fp16()
+        learn.fit(steps=13, lr=1e-2, callbacks=[WarmupCosineScheduler(1e-2, 3), *kw.pop("extra", [])], **kw)
+        return learn
+
+    whole = fit(checkpoint=tmp_path / "ref.pt")
+    fit(checkpoint=tmp_path / "run.pt", extra=[_CrashAfterEpoch()])
+    resumed = fit(resume=tmp_path / "run.pt")
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert resumed.recorder.lrs == whole.recorder.lrs and len(whole.recorder.lrs) == 13
