@@ -55,3 +55,7 @@ class CheckpointError(MixprecError, RuntimeError):
 
 class DistributedError(MixprecError, RuntimeError):
     """A rank of a distributed run failed or stalled; the message names the rank."""
+
+
+class MasterStateWarning(MixprecError, UserWarning):
+    """The wrapped optimizer of a MasterWeights was saved or loaded alone, without the fp32 masters."""

@@ -25,6 +25,13 @@ of small ops. When the wrapped optimizer is Adam, AdamW or Adagrad and the user 
 ``fused`` unset, the masters are updated with the fused
 kernel: one pass over memory instead of the ~10 of the foreach path, and it can skip an overflowing step
 on the device (``GradScaler`` then never syncs). Pass ``fused=False`` to keep the optimizer as it was.
+``master_grads=False`` (Adam/AdamW) goes further: no fp32 master gradients at all, the step reads the half
+gradients chunk by chunk (master_fused.py). master_storage.py holds the masters and the rules they keep
+(no gradient, no step; frozen parameters outside flat buffers).
+
+The GradScaler protocol (scaler.py): ``copy_grads_to_master()`` before it reads gradients,
+``scaled_grad_params()`` names the tensors whose gradients it checks and unscales, ``grads_unscaled()``
+after a user's ``scaler.unscale_(opt)`` (mirrors the unscaled gradients into the model for clipping).
 """
 
 from __future__ import annotations
@@ -32,12 +39,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.errors import ConfigError, ParameterMismatchError
+from mixprec.master_fused import FusedMasterStep
+from mixprec.master_state import InnerOptimizerGuard, check_master_state
+from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters
 
 # re-exported: they lived here before mixprec.half_model
 from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
@@ -51,74 +61,6 @@ __all__ = [
     "model_to_half",
     "fp32_originals",
 ]
-
-@dataclass
-class _GroupMasters:
-    """The model's half parameters of one param group and the fp32 tensors that shadow them."""
-
-    model: list[torch.Tensor]  # half-precision model parameters, in group order
-    views: list[torch.Tensor]  # their fp32 masters (per-parameter tensors, or views of `flat`)
-    flat: torch.Tensor | None  # the contiguous fp32 buffer in flat mode, else None
-    # fp32 gradient storage, allocated once and re-attached as `.grad` after each zero_grad(set_to_none):
-    # users see None between iterations, the step does not allocate a model-sized buffer every time.
-    grad_buffers: list[torch.Tensor] | None = None  # aligned with `model` (views of one buffer when flat)
-    flat_grad: torch.Tensor | None = None
-
-    def _buffers(self) -> list[torch.Tensor]:
-        if self.grad_buffers is None:
-            if self.flat is not None:
-                self.flat_grad = torch.empty_like(self.flat)
-                self.grad_buffers = _views_like(self.flat_grad, self.model)
-            else:
-                self.grad_buffers = [torch.empty_like(m) for m in self.views]
-        return self.grad_buffers
-
-    def grads_to_fill(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(fp32 master grads, half model grads) to copy, pairwise, with the buffers attached as the
-        masters' ``.grad``. A model parameter without a gradient leaves its master gradient None
-        (per-parameter) or zero (flat: the buffer has no holes)."""
-        have = [p.grad is not None for p in self.model]
-        src = [cast(torch.Tensor, p.grad) for p in self.model if p.grad is not None]
-        if not src:
-            return [], []
-        buffers = self._buffers()
-        if self.flat is not None:
-            self.flat.grad = self.flat_grad
-            holes = [b for b, h in zip(buffers, have, strict=True) if not h]
-            if holes:
-                torch._foreach_zero_(holes)
-        else:
-            for master, buffer, h in zip(self.views, buffers, have, strict=True):
-                master.grad = buffer if h else None
-        return [b for b, h in zip(buffers, have, strict=True) if h], src
-
-
-def _views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for p in like:
-        views.append(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    return views
-
-
-def _make_masters(
-    half: list[torch.Tensor], flat: bool, initial: Mapping[torch.Tensor, torch.Tensor]
-) -> _GroupMasters:
-    """fp32 copies of ``half``, or of their fp32 values in ``initial`` (what they were before rounding).
-    Converting fp16/bf16 to fp32 is exact, so without ``initial`` the masters start equal to the model."""
-    values = [initial.get(p, p).detach() for p in half]
-    with torch.no_grad():
-        if not flat or not half:
-            masters = [v.float().clone().requires_grad_(True) for v in values]
-            return _GroupMasters(half, masters, None)
-        devices = {p.device for p in half}
-        if len(devices) > 1:
-            raise ConfigError(
-                f"flat=True needs one device per param group, found {sorted(map(str, devices))}.",
-                "put parameters of different devices in separate param groups, or use flat=False.",
-            )
-        buffer = torch.cat([v.reshape(-1).float() for v in values]).requires_grad_(True)
-        return _GroupMasters(half, _views_like(buffer.detach(), half), buffer)
 
 
 # Optimizers whose fused kernel we pick on the user's behalf. Not SGD: in torch 2.13 a fused SGD with
@@ -145,16 +87,32 @@ class MasterWeights(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim`` optimizer built over the model's (fp16/bf16) parameters, before
             its first step. Its param groups are rewired to the masters in place.
-        flat: one contiguous fp32 buffer per param group instead of one master per parameter.
+        flat: one contiguous fp32 buffer per param group instead of one master per parameter. Frozen
+            parameters stay out of it (see master_storage.py for the rules every layout keeps).
         model: if given, every optimized parameter must belong to it (catches a model/optimizer mix-up).
         fused: None picks torch's fused update when the optimizer has one and no choice was made;
             False leaves the optimizer as it was; True requires it.
         initial: fp32 values to seed the masters of these half parameters, keyed by the parameter
             (e.g. :func:`fp32_originals` of :func:`model_to_half`): the weights before they were rounded to
             half precision, so rounding the model loses nothing the masters keep. Default: the half values.
+        master_grads: True (default) keeps a persistent fp32 gradient per master. False (Adam/AdamW only)
+            keeps none: the step reads the half gradients chunk by chunk (master_fused.py), 16 bytes per
+            parameter for O2 + Adam instead of 20; ``scaler.unscale_`` then unscales the half gradients in
+            place, which the scaler allows for bf16 and refuses for fp16 (fp16 would flush small values).
+        mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
+            ``.grad`` (see Clipping). One extra pass per explicit unscale; callers that clip the masters
+            themselves (``mixprec.initialize``, the Learner) may pass False.
 
     The wrapper *is* a ``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` and
-    ``state`` are the wrapped optimizer's. Build schedulers on the wrapper, step the wrapper.
+    ``state`` are the wrapped optimizer's. Build schedulers on the wrapper, step the wrapper, and save
+    ``opt.state_dict()`` (the wrapper's: it holds the masters; the wrapped optimizer's warns).
+
+    Clipping: torch.amp's recipe works unchanged, ``scaler.unscale_(opt)`` then
+    ``clip_grad_norm_(model.parameters(), max_norm)`` then ``scaler.step(opt)``: unscale_ fills the fp32
+    master gradients and mirrors them, unscaled and rounded to the model's dtype, into the model's
+    ``.grad``; ``step`` takes over any gradient edited there since (it watches each tensor's version
+    counter). For fp16 the mirror rounds small gradients to fp16 subnormals; ``opt.clip_grad_norm_(max_norm)``
+    clips the fp32 master gradients instead and loses nothing.
     """
 
     def __init__(
@@ -165,13 +123,20 @@ class MasterWeights(torch.optim.Optimizer):
         model: nn.Module | None = None,
         fused: bool | None = None,
         initial: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        master_grads: bool = True,
+        mirror_grads: bool = True,
     ) -> None:
         _check_wrappable(optimizer, model)
+        if not master_grads and fused is False:
+            raise ConfigError("master_grads=False runs a fused kernel, but fused=False was passed.",
+                              "drop fused=False, or keep master_grads=True.")
+        self._fused_step = None if master_grads else FusedMasterStep(optimizer)
         self.optimizer = optimizer
         self.flat = flat
+        self.mirror_grads = mirror_grads
         # `initial` is used here only: keeping it would hold a second fp32 copy of the model alive.
         self._groups = [self._rewire(group, initial or {}) for group in optimizer.param_groups]
-        self._use_fused(optimizer, fused)
+        self._use_fused(optimizer, True if not master_grads else fused)
         # param_groups, state and defaults are properties reading the wrapped optimizer, so schedulers see
         # one object even after load_state_dict replaces the wrapped optimizer's lists.
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
@@ -182,6 +147,8 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._patch_step_function()
         self._grads_copied = False
+        self._mirror = GradMirror()
+        self._guard = InnerOptimizerGuard(optimizer, self._seed_from_model)
 
     # ------------------------------------------------------------------ the wrapped optimizer's bookkeeping
     @property  # type: ignore[override]
@@ -208,14 +175,24 @@ class MasterWeights(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        # torch's Optimizer pickles defaults/state/param_groups only; the wrapper is its attributes.
+        return {k: v for k, v in self.__dict__.items() if k != "_guard"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # The wrapped optimizer was rebuilt from its own three fields: give it back what we set on it.
+        if any(g.get("fused") for g in self.optimizer.param_groups):
+            self.optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        self._guard = InnerOptimizerGuard(self.optimizer, self._seed_from_model)
+
     # ------------------------------------------------------------------ construction
-    def _rewire(self, group: dict[str, Any], initial: Mapping[torch.Tensor, torch.Tensor]) -> _GroupMasters:
+    def _rewire(self, group: dict[str, Any], initial: Mapping[torch.Tensor, torch.Tensor]) -> GroupMasters:
         params: list[torch.Tensor] = list(group["params"])
         half = [p for p in params if p.dtype in HALF_DTYPES]
         others = [p for p in params if p.dtype not in HALF_DTYPES]
-        masters = _make_masters(half, self.flat, initial)
-        shadow = [masters.flat] if masters.flat is not None else masters.views
-        group["params"] = shadow + others
+        masters = make_masters(half, self.flat, initial, keep_grads=self._fused_step is None)
+        group["params"] = masters.shadow() + others
         return masters
 
     def _use_fused(self, optimizer: torch.optim.Optimizer, fused: bool | None) -> None:
@@ -235,9 +212,23 @@ class MasterWeights(torch.optim.Optimizer):
             group["foreach"] = False
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
+    @torch.no_grad()
+    def _seed_from_model(self) -> None:
+        for g in self._groups:
+            if g.model:
+                torch._foreach_copy_(g.views, g.model)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of model parameters; their masters are made here."""
-        self.optimizer.add_param_group(param_group)
+        params = param_group["params"]
+        new = [params] if isinstance(params, torch.Tensor) else list(params)
+        seen = {id(p) for p in self.model_params()} | {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in new):
+            raise ConfigError(  # torch.optim's ValueError, with the fix
+                "some parameters appear in more than one parameter group",
+                "add each parameter once: leave out those already in a group of this optimizer.",
+            )
+        self.optimizer.add_param_group({**param_group, "params": new})
         self._groups.append(self._rewire(self.optimizer.param_groups[-1], {}))
 
     # ------------------------------------------------------------------ the step
@@ -245,16 +236,60 @@ class MasterWeights(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:  # type: ignore[override]
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
+    def _check_still_half(self) -> None:
+        drifted = [p for g in self.param_groups for p in g["params"] if p.dtype in HALF_DTYPES]
+        if drifted:
+            raise ConfigError(
+                f"{len(drifted)} optimized parameters are {drifted[0].dtype} now but were not when "
+                "MasterWeights was built (model.half()/.bfloat16() after wrapping?): they would be updated "
+                "in half precision, without fp32 masters.",
+                "cast the model first, then build the optimizer and MasterWeights over its parameters "
+                "(or use mixprec.initialize, which does it in that order).",
+            )
+
     @torch.no_grad()
     def copy_grads_to_master(self) -> None:
         """Copy the model's half gradients into the fp32 master gradients (one foreach copy per group).
 
-        fp16/bf16 -> fp32 is exact, so nothing is lost here; the scaler unscales the fp32 copies."""
+        fp16/bf16 -> fp32 is exact, so nothing is lost here; the scaler unscales the fp32 copies.
+        Masters whose parameter has no gradient get none (a flat buffer's holes: zero, put back after)."""
+        self._check_still_half()
+        self._mirror.reset()
         for g in self._groups:
-            dst, src = g.grads_to_fill()
+            dst, src = g.attach_grads()
             if dst:
                 torch._foreach_copy_(dst, src)
+                params = [p for p in g.model if p.grad is not None]
+                self._mirror.copied += zip(params, dst, src, strict=True)
         self._grads_copied = True
+
+    def grads_unscaled(self) -> None:
+        """Called by ``GradScaler.unscale_`` once the master gradients hold their true values: mirror them
+        into the model's ``.grad`` (rounded to its dtype), so that what a user's clip reads and edits there
+        is the unscaled gradient. ``step`` copies the edited ones back (see Clipping above)."""
+        if self.mirror_grads:
+            self._mirror.mirror()
+
+    def scaled_grad_params(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` a GradScaler checks and unscales: the masters (and fp32 params), or
+        with ``master_grads=False`` the model's half parameters (and fp32 params)."""
+        if self._fused_step is None:
+            return [p for g in self.param_groups for p in g["params"]]
+        return [*self.model_params(), *self._fp32_params()]
+
+    def _fp32_params(self) -> list[torch.Tensor]:
+        shadowed = {id(m) for g in self._groups for m in g.shadow()}
+        return [p for g in self.param_groups for p in g["params"] if id(p) not in shadowed]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients the step reads: the fp32 master gradients
+        (norm and scaling in fp32). Call it where torch.amp clips: after ``scaler.unscale_(opt)``."""
+        if not self._grads_copied:
+            self.copy_grads_to_master()
+        self._mirror.take_edits()
+        return nn.utils.clip_grad_norm_(self.scaled_grad_params(), max_norm, norm_type, error_if_nonfinite)
 
     @torch.no_grad()
     def copy_master_to_model(self) -> None:
@@ -274,17 +309,27 @@ class MasterWeights(torch.optim.Optimizer):
             self._grads_copied = False
         if not self._grads_copied:
             self.copy_grads_to_master()
-        forwarded = [a for a in ("grad_scale", "found_inf") if hasattr(self, a)]
-        for name in forwarded:  # set by GradScaler for fused optimizers: skip/unscale on the device
-            setattr(self.optimizer, name, getattr(self, name))
+        self._mirror.take_edits()
+        scaling = {a: getattr(self, a) for a in ("grad_scale", "found_inf") if hasattr(self, a)}
+        if self._fused_step is not None:
+            self._fused_step.step(self._groups, scaling.get("grad_scale"), scaling.get("found_inf"))
+        else:
+            self._step_inner(scaling)
+        self._grads_copied = False
+        self._mirror.reset()  # holds the model's gradients: let zero_grad free them
+        return loss
+
+    def _step_inner(self, scaling: dict[str, Any]) -> None:
+        holes = HoleGuard(self._groups, self.state)
+        for name, value in scaling.items():  # set by GradScaler for fused optimizers: skip/unscale on device
+            setattr(self.optimizer, name, value)
         try:
             self.optimizer.step()
         finally:
-            for name in forwarded:
+            for name in scaling:
                 delattr(self.optimizer, name)
+        holes.restore()
         self.copy_master_to_model()
-        self._grads_copied = False
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's half parameters and of the masters."""
@@ -296,6 +341,7 @@ class MasterWeights(torch.optim.Optimizer):
                 elif p.grad is not None:
                     p.grad.zero_()
         self._grads_copied = False
+        self._mirror.reset()
 
     # ------------------------------------------------------------------ access
     def master_params(self) -> Iterator[torch.Tensor]:
@@ -316,37 +362,22 @@ class MasterWeights(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus the fp32 masters, so a resume never rounds through half."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [v.detach().clone() for v in self.master_views()],
-            "flat": self.flat,
-        }
+        with self._guard.own():
+            inner = self.optimizer.state_dict()
+        masters = [v.detach().clone() for v in self.master_views()]
+        return {"optimizer": inner, "masters": masters, "flat": self.flat}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if set(state_dict) != {"optimizer", "masters", "flat"}:
-            raise ConfigError(
-                "This is not a MasterWeights state_dict (expected keys optimizer, masters, flat).",
-                "load a plain optimizer's state into the wrapped one: wrapper.optimizer.load_state_dict(sd).",
-            )
-        masters = state_dict["masters"]
         views = list(self.master_views())
-        if len(masters) != len(views) or any(m.shape != v.shape for m, v in zip(masters, views, strict=True)):
-            raise ConfigError(
-                "The saved master weights do not match this model's half-precision parameters.",
-                "load a checkpoint saved from the same model architecture and param groups.",
-            )
-        if state_dict["flat"] != self.flat:
-            raise ConfigError(
-                f"The checkpoint was saved with flat={state_dict['flat']}, this wrapper has "
-                f"flat={self.flat}.",
-                f"construct MasterWeights(..., flat={state_dict['flat']}) to resume it.",
-            )
+        check_master_state(state_dict, views, self.flat)
         with torch.no_grad():
-            torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
+            saved = [m.to(v.device) for m, v in zip(state_dict["masters"], views, strict=True)]
+            torch._foreach_copy_(views, saved)
         # torch's load_state_dict restores each group's saved settings, fused/foreach included; keep the
         # implementation this wrapper chose (the scaler relies on it to skip on the device).
         chosen = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with self._guard.own():
+            self.optimizer.load_state_dict(state_dict["optimizer"])
         for group, (fused, foreach) in zip(self.optimizer.param_groups, chosen, strict=True):
             group["fused"], group["foreach"] = fused, foreach
         self.copy_master_to_model()

@@ -94,7 +94,9 @@ _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_
 @runtime_checkable
 class HasMasterGrads(Protocol):
     """An optimizer that keeps fp32 master copies (``mixprec.MasterWeights``): the scaler asks it to copy
-    the model's half-precision gradients into the master gradients before it unscales them."""
+    the model's half-precision gradients into the master gradients before it unscales them. Optional:
+    ``scaled_grad_params()`` names the tensors whose ``.grad`` the scaler checks and unscales (default: the
+    param groups' parameters); ``grads_unscaled()`` is called after a user's ``unscale_``."""
 
     def copy_grads_to_master(self) -> None: ...
 
@@ -299,26 +301,27 @@ class GradScaler:
         buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if not allow_fp16 and param.grad.dtype == torch.float16:
-                    raise Fp16GradientError(
-                        "Attempting to unscale FP16 gradients. Unscaling in fp16 would flush the small "
-                        "gradients that loss scaling exists to protect, and the update itself would be "
-                        "rounded to fp16's 11-bit precision.",
-                        "keep fp32 master weights: wrap the optimizer, opt = mixprec.MasterWeights(opt) "
-                        "(or use mixprec.initialize(..., opt_level='O2')); for deliberate pure-fp16 "
-                        "training pass GradScaler(..., allow_fp16_grads=True).",
-                    )
-                grad = param.grad
-                if grad.is_sparse:
-                    # Duplicate indices of a sparse fp16 grad may overflow only once summed: coalesce first.
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                buckets[grad.device][grad.dtype].append(grad)
+        named = getattr(optimizer, "scaled_grad_params", None)
+        params = named() if callable(named) else [p for g in optimizer.param_groups for p in g["params"]]
+        for param in params:
+            if param.grad is None:
+                continue
+            if not allow_fp16 and param.grad.dtype == torch.float16:
+                raise Fp16GradientError(
+                    "Attempting to unscale FP16 gradients. Unscaling in fp16 would flush the small "
+                    "gradients that loss scaling exists to protect, and the update itself would be "
+                    "rounded to fp16's 11-bit precision.",
+                    "keep fp32 master weights: wrap the optimizer, opt = mixprec.MasterWeights(opt) "
+                    "(or use mixprec.initialize(..., opt_level='O2')); for deliberate pure-fp16 "
+                    "training pass GradScaler(..., allow_fp16_grads=True).",
+                )
+            grad = param.grad
+            if grad.is_sparse:
+                # Duplicate indices of a sparse fp16 grad may overflow only once summed: coalesce first.
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+            buckets[grad.device][grad.dtype].append(grad)
         return buckets
 
     def _unscale_grads_(
@@ -355,6 +358,12 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        self._unscale(optimizer)
+        mirror = getattr(optimizer, "grads_unscaled", None)
+        if callable(mirror):
+            mirror()  # MasterWeights: the model's .grad show the unscaled values (torch.amp's clip recipe)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         dev = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
@@ -401,7 +410,7 @@ class GradScaler:
             self._check_inf_per_device(optimizer)  # the fused kernel unscales: only look for inf/NaN here
             grad_scale = dev.scale * getattr(optimizer, "grad_scale", 1)  # torch: product with the user's
         elif state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)  # not unscale_: nobody reads the model's gradients before this step
         if not state["found_inf_per_device"]:
             raise ScalerStateError(
                 "No inf checks were recorded for this optimizer.",

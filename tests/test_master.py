@@ -196,6 +196,7 @@ def test_with_scaler_param_groups_and_scheduler(flat: bool) -> None:
     assert all(torch.isfinite(m).all() for m in opt.master_params())
 
 
+@pytest.mark.filterwarnings("ignore::mixprec.errors.MasterStateWarning")  # reads the inner state
 def test_overflow_leaves_masters_and_state_untouched() -> None:
     model = _net().half()
     opt = MasterWeights(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True))

@@ -1,0 +1,176 @@
+"""The fused O2 step: Adam/AdamW on fp32 masters that reads the model's half gradients itself.
+
+The default master step keeps a persistent fp32 gradient per master (4 bytes per parameter): with the
+half parameter (2), its half gradient (2), the master (4) and Adam's two moments (8), that is 20 bytes per
+parameter, more than plain fp32 training's 16. This step keeps none. It walks the parameters in chunks of
+:data:`CHUNK` elements; per chunk it upcasts the half gradients into one small reused fp32 scratch buffer
+(exact: every fp16/bf16 value is an fp32 value), runs torch's fused Adam kernel on that chunk of masters and
+moments, and rounds the updated masters into the model, while the chunk is still in cache. So O2 + Adam keeps
+2 + 2 + 4 + 8 = 16 bytes per parameter; the scratch (CHUNK values) lives for the step only.
+
+Unscaling and the inf/NaN skip happen inside the kernel, on fp32 values: it takes the scaler's
+``grad_scale`` and ``found_inf`` tensors exactly as torch's ``Adam(fused=True)`` does (divides by the scale,
+leaves masters, moments and the step count untouched when ``found_inf`` is set), or no scale when the
+gradients were unscaled already (``scaler.unscale_``). The arithmetic is that kernel's, element by element,
+so the result equals ``MasterWeights(Adam(...), fused=True)`` with persistent master gradients bit for bit
+(tests/test_master_fused.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.errors import ConfigError
+from mixprec.master_storage import GroupMasters, views_like
+
+__all__ = ["CHUNK", "FusedMasterStep", "check_fused_master"]
+
+# Elements per chunk. 2**16 fp32 values are 256 KiB: the scratch gradient, and the chunk's masters and
+# moments the kernel reads next, stay in L2 between the upcast and the update (a larger chunk spills to
+# memory and reads the scratch twice; a smaller one pays more per-call overhead: 3 kernel calls per chunk).
+CHUNK = 2**16
+
+# torch's fused Adam kernels, by the group's decoupled_weight_decay (AdamW is Adam with it set).
+KERNELS: dict[bool, Callable[..., None]] = {False: torch._fused_adam_, True: torch._fused_adamw_}
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_fused_master(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` is one this step implements."""
+    if type(optimizer) not in SUPPORTED or any(g.get("differentiable") for g in optimizer.param_groups):
+        raise ConfigError(
+            f"master_grads=False runs torch's fused Adam kernel; {type(optimizer).__name__} has none.",
+            "use torch.optim.Adam or AdamW (differentiable=False), or keep master_grads=True.",
+        )
+    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+    if not devices <= {"cpu", "cuda"}:
+        raise ConfigError(
+            f"master_grads=False needs torch's fused Adam, which runs on cpu and cuda: {sorted(devices)}.",
+            "keep master_grads=True on this device.",
+        )
+
+
+@dataclass
+class _Unit:
+    """One tensor (or a slice of it) the kernel updates, with the gradient it reads."""
+
+    param: torch.Tensor  # fp32 master (or fp32 model parameter), flattened
+    grad: torch.Tensor  # its gradient, flattened: half (upcast into the scratch) or fp32 (read as is)
+    state: dict[str, Any]  # the optimizer state of the tensor it belongs to
+    offset: int  # where `param` starts in that tensor's state (nonzero for flat-buffer members and slices)
+    model: torch.Tensor | None  # the half model slice to round the result into, None for fp32 parameters
+
+
+def _adam_state(state: dict[str, Any], param: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
+    """torch's Adam state, created the way Adam(fused=True) creates it: a float32 step on the device."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+class FusedMasterStep:
+    """Steps an Adam/AdamW whose param groups hold the masters of ``groups`` (see module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        check_fused_master(optimizer)
+        self.optimizer = optimizer
+
+    def _units(self, group: dict[str, Any], masters: GroupMasters) -> Iterator[_Unit]:
+        state, amsgrad = self.optimizer.state, bool(group["amsgrad"])
+        shadowed = {id(t) for t in masters.shadow()}
+        for view, p, in_flat in zip(masters.views, masters.model, masters.in_flat, strict=True):
+            if p.grad is None:
+                continue  # torch.optim's rule: no gradient, no step (no decay, no moment update)
+            owner = masters.flat if in_flat else view
+            offset = view.storage_offset() if in_flat else 0
+            s = _adam_state(state[owner], owner, amsgrad)  # type: ignore[index]
+            yield _Unit(view.view(-1), p.grad.reshape(-1), s, offset, p.view(-1))
+        for p in group["params"]:  # fp32 parameters are their own masters (BatchNorm under O2)
+            if id(p) not in shadowed and p.grad is not None:
+                yield _Unit(p.view(-1), p.grad.view(-1), _adam_state(state[p], p, amsgrad), 0, None)
+
+    def _chunks(self, units: list[_Unit]) -> Iterator[list[_Unit]]:
+        """Units cut at CHUNK elements and packed so that each chunk's half gradients fill one scratch."""
+        chunk: list[_Unit] = []
+        filled = 0
+        for u in units:
+            start = 0
+            while start < u.param.numel():
+                n = min(u.param.numel() - start, CHUNK - filled)
+                chunk.append(_slice(u, start, n))
+                start += n
+                filled += n if u.model is not None else 0
+                if filled == CHUNK:
+                    yield chunk
+                    chunk, filled = [], 0
+        if chunk:
+            yield chunk
+
+    @torch.no_grad()
+    def step(self, groups: list[GroupMasters], grad_scale: Any = None, found_inf: Any = None) -> None:
+        scratch: dict[torch.device, torch.Tensor] = {}  # CHUNK fp32 values per device, freed after the step
+        for group, masters in zip(self.optimizer.param_groups, groups, strict=True):
+            units = list(self._units(group, masters))
+            if not units:
+                continue
+            steps = list({id(u.state["step"]): u.state["step"] for u in units}.values())
+            torch._foreach_add_(steps, 1)  # once per tensor, before its chunks: the kernel reads it
+            for chunk in self._chunks(units):
+                self._update(group, chunk, grad_scale, found_inf, scratch)
+            if found_inf is not None:  # a skipped step does not count (torch's fused Adam does the same)
+                torch._foreach_sub_(steps, [found_inf.to(s.device) for s in steps])
+
+    def _update(
+        self, group: dict[str, Any], chunk: list[_Unit], grad_scale: Any, found_inf: Any,
+        scratch: dict[torch.device, torch.Tensor],
+    ) -> None:
+        half = [u for u in chunk if u.model is not None]
+        grads = {id(u): u.grad for u in chunk}
+        if half:
+            device = half[0].param.device
+            if device not in scratch:
+                scratch[device] = torch.empty(CHUNK, dtype=torch.float32, device=device)
+            views = views_like(scratch[device], [u.grad for u in half])
+            torch._foreach_copy_(views, [u.grad for u in half])  # exact upcast
+            grads.update({id(u): v for u, v in zip(half, views, strict=True)})
+        moments = [_moment(u, "exp_avg") for u in chunk]
+        squares = [_moment(u, "exp_avg_sq") for u in chunk]
+        maxes = [_moment(u, "max_exp_avg_sq") for u in chunk] if group["amsgrad"] else []
+        KERNELS[bool(group.get("decoupled_weight_decay", False))](
+            [u.param for u in chunk],
+            [grads[id(u)] for u in chunk],
+            moments,
+            squares,
+            maxes,
+            [u.state["step"] for u in chunk],
+            lr=group["lr"],
+            beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]),
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if half:  # round to nearest into the model while the chunk is in cache
+            torch._foreach_copy_([u.model for u in half], [u.param for u in half])  # type: ignore[misc]
+
+
+def _slice(u: _Unit, start: int, n: int) -> _Unit:
+    if start == 0 and n == u.param.numel():
+        return u
+    model = None if u.model is None else u.model[start : start + n]
+    return _Unit(u.param[start : start + n], u.grad[start : start + n], u.state, u.offset + start, model)
+
+
+def _moment(u: _Unit, key: str) -> torch.Tensor:
+    return u.state[key].view(-1)[u.offset : u.offset + u.param.numel()]

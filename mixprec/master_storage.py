@@ -1,0 +1,218 @@
+"""The fp32 masters of one param group and their gradients: per parameter, or one flat buffer.
+
+``MasterWeights`` (master.py) owns the protocol (when to copy, step, copy back); this module owns the
+tensors. Rules every layout keeps, because torch.optim keeps them for its own parameters:
+
+* A parameter without a gradient in a step is not stepped: its master has no ``.grad`` (per parameter).
+  A flat buffer has no holes, so its slices without a gradient get a zero gradient for the kernel and are
+  put back afterwards (:class:`HoleGuard`): the master and the optimizer's per-element state there end the
+  step as they began it.
+* Frozen parameters (``requires_grad=False``) never enter a flat buffer (fastai's ``flat_master`` rule);
+  they get a master of their own, so unfreezing them later trains them like any other parameter.
+* A group with no gradient at all in a step detaches its master gradients: a master never steps on a
+  gradient left over from an earlier step (the case of loops that clear grads with ``model.zero_grad()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec.errors import ConfigError
+
+__all__ = ["GroupMasters", "HoleGuard", "make_masters", "views_like"]
+
+
+def views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like the tensors of ``like``."""
+    views, offset = [], 0
+    for p in like:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def _no_sparse(model: list[torch.Tensor]) -> None:
+    sparse = [tuple(p.shape) for p in model if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise ConfigError(
+            f"A half-precision parameter of shape {sparse[0]} has a sparse gradient; fp32 master weights "
+            "are dense, and a dense copy of an embedding's gradient costs as much as the embedding.",
+            "build the embedding with sparse=False, or keep it in fp32 (it is then its own master and "
+            "its sparse gradient goes to the optimizer unchanged, e.g. torch.optim.SparseAdam).",
+        )
+
+
+@dataclass
+class GroupMasters:
+    """The model's half parameters of one param group and the fp32 tensors that shadow them."""
+
+    model: list[torch.Tensor]  # half-precision model parameters, in group order
+    views: list[torch.Tensor]  # their fp32 masters, same order (views of `flat` where `in_flat`)
+    flat: torch.Tensor | None  # the contiguous fp32 buffer of the flat layout's trainable params, else None
+    in_flat: list[bool]  # which of `model` live in `flat`
+    # Persistent fp32 gradient storage, allocated once and re-attached as `.grad` after each
+    # zero_grad(set_to_none): users see None between iterations, the step allocates nothing.
+    # False for the fused step that reads the half gradients itself (master_fused.py).
+    keep_grads: bool = True
+    buffers: list[torch.Tensor | None] = field(default_factory=list)  # per master, allocated on first use
+    flat_grad: torch.Tensor | None = None
+    holes: list[int] = field(default_factory=list)  # flat members without a gradient in this step
+
+    def shadow(self) -> list[torch.Tensor]:
+        """What the optimizer sees in place of ``model``: the flat buffer, then the masters outside it."""
+        alone = [v for v, f in zip(self.views, self.in_flat, strict=True) if not f]
+        return ([self.flat] if self.flat is not None else []) + alone
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        if not self.buffers:
+            self.buffers = [None] * len(self.views)
+            if self.flat is not None:
+                self.flat_grad = torch.empty_like(self.flat)
+                members = [v for v, f in zip(self.views, self.in_flat, strict=True) if f]
+                inner = iter(views_like(self.flat_grad, members))
+                self.buffers = [next(inner) if f else None for f in self.in_flat]
+        buffer = self.buffers[i]
+        if buffer is None:
+            buffer = self.buffers[i] = torch.empty_like(self.views[i])
+        return buffer
+
+    def attach_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Attach the fp32 gradient storage where the model has a gradient, detach it elsewhere, and
+        return the (fp32 master grad, half model grad) pairs to copy. Flat holes are zeroed and recorded."""
+        _no_sparse(self.model)
+        if not self.keep_grads:
+            return [], []
+        have = [p.grad is not None for p in self.model]
+        dst, src, self.holes = [], [], []
+        for i, (master, p, h, f) in enumerate(zip(self.views, self.model, have, self.in_flat, strict=True)):
+            if h:
+                dst.append(self._buffer(i))
+                src.append(p.grad)
+            elif f:
+                self.holes.append(i)
+            if not f:
+                master.grad = self._buffer(i) if h else None
+        if self.flat is not None:
+            in_step = any(h for h, f in zip(have, self.in_flat, strict=True) if f)
+            self.flat.grad = self.flat_grad if in_step else None
+            if in_step and self.holes:
+                torch._foreach_zero_([self._buffer(i) for i in self.holes])
+            if not in_step:
+                self.holes = []
+        return dst, src
+
+    def detach_grads(self) -> None:
+        """Drop the masters' ``.grad`` (the storage stays allocated for the next step)."""
+        for master in self.shadow():
+            master.grad = None
+        self.holes = []
+
+
+class HoleGuard:
+    """Puts back the slices of a flat buffer (master and per-element optimizer state) whose parameters
+    had no gradient in this step: the optimizer stepped the whole buffer, torch.optim would not have
+    touched them. State the optimizer created in this very step is zeroed there, torch's initial value
+    for SGD momentum, Adam(W) and RMSprop. The ``step`` count of Adam-like optimizers is one number per
+    buffer and cannot be put back per slice: use ``flat=False`` when parameters of an Adam group skip
+    steps and the bias correction of their first step matters. Costs a copy of the holes only."""
+
+    def __init__(self, groups: list[GroupMasters], state: Mapping[torch.Tensor, Any]) -> None:
+        self._state = state
+        # per flat buffer with holes: (buffer, hole ranges, kept slices by state key; None = the master)
+        self._saved: list[tuple[torch.Tensor, list[tuple[int, int]], dict[str | None, list[torch.Tensor]]]]
+        self._saved = []
+        for g in groups:
+            if g.flat is None or not g.holes:
+                continue
+            ranges = [(g.views[i].storage_offset(), g.views[i].numel()) for i in g.holes]
+            tensors = {None: g.flat.detach(), **_per_element(state.get(g.flat, {}), g.flat)}
+            kept = {k: [t[o : o + n].clone() for o, n in ranges] for k, t in tensors.items()}
+            self._saved.append((g.flat, ranges, kept))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for flat, ranges, kept in self._saved:
+                tensors = {None: flat.detach(), **_per_element(self._state.get(flat, {}), flat)}
+                for key, tensor in tensors.items():
+                    holes = [tensor[o : o + n] for o, n in ranges]
+                    if key in kept:
+                        torch._foreach_copy_(holes, kept[key])
+                    else:
+                        torch._foreach_zero_(holes)
+
+
+def _per_element(state: Mapping[str, Any], flat: torch.Tensor) -> dict[str | None, torch.Tensor]:
+    """The optimizer state tensors with one value per element of the flat buffer (moments, momentum)."""
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == flat.shape}
+
+
+def make_masters(
+    half: list[torch.Tensor], flat: bool, initial: Mapping[torch.Tensor, torch.Tensor], keep_grads: bool
+) -> GroupMasters:
+    """fp32 copies of ``half``, or of their fp32 values in ``initial`` (what they were before rounding).
+    Converting fp16/bf16 to fp32 is exact, so without ``initial`` the masters start equal to the model.
+    With ``flat``, the trainable parameters share one buffer; frozen ones get masters of their own."""
+    values = [initial.get(p, p).detach() for p in half]
+    in_flat = [flat and p.requires_grad for p in half]
+    with torch.no_grad():
+        # clone: .float() of an fp32 value is that tensor, and a master must never alias the model
+        pairs = zip(values, in_flat, strict=True)
+        alone = [None if f else v.float().clone().requires_grad_(True) for v, f in pairs]
+        if not any(in_flat):
+            return GroupMasters(half, alone, None, in_flat, keep_grads)  # type: ignore[arg-type]
+        devices = {p.device for p, f in zip(half, in_flat, strict=True) if f}
+        if len(devices) > 1:
+            raise ConfigError(
+                f"flat=True needs one device per param group, found {sorted(map(str, devices))}.",
+                "put parameters of different devices in separate param groups, or use flat=False.",
+            )
+        members = [v for v, f in zip(values, in_flat, strict=True) if f]
+        buffer = torch.cat([v.reshape(-1).float() for v in members]).requires_grad_(True)
+        inner = iter(views_like(buffer.detach(), members))
+        views = [next(inner) if f else a for a, f in zip(alone, in_flat, strict=True)]
+        return GroupMasters(half, views, buffer, in_flat, keep_grads)
+
+
+@dataclass
+class _Mirrored:
+    """A model gradient we overwrote with the unscaled master gradient (rounded to the model's dtype)."""
+
+    param: torch.Tensor  # the half model parameter
+    master_grad: torch.Tensor  # the fp32 gradient the step reads
+    grad: torch.Tensor  # the half gradient tensor we wrote
+    version: int  # its version counter after our write: any in-place edit (a clip) bumps it
+
+    def edited(self) -> bool:
+        grad = self.param.grad
+        return grad is not None and (grad is not self.grad or grad._version != self.version)
+
+
+class GradMirror:
+    """Makes torch.amp's clipping recipe work on the fp32 master gradients: after the scaler unscaled them,
+    :meth:`mirror` writes them into the model's ``.grad``, where ``clip_grad_norm_(model.parameters())``
+    reads and scales them; :meth:`take_edits` copies whatever was edited there back into the masters'
+    gradients before the step (the version counters tell which, at no cost)."""
+
+    def __init__(self) -> None:
+        self.copied: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, master grad, grad)
+        self.mirrored: list[_Mirrored] = []
+
+    def reset(self) -> None:
+        self.copied, self.mirrored = [], []
+
+    @torch.no_grad()
+    def mirror(self) -> None:
+        if self.copied:
+            torch._foreach_copy_([h for _, _, h in self.copied], [m for _, m, _ in self.copied])  # round
+            self.mirrored = [_Mirrored(p, m, h, h._version) for p, m, h in self.copied]
+
+    @torch.no_grad()
+    def take_edits(self) -> None:
+        edited = [m for m in self.mirrored if m.edited()]
+        if edited:
+            torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
+        self.mirrored = []
