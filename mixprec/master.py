@@ -47,7 +47,7 @@ from torch import nn
 from mixprec.errors import ConfigError, ParameterMismatchError
 from mixprec.master_fused import FusedMasterStep
 from mixprec.master_state import InnerOptimizerGuard, check_master_state
-from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters
+from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
 # re-exported: they lived here before mixprec.half_model
 from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
@@ -62,6 +62,8 @@ __all__ = [
     "fp32_originals",
 ]
 
+
+_views_like = views_like  # the name low_precision.py imports from here
 
 # Optimizers whose fused kernel we pick on the user's behalf. Not SGD: in torch 2.13 a fused SGD with
 # momentum whose *first* step is skipped (found_inf) leaves its momentum buffer uninitialized (torch.empty),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, UnsupportedParameterError
 
 __all__ = ["GroupMasters", "HoleGuard", "make_masters", "views_like"]
 
@@ -38,7 +38,7 @@ def views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tenso
 def _no_sparse(model: list[torch.Tensor]) -> None:
     sparse = [tuple(p.shape) for p in model if p.grad is not None and p.grad.is_sparse]
     if sparse:
-        raise ConfigError(
+        raise UnsupportedParameterError(
             f"A half-precision parameter of shape {sparse[0]} has a sparse gradient; fp32 master weights "
             "are dense, and a dense copy of an embedding's gradient costs as much as the embedding.",
             "build the embedding with sparse=False, or keep it in fp32 (it is then its own master and "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.errors import ConfigError
+from mixprec.errors import UnsupportedParameterError
 from mixprec.master import MasterWeights, fp32_originals, model_to_half
 
 OPTS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -213,5 +213,5 @@ def test_sparse_gradient_names_the_fix() -> None:
     emb = nn.Embedding(10, 4, sparse=True).bfloat16()
     opt = MasterWeights(torch.optim.SGD(emb.parameters(), lr=0.1))
     emb(torch.tensor([1, 2])).float().sum().backward()
-    with pytest.raises(ConfigError, match="sparse=False"):
+    with pytest.raises(UnsupportedParameterError, match="sparse=False"):
         opt.step()
