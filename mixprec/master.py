@@ -38,19 +38,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.errors import ConfigError, ParameterMismatchError
-from mixprec.master_fused import FusedMasterStep
-from mixprec.master_state import InnerOptimizerGuard, check_master_state
-from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
 # re-exported: they lived here before mixprec.half_model
 from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
+from mixprec.master_fused import FusedMasterStep
+from mixprec.master_state import InnerOptimizerGuard, check_master_state
+from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
 __all__ = [
     "MasterWeights",
