@@ -6,7 +6,7 @@ What each moves per parameter (bytes, read + written):
   torch foreach fp32   the same data, ~10 passes over memory
   MasterWeights        bf16 grad -> fp32 master grad (2+4), fused kernel (28), master -> bf16 weight (4+2)
                        = 40, three passes; plus the scaler's inf check of the fp32 grads (4)
-  master_grads=False   per 64K-element chunk: bf16 grad read (2), upcast into a cache-resident scratch,
+  master_grads=False   per 256K-element chunk: bf16 grad read (2), upcast into a 1 MiB scratch,
                        fused kernel on the chunk (24 + scratch from cache), bf16 weight written (2)
                        = ~30, one pass over memory; plus the scaler's inf check of the bf16 grads (2)
 The target: the master step no slower than torch's fused fp32 AdamW (ratio <= 1.0).

@@ -11,19 +11,26 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec import master_fused
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
-from mixprec.master_fused import CHUNK
 from mixprec.scaler import GradScaler
+
+SMALL_CHUNK = 2**12  # so that this small model is cut into many chunks, some across a parameter
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(master_fused, "CHUNK", SMALL_CHUNK)
 
 
 def _net(dtype: torch.dtype = torch.bfloat16, bn: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    # 300*256 > CHUNK: the first weight is cut across chunks; BatchNorm kept fp32 (its own master)
+    # 300*256 > SMALL_CHUNK: the first weight is cut across chunks; BatchNorm kept fp32 (its own master)
     layers = [nn.Linear(300, 256), nn.BatchNorm1d(256) if bn else nn.Identity(), nn.ReLU(), nn.Linear(256, 5)]
     model = nn.Sequential(*layers).to(dtype)
     model[1].float()
-    assert model[0].weight.numel() > CHUNK
+    assert model[0].weight.numel() > SMALL_CHUNK
     return model
 
 
