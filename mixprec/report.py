@@ -6,9 +6,13 @@ and one batch, computes the two diagnostics, and writes under ``DIR``:
 
     report.md        Markdown that links the PNGs next to it (relative paths)
     report.html      the same page with the PNGs embedded as base64 data URIs: one self-contained file
-    loss_curves.png  :func:`~mixprec.ladder.plot_ladder`
-    memory.png       :func:`~mixprec.diagnostics.plots.plot_memory`, one bar per precision the rungs use
+    loss_curves.png  :func:`~mixprec.ladder_output.plot_ladder`
+    memory.png       :func:`~mixprec.diagnostics.plots.plot_memory`, one bar per memory signature of the rungs
     gradients.png    :meth:`~mixprec.diagnostics.GradientReport.plot`, at the dynamic rung's final scale
+    NAME_loss_curves.png, NAME_gradients.png   the same for each further experiment (:class:`Section`)
+
+The table, its one-line measured explanation per rung and its notes are :mod:`mixprec.ladder_output`'s, as
+in compare.md: the page shows what the run measured, in the same words.
 
 Matplotlib is imported only when the PNGs are drawn; the HTML is plain strings (``html.escape``).
 """
@@ -29,37 +33,18 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.diagnostics.gradients import GradientReport, grad_exponent_histogram
-from mixprec.diagnostics.memory import COMPONENTS, MB, MemoryBreakdown, Precision, memory_breakdown
-from mixprec.ladder import COLUMNS, NOTES, CompareSettings, RungResult, plot_ladder, results_table
+from mixprec.diagnostics.memory import COMPONENTS, MIB, MemoryBreakdown, memory_breakdown
+from mixprec.ladder import ALL_RUNGS, CompareSettings, Rung, RungResult, weighted_loss
+from mixprec.ladder_output import CHANGE, COLUMNS, explained_rows, notes_for, plot_ladder
 
 __all__ = [
     "Report",
+    "Section",
     "write_report",
-    "RUNG_PRECISIONS",
-    "BF16_MASTER",
     "memory_for_rungs",
     "gradients_for_rungs",
     "report_scale",
 ]
-
-# The ladder's bf16 rung keeps fp32 masters (bf16's 8 significant bits round small updates away); the
-# diagnostics' "bf16" preset is pure bf16, so the report names its own recipe.
-BF16_MASTER = Precision(
-    "bf16 + master", "bf16 params except BatchNorm, fp32 master weights and optimizer state",
-    torch.bfloat16, keep_batchnorm_fp32=True, master_weights=True,
-)
-
-# rung key -> (bar label, memory recipe). The three fp16 rungs with masters differ only in loss scaling,
-# which costs no memory, so they share the O2 bar.
-RUNG_PRECISIONS: dict[str, tuple[str, str | Precision]] = {
-    "fp32": ("fp32", "fp32"),
-    "fp16-naive": ("fp16 naive", "fp16"),
-    "fp16-master": ("O2 (fp16 + master)", "O2"),
-    "fp16-static": ("O2 (fp16 + master)", "O2"),
-    "fp16-dynamic": ("O2 (fp16 + master)", "O2"),
-    "o1": ("O1 (autocast)", "O1"),
-    "bf16": ("bf16 + master", BF16_MASTER),
-}
 
 FILES = {"md": "report.md", "html": "report.html", "loss": "loss_curves.png", "memory": "memory.png",
          "gradients": "gradients.png"}
@@ -75,22 +60,46 @@ class Report:
     paths: dict[str, Path]
 
 
+@dataclass(frozen=True)
+class Section:
+    """Another experiment on the same page (e.g. the small-gradient one): its table with the measured
+    explanations and notes, its loss curves, and the gradient histogram of its initial model."""
+
+    name: str  # file stem of its PNGs
+    why: str  # what it shows, one line
+    settings: CompareSettings
+    results: Sequence[RungResult]
+    model: nn.Module
+    batch: tuple[Tensor, Tensor]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The diagnostics
+
+
+def _memory_signature(rung: Rung) -> tuple[object, ...]:
+    """What decides a rung's memory: loss scaling costs none, so rungs that differ only in it share a bar."""
+    r = rung.recipe
+    return (r.model_dtype, r.keep_batchnorm_fp32, r.uses_masters, r.autocast_dtype, rung.update)
 
 
 def memory_for_rungs(
     keys: Sequence[str], model: nn.Module, batch: tuple[Tensor, Tensor], settings: CompareSettings
 ) -> list[MemoryBreakdown]:
-    """One estimated breakdown per distinct precision among ``keys`` (in ladder order), labelled as the
-    rungs. Estimated under FakeTensorMode: nothing is computed, so this costs well under a second."""
+    """One estimated breakdown per distinct memory signature among ``keys`` (in their order), labelled as
+    the first rung of the ladder with that signature. Estimated under FakeTensorMode: nothing is computed,
+    so this costs well under a second."""
     sgd = functools.partial(torch.optim.SGD, lr=settings.lr, momentum=settings.momentum)
-    labels = dict.fromkeys(RUNG_PRECISIONS[k][0] for k in keys)
-    recipes = {label: recipe for label, recipe in RUNG_PRECISIONS.values()}
+    first = {}  # signature -> the first rung of the ladder that has it (names the bar)
+    for rung in ALL_RUNGS.values():
+        first.setdefault(_memory_signature(rung), rung)
+    signatures = dict.fromkeys(_memory_signature(ALL_RUNGS[k]) for k in keys)
     return [
-        dataclasses.replace(memory_breakdown(model, sgd, batch, recipes[label], estimate=True),
-                            precision=label)
-        for label in labels
+        dataclasses.replace(
+            memory_breakdown(model, sgd, batch, first[sig].recipe, update=first[sig].update, estimate=True),
+            precision=first[sig].label,
+        )
+        for sig in signatures
     ]
 
 
@@ -101,11 +110,14 @@ def report_scale(results: Sequence[RungResult]) -> float | None:
 
 
 def gradients_for_rungs(
-    results: Sequence[RungResult], model: nn.Module, batch: tuple[Tensor, Tensor]
+    results: Sequence[RungResult], model: nn.Module, batch: tuple[Tensor, Tensor], loss_weight: float = 1.0
 ) -> tuple[GradientReport, float | None]:
-    """fp32 gradients of ``model`` on ``batch``, evaluated in fp16 unscaled and at :func:`report_scale`."""
+    """fp32 gradients of ``model`` on ``batch`` (the loss times ``loss_weight``), evaluated in fp16 unscaled
+    and at :func:`report_scale`."""
     scale = report_scale(results)
-    return grad_exponent_histogram(model, batch, loss_scale=() if scale is None else scale), scale
+    report = grad_exponent_histogram(model, batch, loss_fn=weighted_loss(loss_weight),
+                                     loss_scale=() if scale is None else scale)
+    return report, scale
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,14 +144,16 @@ Block = tuple[str, str | list[str] | _Table | _Image]  # (kind, content): h1, h2
 
 
 def _memory_table(breakdowns: Sequence[MemoryBreakdown]) -> _Table:
-    rows = [[label, *(f"{getattr(b, key) / MB:,.3f}" for b in breakdowns), what]
+    rows = [[label, *(f"{getattr(b, key) / MIB:,.3f}" for b in breakdowns), what]
             for key, label, what in COMPONENTS if any(getattr(b, key) for b in breakdowns)]
-    rows.append(["**total**", *(f"**{b.total / MB:,.3f}**" for b in breakdowns),
+    rows.append(["**total**", *(f"**{b.total / MIB:,.3f}**" for b in breakdowns),
                  "upper bound of one step's live tensors"])
+    rows.append(["bytes per parameter", *(f"{b.bytes_per_param:.1f}" for b in breakdowns),
+                 "params + grads + masters/extras + optimizer state"])
     base = breakdowns[0].total if breakdowns else 0
     rows.append([f"vs {breakdowns[0].precision}" if breakdowns else "",
                  *(f"{b.total / base:.2f}x" if base else "—" for b in breakdowns), ""])
-    return _Table(["component (MB)", *(b.precision for b in breakdowns), "what is counted"], rows, (0, -1))
+    return _Table(["component (MiB)", *(b.precision for b in breakdowns), "what is counted"], rows, (0, -1))
 
 
 def _scale_text(scale: float | None) -> str:
@@ -149,21 +163,25 @@ def _scale_text(scale: float | None) -> str:
     return f"{scale:g} = 2^{math.log2(scale):g}" if power else f"{scale:g}"
 
 
+def _ladder_table(results: Sequence[RungResult]) -> _Table:
+    return _Table([*COLUMNS, CHANGE], explained_rows(results), (0, 1, len(COLUMNS)))
+
+
 def _blocks(results: Sequence[RungResult], settings: CompareSettings, notes: Sequence[str],
-            report: Report) -> list[Block]:
-    rows = results_table(results)
+            report: Report, sections: Sequence[tuple[Section, Sequence[str], GradientReport, float | None]],
+            ) -> list[Block]:
     batch_note = f"one training batch of {settings.batch_size}"
-    return [
+    blocks: list[Block] = [
         ("h1", f"mixprec compare: {settings.title}"),
         ("h2", "The ladder"),
-        ("table", _Table(list(COLUMNS), [list(r.values()) for r in rows])),
+        ("table", _ladder_table(results)),
         ("ul", list(notes)),
         ("h2", "Loss curves"),
         ("img", _Image(FILES["loss"], "train loss per step, its gap to fp32, valid accuracy per epoch")),
         ("h2", "Memory of one training step"),
         ("p", f"Estimated for the same model and {batch_note} (FakeTensorMode: shapes and dtypes, nothing "
-              "computed), SGD as in the ladder. MB = 10^6 bytes. fp16 + master, static and dynamic scaling "
-              "share the O2 bar: loss scaling costs no memory."),
+              "computed), SGD as in the ladder. MiB = 2^20 bytes. Rungs that differ only in loss scaling "
+              "share a bar: loss scaling costs no memory."),
         ("table", _memory_table(report.memory)),
         ("img", _Image(FILES["memory"], "stacked memory bars per precision")),
         ("h2", "Gradient exponents"),
@@ -172,6 +190,24 @@ def _blocks(results: Sequence[RungResult], settings: CompareSettings, notes: Seq
               "rung ended with."),
         ("pre", report.gradients.summary(report.scale)),
         ("img", _Image(FILES["gradients"], "histogram of gradient exponents")),
+    ]
+    for section in sections:
+        blocks += _section_blocks(*section)
+    return blocks
+
+
+def _section_blocks(section: Section, notes: Sequence[str], gradients: GradientReport,
+                    scale: float | None) -> list[Block]:
+    return [
+        ("h2", f"Experiment {section.name}: {section.why}"),
+        ("p", section.settings.title),
+        ("table", _ladder_table(section.results)),
+        ("ul", list(notes)),
+        ("img", _Image(f"{section.name}_loss_curves.png", f"{section.name}: train loss and accuracy")),
+        ("p", f"fp32 gradients of its initial model on one batch, with the loss weight, unscaled and times "
+              f"{_scale_text(scale)}:"),
+        ("pre", gradients.summary(scale)),
+        ("img", _Image(f"{section.name}_gradients.png", f"{section.name}: histogram of gradient exponents")),
     ]
 
 
@@ -242,19 +278,31 @@ def write_report(
     model: nn.Module,
     batch: tuple[Tensor, Tensor],
     out: Path,
-    notes: Sequence[str] = NOTES,
+    notes: Sequence[str] | None = None,
+    sections: Sequence[Section] = (),
 ) -> Report:
     """Compute the memory breakdowns and the gradient histogram of ``model`` (the ladder's initial model,
-    left unchanged) on ``batch``, and write report.md, report.html and their three PNGs under ``out``."""
+    left unchanged) on ``batch``, and write report.md, report.html and their PNGs under ``out``; each of
+    ``sections`` adds its table, notes, loss curves and gradient histogram. ``notes`` default to the
+    ladder's (:func:`mixprec.ladder_output.notes_for`)."""
     out.mkdir(parents=True, exist_ok=True)
+    notes = notes_for(results) if notes is None else notes
     paths = {kind: out / name for kind, name in FILES.items()}
     memory = memory_for_rungs([r.key for r in results], model, batch, settings)
-    gradients, scale = gradients_for_rungs(results, model, batch)
+    gradients, scale = gradients_for_rungs(results, model, batch, settings.loss_weight)
     report = Report(tuple(memory), gradients, scale, paths)
     plot_ladder(results, paths["loss"], f"Training of each rung: {settings.title}")
     _plot_memory(memory, paths["memory"], settings)
     gradients.plot(paths["gradients"], scale, title=_gradient_title(settings, scale))
-    blocks = _blocks(results, settings, notes, report)
+    pages = []
+    for section in sections:
+        plot_ladder(section.results, out / f"{section.name}_loss_curves.png", section.settings.title)
+        grads, grad_scale = gradients_for_rungs(section.results, section.model, section.batch,
+                                                section.settings.loss_weight)
+        grads.plot(out / f"{section.name}_gradients.png", grad_scale,
+                   title=_gradient_title(section.settings, grad_scale))
+        pages.append((section, notes_for(section.results), grads, grad_scale))
+    blocks = _blocks(results, settings, notes, report, pages)
     paths["md"].write_text(_markdown(blocks))
     paths["html"].write_text(_html(blocks, out, f"mixprec compare: {settings.title}"))
     return report

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import math
 
 import matplotlib.image
@@ -16,8 +15,7 @@ from torch import nn
 
 from mixprec.commands import memory as memory_command
 from mixprec.diagnostics.memory import (
-    Precision,
-    get_precision,
+    as_recipe,
     memory_breakdown,
     memory_breakdowns,
     memory_table,
@@ -25,6 +23,7 @@ from mixprec.diagnostics.memory import (
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
 from mixprec.models import mlp, simple_cnn, vgg16
+from mixprec.recipe import Recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HALF_DTYPES = [torch.float16, torch.bfloat16]
@@ -51,10 +50,10 @@ def _mlp_saved_bytes(b: int, n_in: int, hidden: int, n_out: int, elem: int, logi
 
 
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "pure-fp16", "pure-bf16"])
 def test_mlp_activations_equal_the_hand_computed_sum(precision: str, estimate: bool) -> None:
     b, n_in, hidden = 8, 64, 32
-    elem = torch.empty((), dtype=get_precision(precision).param_dtype).element_size()
+    elem = torch.empty((), dtype=as_recipe(precision).model_dtype).element_size()
     result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), precision, estimate=estimate)
     assert result.activations == _mlp_saved_bytes(b, n_in, hidden, 10, elem, elem)
     assert result.weight_copies == 0
@@ -71,7 +70,7 @@ def test_o1_saves_half_activations_and_the_weight_copy_autocast_made(estimate: b
     assert result.params == (n_in * hidden + hidden + hidden * 10 + 10) * 4
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "O1", "O2", "O3"])
+@pytest.mark.parametrize("precision", ["fp32", "pure-fp16", "pure-bf16", "O1", "O2", "O3"])
 def test_estimate_equals_measurement_on_a_small_cnn(precision: str) -> None:
     torch.manual_seed(0)
     model = simple_cnn((1, 8, 16, 10))  # conv + BatchNorm + ReLU blocks: O2 keeps BatchNorm fp32
@@ -86,7 +85,7 @@ def test_published_mlp_figures() -> None:
     with torch.device("meta"):  # 26 MB of parameters that are never allocated
         model = mlp()
     batch = (torch.empty(64, 1, 28, 28, device="meta"), torch.empty(64, dtype=torch.int64, device="meta"))
-    fp32, fp16, o2 = memory_breakdowns(model, None, batch, ("fp32", "fp16", "O2"), estimate=True)
+    fp32, fp16, o2 = memory_breakdowns(model, None, batch, ("fp32", "pure-fp16", "O2"), estimate=True)
     assert fp32.n_params == MLP_PARAMS
     assert fp32.params == MLP_PARAMS * 4 and round(fp32.weights / 1e6, 2) == 26.05
     # fp16 weights plus fp32 masters: 2 + 4 bytes per parameter.
@@ -113,7 +112,8 @@ def test_optimizer_state_follows_the_tensors_it_steps() -> None:
     batch = _batch(2, (16,), 4)
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
-    momentum = memory_breakdown(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), batch, "fp16")
+    momentum = memory_breakdown(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), batch,
+                                "pure-fp16")
     assert momentum.optimizer_state == n_params * 2  # one fp16 buffer per fp16 parameter
     assert memory_breakdown(model, torch.optim.SGD(model.parameters(), lr=0.1), batch).optimizer_state == 0
     # O2: Adam steps the fp32 masters, so its state is fp32 whatever the model's dtype.
@@ -154,7 +154,7 @@ def test_user_model_is_left_untouched() -> None:
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_custom_precision_and_mixprec_autocast_agree_with_torch(dtype: torch.dtype) -> None:
     pytest.importorskip("mixprec.autocast")
-    recipe = Precision("mixed", "fp32 params, autocast", torch.float32, autocast_dtype=dtype)
+    recipe = Recipe("mixed", "fp32 params, autocast", torch.float32, autocast_dtype=dtype)
     model, batch = mlp(16, 8, 4), _batch(2, (16,), 4)
     ours = memory_breakdown(model, None, batch, recipe, autocast="mixprec")
     torchs = memory_breakdown(model, None, batch, recipe, autocast="torch")
@@ -164,16 +164,16 @@ def test_custom_precision_and_mixprec_autocast_agree_with_torch(dtype: torch.dty
 
 
 def test_user_errors_name_the_fix() -> None:
-    with pytest.raises(ConfigError, match="use one of fp32"):
-        get_precision("fp12")
+    with pytest.raises(ConfigError, match="use one of: fp32"):
+        as_recipe("fp12")
     with torch.device("meta"):
         model = mlp(4, 4, 2)
     with pytest.raises(ConfigError, match="estimate=True"):
         memory_breakdown(model, None, torch.empty(1, 4, device="meta"))
     with pytest.raises(ConfigError, match="optimizer"):
         memory_breakdown(mlp(4, 4, 2), "adam", torch.randn(1, 4))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="master"):
-        Precision("bad", "", torch.float32, master_weights=True)
+    with pytest.raises(ConfigError, match="pure-bf16"):  # a low-precision update mode over fp32 masters
+        memory_breakdown(mlp(4, 4, 2), None, torch.randn(1, 4), "bf16", update="kahan")
 
 
 def test_table_and_png(tmp_path: object) -> None:
@@ -200,13 +200,13 @@ def _cli(argv: list[str]) -> int:
 
 def test_cli_memory(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "m.png"  # type: ignore[operator]
-    code = _cli(["--model", "cnn", "--input", "1x16x16", "--batch-size", "4", "--precision", "fp32,fp16,O2",
-                 "--png", str(png)])
+    code = _cli(["--model", "cnn", "--input", "1x16x16", "--batch-size", "4", "--precision",
+                 "fp32,pure-fp16,O2", "--png", str(png)])
     out = capsys.readouterr().out
     assert code == 0
     assert "FakeTensorMode" in out and "O2" in out and png.read_bytes()[:8] == PNG_SIGNATURE
     assert _cli(["--precision", "fp32,O7", "--no-png"]) == 2
-    assert "O7" in capsys.readouterr().out
+    assert "O7" in capsys.readouterr().err  # a user error: `mixprec: error: ...` on stderr
     assert _cli(["--model", "vgg16", "--input", "3x16x16", "--no-png"]) == 2
 
 
@@ -243,7 +243,7 @@ def test_opt_level_recipes_match_what_initialize_does(level: str) -> None:
 
 @pytest.mark.usefixtures("fresh_amp_state")
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
-@pytest.mark.parametrize("precision", ["O2", "fp16"])
+@pytest.mark.parametrize("precision", ["O2", "pure-fp16"])
 def test_the_master_weights_optimizer_initialize_returns_is_unwrapped(precision: str, estimate: bool) -> None:
     import mixprec
 
@@ -260,11 +260,44 @@ def test_the_master_weights_optimizer_initialize_returns_is_unwrapped(precision:
 def test_get_precision_accepts_amp_properties() -> None:
     from mixprec.amp import OPT_LEVELS
 
-    bf16_o2 = get_precision(OPT_LEVELS["O2"].with_dtype(torch.bfloat16))
-    by_hand = Precision("O2", "", torch.bfloat16, keep_batchnorm_fp32=True, master_weights=True)
-    assert dataclasses.replace(bf16_o2, description="") == by_hand
-    assert get_precision(OPT_LEVELS["O1"].with_dtype(torch.bfloat16)).autocast_dtype == torch.bfloat16
-    assert get_precision(OPT_LEVELS["O3"]) == get_precision("O3")
-    # Masters only for half parameters, as MasterWeights: fp64 parameters are stepped directly.
-    with pytest.raises(ConfigError, match="half param_dtype"):
-        Precision("fp64 + master", "", torch.float64, master_weights=True)
+    bf16_o2 = as_recipe(OPT_LEVELS["O2"].with_dtype(torch.bfloat16))
+    by_hand = Recipe("O2", "", torch.bfloat16, keep_batchnorm_fp32=True, master_weights=True)
+    assert (bf16_o2.model_dtype, bf16_o2.keep_batchnorm_fp32, bf16_o2.uses_masters) == (
+        by_hand.model_dtype, by_hand.keep_batchnorm_fp32, by_hand.uses_masters)
+    assert as_recipe(OPT_LEVELS["O1"].with_dtype(torch.bfloat16)).autocast_dtype == torch.bfloat16
+    assert as_recipe(OPT_LEVELS["O3"]) == as_recipe("O3")
+    # Masters only for half parameters, as MasterWeights: a recipe for fp64 parameters is refused.
+    with pytest.raises(ConfigError, match="model_dtype"):
+        Recipe("fp64 + master", "", torch.float64, master_weights=True)
+
+
+# ------------------------------------------------------------------------------- low-precision modes, names
+@pytest.mark.parametrize("mode", ["naive", "stochastic", "kahan", "split"])
+def test_low_precision_modes_match_the_live_optimizer(mode: str) -> None:
+    """The reference: footprint() of a real LowPrecisionOptimizer after one step (its live tensors)."""
+    from mixprec.low_precision import LowPrecisionOptimizer, footprint
+
+    torch.manual_seed(0)
+    model, batch = mlp(16, 8, 4), _batch(2, (16,), 4)
+    estimate = memory_breakdown(model, torch.optim.Adam, batch, f"pure-bf16+{mode}", estimate=True)
+    real = copy.deepcopy(model).to(torch.bfloat16)
+    opt = LowPrecisionOptimizer(torch.optim.Adam(real.parameters()), mode)
+    F.cross_entropy(real(batch[0].bfloat16()).float(), batch[1]).backward()
+    opt.step()
+    held = footprint(opt)
+    assert (estimate.params, estimate.grads, estimate.extras) == (held.weights, held.grads, held.extra)
+    assert estimate.optimizer_state == held.state + held.scalars  # the wrapped Adam's fp32 state
+    assert estimate.extras == {"naive": 0, "stochastic": 0, "kahan": 2, "split": 2}[mode] * held.numel
+
+
+def test_recipe_names_are_the_vocabulary(capsys: pytest.CaptureFixture[str]) -> None:
+    from mixprec import cli
+
+    model, batch = mlp(16, 8, 4), _batch(2, (16,), 4)
+    fastai, pure = memory_breakdowns(model, None, batch, ("fp16", "pure-fp16"))
+    assert fastai.masters == 4 * fastai.n_params and pure.masters == 0  # "fp16" is to_fp16: fp32 masters
+    assert cli.main(["memory", "--precision", "fp32,O5", "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec: error:") and "'O5'" in err and "pure-fp16" in err and "Python" not in err
+    assert cli.main(["memory", "--precision", "bf16+kahan", "--no-png"]) == 2
+    assert "pure-bf16" in capsys.readouterr().err

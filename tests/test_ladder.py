@@ -15,6 +15,8 @@ import mixprec
 from mixprec import ladder
 from mixprec.callbacks import AutocastMixedPrecision, MixedPrecision
 from mixprec.errors import ConfigError
+from mixprec.low_precision import UpdateMode
+from mixprec.recipe import FASTAI_LOSS_SCALE, RECIPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,15 +39,16 @@ def results() -> dict[str, ladder.RungResult]:
 def test_rungs_are_data() -> None:
     assert len(ladder.RUNGS) == len(ladder.LADDER) == 7
     assert [r.key for r in ladder.LADDER][0] == "fp32"
-    callbacks = {r.key: ladder._CALLBACKS[r.cast](r) for r in ladder.LADDER}
+    callbacks = {r.key: next(iter(ladder.callback_for(r)), None) for r in ladder.LADDER}
     assert callbacks["fp32"] is None
     naive = callbacks["fp16-naive"]
     assert isinstance(naive, MixedPrecision) and not naive.master_weights and naive.loss_scale is None
     assert isinstance(callbacks["fp16-static"], MixedPrecision) and not callbacks["fp16-static"].dynamic
     assert isinstance(callbacks["o1"], AutocastMixedPrecision)
     assert isinstance(callbacks["bf16"], MixedPrecision) and callbacks["bf16"].dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match="Cast.NONE"):
-        ladder.Rung("bad", "bad", "fp16 without a cast", dtype=torch.float16)
+    # An inconsistent rung is refused: a low-precision update mode needs pure half weights (no masters).
+    with pytest.raises(ConfigError, match="pure-bf16"):
+        ladder.Rung("bad", "bad", "Kahan over fp32 masters", RECIPES["bf16"], UpdateMode.KAHAN)
     with pytest.raises(ConfigError, match="epochs"):
         ladder.CompareSettings(epochs=0)
 
@@ -74,7 +77,7 @@ def test_loss_scaling_lifts_gradients_out_of_the_subnormals(results: dict[str, l
     assert unscaled.subnormal_grad_pct is not None and static.subnormal_grad_pct is not None
     assert static.subnormal_grad_pct < unscaled.subnormal_grad_pct / 10
     assert results["fp32"].subnormal_grad_pct == 0.0
-    assert static.final_scale == ladder.STATIC_LOSS_SCALE
+    assert static.final_scale == FASTAI_LOSS_SCALE
     assert results["fp16-dynamic"].final_scale is not None and unscaled.final_scale is None
 
 

@@ -1,46 +1,54 @@
 """``mixprec compare``: the mixed precision ladder (:mod:`mixprec.ladder`) on one model, data set and seed.
 
 fp32 | fp16 naive | + fp32 master weights | + static loss scaling | + dynamic loss scaling (O2) |
-O1 cast policy | bf16: one table and one PNG of every rung's loss curve. Writes compare.csv, compare.json
-(with every per-step loss), compare.md and compare.png under ``--out``; with ``--report DIR`` also one page
-(:mod:`mixprec.report`): report.md and a self-contained report.html with the table, loss curves, memory
-bars and gradient histogram.
+O1 cast policy | pure bf16 | + stochastic rounding | + Kahan | 16+16 split | bf16 + fp32 masters: one table
+(with each rung's measured difference to the rung it builds on, and notes from measurement) and one PNG of
+every rung's loss curve. Writes compare.csv, compare.json (with every per-step loss), compare.md and
+compare.png under ``--out``; the full demo also runs the small-gradient experiment
+(:data:`mixprec.ladder.EXPERIMENTS`, where loss scaling matters) into underflow.*. With ``--report DIR``
+also one page (:mod:`mixprec.report`): report.md and a self-contained report.html with the tables, loss
+curves, memory bars and gradient histograms.
 
 The defaults are the demo: the 784-8192-10 MLP on the bundled digits resized to 28x28, plain SGD at lr
-0.01, 6 epochs (about a minute for the seven rungs on 2 CPU cores). Plain SGD makes the update exactly
-lr * gradient, so the fp16 resolution effect is not blurred by momentum or Adam's normalisation.
+0.01, 6 epochs. Plain SGD makes the update exactly lr * gradient, so the half precision resolution effect
+is not blurred by momentum or Adam's normalisation (and the table can check it against the theory).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mixprec.commands.console import make_console
 from mixprec.commands.train import DataSpec, UsageError, add_data_arguments, build_model, data_spec, fail
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.table import Table
 
-    from mixprec.ladder import CompareSettings, RungResult
+    from mixprec.ladder import CompareSettings, Experiment, RungResult
 
 HELP = "Train one model on the mixed precision ladder (fp32 ... fp16 naive ... O2, O1, bf16) and compare."
 
 # Output that is not a terminal (pipes, files, CI logs) gets this width, so the table is not squeezed.
 PLAIN_WIDTH = 160
 
-# The argparse defaults are CompareSettings' defaults and these are ladder.RUNGS' keys (tests check both),
-# repeated here so that `mixprec --help` needs no torch.
+# The argparse defaults are CompareSettings' defaults and these are ladder.RUNGS' and ladder.PURE_BF16's
+# keys, DEMO_KEYS ladder.DEMO_RUNGS (tests check them), repeated here so that `mixprec --help` needs no torch.
 RUNG_KEYS = ("fp32", "fp16-naive", "fp16-master", "fp16-static", "fp16-dynamic", "o1", "bf16")
+PURE_BF16_KEYS = ("pure-bf16", "pure-bf16+stochastic", "pure-bf16+kahan", "pure-bf16+split")
+DEMO_KEYS = (*RUNG_KEYS[:-1], *PURE_BF16_KEYS, "bf16")
 
 
 def _rungs_arg(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in RUNG_KEYS]
+    unknown = [k for k in keys if k not in DEMO_KEYS]
     if unknown or not keys:
-        raise argparse.ArgumentTypeError(f"unknown rung(s) {unknown}; choose from {','.join(RUNG_KEYS)}")
+        raise argparse.ArgumentTypeError(f"unknown rung(s) {unknown}; choose from {','.join(DEMO_KEYS)}")
     return keys
 
 
@@ -50,8 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.01, metavar="X", help="SGD learning rate (constant)")
     parser.add_argument("--momentum", type=float, default=0.0,
                         help="SGD momentum (default 0: the update is lr*grad)")
-    parser.add_argument("--rungs", type=_rungs_arg, default=list(RUNG_KEYS), metavar="KEYS",
-                        help=f"comma-separated subset of {','.join(RUNG_KEYS)} (default: all)")
+    parser.add_argument("--rungs", type=_rungs_arg, default=None, metavar="KEYS",
+                        help=f"comma-separated subset of {','.join(DEMO_KEYS)} (default: all)")
+    parser.add_argument("--underflow", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the small-gradient experiment (loss x 2^-16, lr x 2^16), where loss "
+                             "scaling matters, into underflow.* (default: with the full demo, not with "
+                             "--rungs)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), metavar="DIR",
                         help="where compare.{csv,json,md,png} go (default: runs/compare)")
     parser.add_argument("--report", type=Path, default=None, metavar="DIR",
@@ -72,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mixprec import ladder
     from mixprec.errors import MixprecError
+    from mixprec.ladder_output import notes_for, write_outputs
 
     console = make_console()
     if not console.is_terminal:
@@ -83,55 +96,79 @@ def run(args: argparse.Namespace) -> int:
         model = build_model(args.model, spec.load(), args.seed)
     except (UsageError, MixprecError, FileNotFoundError, ValueError) as err:
         return fail(err)
-    console.print(
-        f"[bold]{args.model}[/] on [bold]{spec.name}[/]: {len(args.rungs)} rungs x {args.epochs} epochs, "
-        f"SGD lr {args.lr:g} momentum {args.momentum:g}, batch {args.batch_size}, seed {args.seed}"
-    )
-
-    def progress(result: RungResult) -> None:
-        done = f"{result.seconds:.1f}s" if result.seconds is not None else result.status
-        console.print(f"  {result.label:<30} {done}")
-
-    rungs = [ladder.RUNGS[k] for k in args.rungs]
-    results = ladder.run_ladder(rungs, spec.load, model, settings, on_result=progress)
-    notes = [*ladder.NOTES, *_platform_notes()]
-    paths = ladder.write_outputs(results, settings, args.out, notes)
+    keys = args.rungs or list(DEMO_KEYS)
+    runs = [_Run(ladder.EXPERIMENTS["compare"], settings, keys, model)]
+    if args.underflow or (args.underflow is None and args.rungs is None):
+        experiment = ladder.EXPERIMENTS["underflow"]
+        derived = experiment.derive(settings)
+        runs.append(_Run(experiment, derived, list(experiment.rungs), derived.build_model(spec.load())))
+    paths: dict[str, Path] = {}
+    for r in runs:
+        console.print(f"[bold]{r.experiment.name}[/]: {r.settings.title} ({len(r.keys)} rungs)")
+        r.results = ladder.run_ladder([ladder.ALL_RUNGS[k] for k in r.keys], spec.load, r.model, r.settings,
+                                      on_result=functools.partial(_progress, console))
+        r.notes = notes_for(r.results)
+        paths |= {f"{r.experiment.name} {k}": p for k, p in write_outputs(
+            r.results, r.settings, args.out, r.notes, stem=r.experiment.name).items()}
     if args.report is not None:
-        from mixprec.report import write_report
-
-        # The same initial model run_ladder copied, and the first batch of a fresh copy of the same data.
-        report = write_report(results, settings, model, spec.load().one_batch(), args.report, notes)
-        paths |= {f"report {k}": report.paths[k] for k in ("md", "html")}
-    console.print(_table(results, settings))
-    for note in notes:
-        console.print(f"[dim]- {note}[/]")
+        paths |= _write_report(runs, spec.load().one_batch(), args.report)
+    for r in runs:
+        console.print(_table(r.results, r.settings))
+        console.print("[bold]what each rung changed (measured)[/]")
+        for line in _changes(r.results):
+            console.print(f"  {line}")
+        for note in r.notes:
+            console.print(f"[dim]- {note}[/]")
     wrote = ", ".join(map(str, paths.values()))
     console.print(f"wall time {time.perf_counter() - start:.1f}s; wrote {wrote}")
     return 0
 
 
-def _platform_notes() -> list[str]:
-    """What the numbers mean on this machine (CPU: emulated fp16 GEMMs)."""
-    import torch
+@dataclass
+class _Run:
+    """One experiment of this command: what it trains, and what came out."""
 
-    if torch.cuda.is_available():
-        return []
-    return [
-        "CPU: fp16 GEMMs run emulated (fp32 on exact upcasts, rounded to fp16, as a tensor core computes), "
-        "so fp16 rungs are not faster than fp32 here and autograd keeps the fp32 upcasts (saved MiB); "
-        "bf16 GEMMs are native.",
-    ]
+    experiment: Experiment
+    settings: CompareSettings
+    keys: list[str]
+    model: Any
+    results: list[RungResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _progress(console: Console, result: RungResult) -> None:
+    done = f"{result.seconds:.1f}s" if result.seconds is not None else result.status
+    console.print(f"  {result.label:<30} {done}")
+
+
+def _write_report(runs: list[_Run], batch: Any, out: Path) -> dict[str, Path]:
+    from mixprec.report import Section, write_report
+
+    # The same initial models run_ladder copied, and the first batch of a fresh copy of the same data.
+    main, *more = runs
+    sections = [Section(r.experiment.name, r.experiment.why, r.settings, r.results, r.model, batch)
+                for r in more]
+    report = write_report(main.results, main.settings, main.model, batch, out, main.notes, sections)
+    return {f"report {k}": report.paths[k] for k in ("md", "html")}
 
 
 def _table(results: list[RungResult], settings: CompareSettings) -> Table:
     from rich.table import Table
 
-    from mixprec.ladder import COLUMNS, results_table
+    from mixprec.ladder_output import COLUMNS, results_table
 
-    table = Table(title=f"mixed precision ladder: {settings.model} on {settings.data_name}")
+    table = Table(title=f"mixed precision ladder: {settings.title}")
     for i, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if i == 0 else "right")
+        table.add_column(name, justify="left" if i in (0, 1) else "right")
     for row in results_table(results):
         table.add_row(*row.values())
     return table
+
+
+def _changes(results: list[RungResult]) -> list[str]:
+    """Each rung's measured difference to the rung it builds on (the CHANGE column of the files), as lines
+    under the table: a terminal has no room for it as a column."""
+    from mixprec.ladder_output import explain
+
+    return [f"{r.label}: {explain(r, results)}" for r in results]
 

@@ -24,8 +24,10 @@ DEFAULT_INPUT: dict[str, tuple[int, ...]] = {
     "transformer": (1, 28, 28),
 }
 
-# Default precisions: fp32 as the baseline, then the ways of halving it.
-DEFAULT_PRECISIONS = "fp32,fp16,bf16,O1,O2"
+# Default precisions: fp32 as the baseline; pure bf16 and what each way of keeping its updates costs; fastai's
+# fp16 (fp16 model, fp32 masters, dynamic scaling) and apex O1. Names are mixprec.recipe.RECIPES' (the
+# vocabulary of every command), RECIPE+MODE adding a LowPrecisionOptimizer mode.
+DEFAULT_PRECISIONS = "fp32,pure-bf16,pure-bf16+kahan,pure-bf16+split,bf16,fp16,O1"
 
 
 # vgg16 defaults to torchvision's 1000 classes (138,357,544 parameters); the others to digits' 10.
@@ -67,9 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shape of one sample (default: 1x28x28; vgg16: 3x224x224)")
     parser.add_argument("--classes", type=int, default=None,
                         help="number of classes (default: 10; vgg16: 1000 as in torchvision)")
-    parser.add_argument("--precision", default=DEFAULT_PRECISIONS,
-                        help="comma-separated: fp32, fp16, bf16, O0, O1, O2, O3 "
-                        f"(default: {DEFAULT_PRECISIONS})")
+    parser.add_argument("--precision", default=DEFAULT_PRECISIONS, metavar="NAMES",
+                        help="comma-separated recipe names: fp32, pure-fp16, pure-bf16, fp16-master, "
+                        "fp16-static, fp16-dynamic, fp16 (fastai to_fp16: fp16 model + fp32 masters + "
+                        "dynamic scaling), bf16, O0-O3; a pure recipe may add a low-precision update mode: "
+                        f"pure-bf16+stochastic|kahan|split (default: {DEFAULT_PRECISIONS})")
     parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adam",
                         help="optimizer whose state is counted (default: adam)")
     parser.add_argument("--measure", action="store_true",
@@ -103,36 +107,50 @@ def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
     return None
 
 
+def _precisions(text: str) -> list[tuple[Any, Any]]:
+    """(recipe, update mode) per name; a wrong name raises ConfigError that lists the valid names in the
+    command line's words."""
+    from mixprec.diagnostics.memory import parse_precision
+    from mixprec.errors import ConfigError
+    from mixprec.recipe import RECIPES
+
+    names = [p for p in text.split(",") if p.strip()]
+    try:
+        return [parse_precision(name) for name in names]
+    except ConfigError as err:
+        raise ConfigError(
+            f"--precision {text!r}: {err.problem}",
+            f"use comma-separated names from: {', '.join(RECIPES)}; a pure recipe may add +stochastic, "
+            "+kahan or +split (e.g. --precision fp32,fp16,pure-bf16+kahan).",
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from mixprec.diagnostics.memory import get_precision, memory_breakdowns, memory_table
+    from mixprec.commands.train import UsageError, fail
+    from mixprec.diagnostics.memory import memory_breakdown, memory_table
     from mixprec.errors import ConfigError
 
     console = make_console()
     shape = args.input or DEFAULT_INPUT[args.model]
     problem = _check(args, shape)
-    if problem is not None:
-        console.print(f"[red]error:[/red] {problem}")
-        return 2
     try:
-        precisions = [get_precision(p) for p in args.precision.split(",") if p.strip()]
-    except ConfigError as err:
-        console.print(f"[red]error:[/red] {err}")
-        return 2
-    start = time.perf_counter()
-    try:
+        if problem is not None:
+            raise UsageError(problem)
+        precisions = _precisions(args.precision)
+        start = time.perf_counter()
         model, batch = _build(args, shape)
-    except ValueError as err:  # the model cannot take this input (e.g. vgg16 below 32x32)
-        console.print(f"[red]error:[/red] {err}")
-        return 2
-    breakdowns = memory_breakdowns(model, _optimizers()[args.optimizer], batch, precisions,
+    except (UsageError, ConfigError, ValueError) as err:  # ValueError: the model cannot take this input
+        return fail(err)
+    breakdowns = [memory_breakdown(model, _optimizers()[args.optimizer], batch, recipe, update=update,
                                    estimate=not args.measure, autocast=args.autocast)
+                  for recipe, update in precisions]
     seconds = time.perf_counter() - start
     n_params = breakdowns[0].n_params
     what = (f"{args.model} ({n_params:,} parameters), batch {args.batch_size} x "
             f"{'x'.join(map(str, shape))}, {args.optimizer}")
-    console.print(memory_table(breakdowns, title=f"Memory of one training step: {what} (MB = 1e6 bytes)"))
+    console.print(memory_table(breakdowns, title=f"Memory of one training step: {what} (MiB)"))
     how = "measured on real tensors" if args.measure else "estimated with FakeTensorMode (nothing computed)"
     console.print(f"{how} in {seconds:.1f} s. Total = sum of components, an upper bound on one step's "
                   "live tensors: activations are freed as backward runs.")

@@ -21,7 +21,7 @@ from mixprec.diagnostics.gradients import (
 from mixprec.diagnostics.memory import (
     PRECISIONS,
     MemoryBreakdown,
-    Precision,
+    as_recipe,
     get_precision,
     memory_breakdown,
     memory_breakdowns,
@@ -43,7 +43,7 @@ __all__ = [
     "memory_breakdowns",
     "memory_table",
     "MemoryBreakdown",
-    "Precision",
+    "as_recipe",
     "PRECISIONS",
     "get_precision",
     # gradients

@@ -43,9 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.amp import OPT_LEVELS, Properties
+from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
+from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import BATCHNORM, HALF_DTYPES, MasterWeights
+from mixprec.recipe import RECIPES, Recipe, get_recipe
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -54,95 +56,81 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTOCAST_IMPLS",
     "COMPONENTS",
-    "PRECISIONS",
     "MemoryBreakdown",
-    "Precision",
+    "PRECISIONS",
     "get_precision",
+    "as_recipe",
+    "check_update",
+    "parse_precision",
+    "precision_name",
     "memory_breakdown",
     "memory_breakdowns",
     "memory_table",
 ]
 
 MB = 1e6  # the published figures use decimal megabytes: 6,512,650 params x 4 B = 26.05 MB
+MIB = 2**20  # what every table and chart of the package shows (the ladder's too)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# precision recipes
+# precision recipes: mixprec.recipe's, plus a LowPrecisionOptimizer mode for pure half ones
 # ---------------------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Precision:
-    """Which dtype each part of a training step uses.
-
-    ``param_dtype`` is the dtype of the model's parameters and of its input batch (apex's O2/O3 cast the
-    input to the model's dtype; O1 keeps both fp32 and lets autocast cast per op). Gradients take their
-    parameter's dtype; the optimizer state takes the dtype of the tensors it steps (the masters if any).
-    The apex opt levels are not restated here: :meth:`from_properties` reads them from ``mixprec.amp``.
-    """
-
-    name: str
-    description: str
-    param_dtype: torch.dtype
-    keep_batchnorm_fp32: bool = False  # apex O2: BatchNorm's statistics need fp32's precision
-    master_weights: bool = False  # an fp32 copy of every half parameter is what the optimizer updates
-    autocast_dtype: torch.dtype | None = None  # forward runs under autocast to this dtype (O1)
-
-    def __post_init__(self) -> None:
-        # Hand-built recipes (fp32/fp16/bf16, the report's "bf16 + master") are checked here; the opt
-        # levels were already checked by amp.Properties.
-        if not self.param_dtype.is_floating_point:
-            raise ConfigError(f"param_dtype must be a floating dtype, got {self.param_dtype}.")
-        if self.master_weights and self.param_dtype not in HALF_DTYPES:
-            raise ConfigError(
-                f"precision {self.name!r} asks for fp32 master weights of {self.param_dtype} parameters.",
-                "use master_weights=True only with a half param_dtype (float16 or bfloat16).",
-            )
-
-    @classmethod
-    def from_properties(cls, props: Properties, description: str | None = None) -> Precision:
-        """The memory recipe of an apex opt level (``mixprec.amp.OPT_LEVELS[...]``, possibly overridden).
-
-        ``None`` in a :class:`~mixprec.amp.Properties` means "not applicable at this level": no cast (the
-        model stays fp32), no kept-fp32 BatchNorm, no masters. O1's autocast runs in the level's half dtype.
-        """
-        return cls(
-            name=props.opt_level,
-            description=description or f"apex {props.opt_level}: {props.description}",
-            param_dtype=props.cast_model_type or torch.float32,
-            keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32),
-            master_weights=bool(props.master_weights),
-            autocast_dtype=props.half_dtype if props.patch_torch_functions else None,
-        )
+PrecisionLike = str | Recipe | Properties
 
 
-PRECISIONS: dict[str, Precision] = {
-    p.name: p
-    for p in (
-        Precision("fp32", "fp32 params, grads and optimizer state", torch.float32),
-        Precision("fp16", "pure fp16: fp16 params, grads and optimizer state, no masters", torch.float16),
-        Precision("bf16", "pure bf16: bf16 params, grads and optimizer state, no masters", torch.bfloat16),
-        *(Precision.from_properties(props) for props in OPT_LEVELS.values()),
-    )
-}
-
-
-def get_precision(precision: str | Precision | Properties) -> Precision:
-    """The :class:`Precision` named ``precision`` (case-insensitive), the recipe of an opt level's
-    :class:`~mixprec.amp.Properties`, or ``precision`` itself."""
-    if isinstance(precision, Precision):
-        return precision
+def as_recipe(precision: PrecisionLike) -> Recipe:
+    """The :class:`~mixprec.recipe.Recipe` named ``precision`` (a preset of :data:`~mixprec.recipe.RECIPES`),
+    an apex :class:`~mixprec.amp.Properties`' recipe, or ``precision`` itself."""
     if isinstance(precision, Properties):
-        return Precision.from_properties(precision)
-    by_lower = {name.lower(): p for name, p in PRECISIONS.items()}
-    found = by_lower.get(str(precision).strip().lower())
-    if found is None:
+        return precision.recipe
+    return get_recipe(precision.strip() if isinstance(precision, str) else precision)
+
+
+def _resolve(precision: PrecisionLike, update: UpdateMode | str | None) -> tuple[Recipe, UpdateMode | None]:
+    recipe, mode = parse_precision(precision) if isinstance(precision, str) else (as_recipe(precision), None)
+    if update is not None:
+        if mode is not None:
+            raise ConfigError(f"precision {precision!r} names an update mode, and update={update!r} another.",
+                              "name the mode once.")
+        mode = parse_precision(f"{recipe.name}+{UpdateMode(update).value}")[1]
+    return recipe, mode
+
+
+def check_update(recipe: Recipe, update: UpdateMode | None) -> None:
+    """A LowPrecisionOptimizer mode needs pure half weights: a half model without fp32 masters."""
+    if update is not None and (not recipe.casts_model or recipe.uses_masters):
         raise ConfigError(
-            f"unknown precision {precision!r}.",
-            f"use one of {', '.join(PRECISIONS)}, or pass a mixprec.diagnostics.Precision or an "
-            "amp.Properties.",
+            f"update mode {update.value!r} with recipe {recipe.name!r}: a LowPrecisionOptimizer updates "
+            "half weights that have no fp32 masters.",
+            "use it with pure-bf16 or pure-fp16, e.g. pure-bf16+kahan.",
         )
-    return found
+
+
+def parse_precision(name: str) -> tuple[Recipe, UpdateMode | None]:
+    """``"pure-bf16+kahan"`` -> (the pure-bf16 recipe, UpdateMode.KAHAN); ``"O2"`` -> (O2's recipe, None).
+    The names of ``mixprec memory --precision`` and of the ladder's rungs."""
+    base, plus, mode = name.strip().partition("+")
+    recipe = as_recipe(base)
+    if not plus:
+        return recipe, None
+    modes = ", ".join(m.value for m in UpdateMode)
+    try:
+        update = UpdateMode(mode.strip().lower())
+    except ValueError:
+        raise ConfigError(f"unknown update mode {mode!r} in {name!r}.",
+                          f"write RECIPE+MODE with MODE one of {modes}, e.g. pure-bf16+kahan.") from None
+    check_update(recipe, update)
+    return recipe, update
+
+
+# The names before the Recipe (mixprec 0.x): the presets are the recipes now.
+PRECISIONS = RECIPES
+get_precision = as_recipe
+
+
+def precision_name(recipe: Recipe, update: UpdateMode | None) -> str:
+    return recipe.name if update is None else f"{recipe.name}+{update.value}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,6 +141,7 @@ def get_precision(precision: str | Precision | Properties) -> Precision:
 COMPONENTS: tuple[tuple[str, str, str], ...] = (
     ("params", "parameters", "model parameters in the recipe's dtypes; tied parameters once"),
     ("masters", "fp32 master weights", "fp32 copies of the half parameters, stepped by the optimizer"),
+    ("extras", "low-precision extras", "Kahan compensations or 16+16 low halves (LowPrecisionOptimizer)"),
     ("buffers", "buffers", "non-parameter state such as BatchNorm running statistics"),
     ("grads", "gradients", "one per trainable parameter, in the parameter's dtype"),
     ("master_grads", "fp32 master gradients", "fp32 gradients of the master weights"),
@@ -178,11 +167,20 @@ class MemoryBreakdown:
     activations: int
     n_params: int
     estimated: bool  # True: FakeTensorMode, nothing computed; False: measured on real tensors
+    extras: int = 0  # a LowPrecisionOptimizer's per-parameter buffers (pure half recipes only)
 
     @property
     def total(self) -> int:
         """Sum of all components: an upper bound on one step's live tensors (see the module docstring)."""
         return sum(getattr(self, key) for key, _, _ in COMPONENTS)
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Parameters, gradients, masters and their gradients or low-precision extras, and optimizer state,
+        per parameter: what grows with the model (the ladder's B/param)."""
+        weights = self.params + self.masters + self.extras
+        held = weights + self.grads + self.master_grads + self.optimizer_state
+        return held / self.n_params if self.n_params else 0.0
 
     @property
     def weights(self) -> int:
@@ -260,16 +258,16 @@ class _Maker:
             yield
 
 
-def _param_dtype(module: nn.Module, t: Tensor, precision: Precision) -> torch.dtype:
+def _param_dtype(module: nn.Module, t: Tensor, recipe: Recipe) -> torch.dtype:
     if not t.is_floating_point():
         return t.dtype  # e.g. BatchNorm's num_batches_tracked
     # The library's one definition of "a BatchNorm" (what model_to_half and initialize keep in fp32).
-    if precision.keep_batchnorm_fp32 and isinstance(module, BATCHNORM):
+    if recipe.keep_batchnorm_fp32 and isinstance(module, BATCHNORM):
         return torch.float32
-    return precision.param_dtype
+    return recipe.model_dtype
 
 
-def _copy_model(model: nn.Module, precision: Precision, maker: _Maker) -> nn.Module:
+def _copy_model(model: nn.Module, precision: Recipe, maker: _Maker) -> nn.Module:
     # deepcopy with the memo pre-filled: every parameter and buffer is replaced by its converted copy (made
     # once, so tied weights stay tied); everything else about the model is copied as usual.
     memo: dict[int, Any] = {}
@@ -307,11 +305,11 @@ def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
     return F.cross_entropy(output, target)
 
 
-def _copy_batch(batch: Batch, precision: Precision, maker: _Maker) -> tuple[Any, Any]:
+def _copy_batch(batch: Batch, recipe: Recipe, maker: _Maker) -> tuple[Any, Any]:
     def convert(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        return maker.like(t, precision.param_dtype if t.is_floating_point() else t.dtype)
+        return maker.like(t, recipe.model_dtype if t.is_floating_point() else t.dtype)
 
     x, y = split_batch(batch)
     return convert(x), convert(y)
@@ -385,7 +383,7 @@ class _SavedTensors:
 
 
 def _saved_for_backward(
-    model: nn.Module, x: Any, y: Any, precision: Precision, loss_fn: LossFn, autocast: str
+    model: nn.Module, x: Any, y: Any, precision: Recipe, loss_fn: LossFn, autocast: str
 ) -> _SavedTensors:
     tensors = [*model.parameters(), *model.buffers()]
     saved = _SavedTensors({_storage_key(t) for t in tensors}, {id(p) for p in model.parameters()})
@@ -457,11 +455,12 @@ def memory_breakdown(
     model: nn.Module,
     optimizer: OptimizerLike,
     batch: Batch,
-    precision: str | Precision | Properties = "fp32",
+    precision: PrecisionLike = "fp32",
     *,
     loss_fn: LossFn | None = None,
     estimate: bool = False,
     autocast: str = "torch",
+    update: UpdateMode | str | None = None,
 ) -> MemoryBreakdown:
     """Bytes of parameters, gradients, fp32 masters, optimizer state and saved activations of one step.
 
@@ -472,13 +471,15 @@ def memory_breakdown(
             own state is not touched; a ``MasterWeights`` is unwrapped, since the recipe decides about
             masters), a function ``params -> optimizer``, or None for no state.
         batch: an example ``x`` or ``(x, y)``; only shapes and dtypes matter when ``estimate=True``.
-        precision: a name in :data:`PRECISIONS` (fp32, fp16, bf16, O0-O3), a :class:`Precision`, or an
-            opt level's :class:`~mixprec.amp.Properties`.
+        precision: a :class:`~mixprec.recipe.Recipe`, the name of one of :data:`~mixprec.recipe.RECIPES`
+            (fp32, pure-fp16, pure-bf16, fp16, bf16, O0-O3, ...), or an apex ``Properties`` (its recipe).
         loss_fn: ``loss_fn(output, y)``; default cross-entropy, or ``output.sum()`` without ``y``.
         estimate: compute nothing: run under FakeTensorMode (seconds for VGG16 at batch 64).
         autocast: ``"torch"`` (torch.autocast) or ``"mixprec"`` (mixprec.autocast), for recipes with autocast.
+        update: a :class:`~mixprec.low_precision.LowPrecisionOptimizer` mode (pure half recipes only): its
+            extra buffers are counted, and the wrapped optimizer's state is fp32, as it steps fp32 views.
     """
-    recipe = get_precision(precision)
+    recipe, mode = _resolve(precision, update)
     if autocast not in AUTOCAST_IMPLS:
         raise ConfigError(f"unknown autocast {autocast!r}.", f"use one of {', '.join(AUTOCAST_IMPLS)}.")
     factory = _optimizer_factory(optimizer)
@@ -488,11 +489,15 @@ def memory_breakdown(
     params = list(step_model.parameters())
     trainable = [p for p in params if p.requires_grad]
     masters, stepped = _masters_and_stepped(trainable, recipe, maker)
+    if mode is not None:  # the wrapped optimizer steps fp32 views of the half weights
+        stepped = [maker.like(p, torch.float32) for p in trainable]
     with maker.active():
         saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or default_loss, autocast)
         state = _optimizer_state_bytes(factory, [t.detach().requires_grad_(True) for t in stepped])
+        extras = _extra_bytes(trainable, mode)
     return MemoryBreakdown(
-        precision=recipe.name,
+        precision=precision_name(recipe, mode),
+        extras=extras,
         params=_unique_bytes(params),
         masters=_nbytes(masters),
         buffers=_unique_bytes(step_model.buffers()),
@@ -506,12 +511,21 @@ def memory_breakdown(
     )
 
 
+def _extra_bytes(trainable: list[Tensor], mode: UpdateMode | None) -> int:
+    """Bytes of the buffers a LowPrecisionOptimizer in ``mode`` allocates for ``trainable`` (made by the
+    optimizer itself, so the count follows its rules)."""
+    if mode is None or not trainable:
+        return 0
+    wrapper = LowPrecisionOptimizer(torch.optim.SGD(trainable, lr=0.0), mode)  # lr unused: never stepped
+    return _nbytes(wrapper.extra_tensors())
+
+
 def _masters_and_stepped(
-    trainable: list[Tensor], precision: Precision, maker: _Maker
+    trainable: list[Tensor], recipe: Recipe, maker: _Maker
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The fp32 masters, and the tensors the optimizer steps: the masters plus the parameters that are not
     half (apex steps kept-fp32 BatchNorm parameters directly, without a copy), or all parameters."""
-    if not precision.master_weights:
+    if not recipe.uses_masters:
         return [], trainable
     # Only half parameters get a master, as in MasterWeights; fp32 (kept-fp32 BatchNorm) and fp64 ones are
     # stepped directly.
@@ -556,7 +570,7 @@ def memory_breakdowns(
     model: nn.Module,
     optimizer: OptimizerLike,
     batch: Batch,
-    precisions: Sequence[str | Precision | Properties] = ("fp32", "fp16", "O1", "O2"),
+    precisions: Sequence[PrecisionLike] = ("fp32", "pure-fp16", "O1", "O2"),
     **kwargs: Any,
 ) -> list[MemoryBreakdown]:
     """:func:`memory_breakdown` for each of ``precisions`` (same keyword arguments)."""
@@ -564,10 +578,10 @@ def memory_breakdowns(
 
 
 def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None) -> Table:
-    """A rich table: one row per component, one column per precision, in MB (1e6 bytes)."""
+    """A rich table: one row per component, one column per precision, in MiB (2**20 bytes)."""
     from rich.table import Table
 
-    table = Table(title=title or "Memory of one training step (MB = 1e6 bytes)", title_justify="left")
+    table = Table(title=title or "Memory of one training step (MiB)", title_justify="left")
     table.add_column("component")
     for b in breakdowns:
         table.add_column(b.precision, justify="right")
@@ -575,11 +589,13 @@ def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None
     for key, label, what in COMPONENTS:
         values = [getattr(b, key) for b in breakdowns]
         if any(values):
-            table.add_row(label, *(f"{v / MB:,.2f}" for v in values), what)
+            table.add_row(label, *(f"{v / MIB:,.2f}" for v in values), what)
     table.add_section()
-    table.add_row("weights (params + masters)", *(f"{b.weights / MB:,.2f}" for b in breakdowns),
+    table.add_row("weights (params + masters)", *(f"{b.weights / MIB:,.2f}" for b in breakdowns),
                   "the published 'model memory'")
-    table.add_row("[bold]total[/bold]", *(f"[bold]{b.total / MB:,.2f}[/bold]" for b in breakdowns),
+    table.add_row("bytes per parameter", *(f"{b.bytes_per_param:.1f}" for b in breakdowns),
+                  "params + grads + masters/extras + optimizer state, per parameter")
+    table.add_row("[bold]total[/bold]", *(f"[bold]{b.total / MIB:,.2f}[/bold]" for b in breakdowns),
                   "sum: upper bound of one step's live tensors")
     if breakdowns:
         base = breakdowns[0].total

@@ -94,6 +94,7 @@ FORMAT_MARKS: tuple[FormatMark, ...] = (
 MEMORY_COLORS: dict[str, str] = {
     "params": "#1f4e79",
     "masters": "#2e75b6",
+    "extras": "#8faadc",  # a LowPrecisionOptimizer's compensations / low halves: beside the masters
     "buffers": "#9dc3e6",
     "grads": "#c55a11",
     "master_grads": "#f4b183",
