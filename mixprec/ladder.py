@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.autocast import autocast
-from mixprec.callbacks import AutocastMixedPrecision, Callback, MixedPrecision, StepTimer
+from mixprec.callbacks import Callback, StepTimer, callback_for
 from mixprec.data import DataBunch
 from mixprec.diagnostics.memory import check_update
 from mixprec.errors import ConfigError
@@ -62,7 +62,7 @@ __all__ = [
     "Experiment",
     "EXPERIMENTS",
     "RungResult",
-    "callback_for",
+    "callbacks_for",
     "weighted_loss",
     "run_rung",
     "run_ladder",
@@ -143,30 +143,12 @@ class LowPrecisionUpdate(Callback):
         self.learn.opt = LowPrecisionOptimizer(self.learn.opt, self.mode)
 
 
-def _scaling(recipe: Recipe) -> dict[str, Any]:
-    """MixedPrecision's scaling arguments from the recipe's ScaleConfig (None: no scaling)."""
-    s = recipe.scale
-    if s is None:
-        return {"loss_scale": None}
-    return {"loss_scale": s.init_scale, "dynamic": s.dynamic, "max_noskip": s.growth_interval,
-            "max_scale": s.max_scale, "min_scale": s.min_scale}
-
-
-def callback_for(rung: Rung) -> list[Callback]:
-    """The callbacks that train as ``rung`` says: none for fp32, AutocastMixedPrecision for a per-op
-    cast policy, MixedPrecision for a half model (plus LowPrecisionUpdate for an update mode)."""
-    recipe = rung.recipe
-    if recipe.autocast_dtype is not None:
-        s = recipe.scale
-        scale = (None, True, 1) if s is None else (s.init_scale, s.dynamic, s.growth_interval)
-        return [AutocastMixedPrecision(recipe.autocast_dtype, *scale, policy=recipe.policy)]
-    if not recipe.casts_model:
+def callbacks_for(rung: Rung) -> list[Callback]:
+    """The callbacks that train as ``rung`` says: the recipe's own (:func:`mixprec.callbacks.callback_for`:
+    none for fp32), plus :class:`LowPrecisionUpdate` for an update mode."""
+    mixed = callback_for(rung.recipe)
+    if mixed is None:
         return []
-    scaling = _scaling(recipe)
-    mixed = MixedPrecision(
-        recipe.model_dtype, scaling.pop("loss_scale"), recipe.flat_master, loss_fp32=recipe.loss_fp32,
-        master_weights=recipe.uses_masters, keep_bn_fp32=recipe.keep_batchnorm_fp32, **scaling,
-    )
     return [mixed] if rung.update is None else [mixed, LowPrecisionUpdate(rung.update)]
 
 
@@ -337,7 +319,7 @@ def run_rung(
     probes = StepTimer(), MemoryProbe(), GradientProbe(), UpdateProbe()
     learn = Learner(data(), copy.deepcopy(model), loss_func=weighted_loss(settings.loss_weight),
                     opt_func=_sgd(settings.momentum), metrics=[accuracy], callbacks=probes, silent=True)
-    for cb in callback_for(rung):
+    for cb in callbacks_for(rung):
         learn.add_cb(cb)
     start = time.perf_counter()
     learn.fit(settings.epochs, settings.lr)

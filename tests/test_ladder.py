@@ -39,7 +39,7 @@ def results() -> dict[str, ladder.RungResult]:
 def test_rungs_are_data() -> None:
     assert len(ladder.RUNGS) == len(ladder.LADDER) == 7
     assert [r.key for r in ladder.LADDER][0] == "fp32"
-    callbacks = {r.key: next(iter(ladder.callback_for(r)), None) for r in ladder.LADDER}
+    callbacks = {r.key: next(iter(ladder.callbacks_for(r)), None) for r in ladder.LADDER}
     assert callbacks["fp32"] is None
     naive = callbacks["fp16-naive"]
     assert isinstance(naive, MixedPrecision) and not naive.master_weights and naive.loss_scale is None
