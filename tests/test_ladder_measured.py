@@ -115,3 +115,10 @@ def test_small_gradients_need_loss_scaling() -> None:
     assert unscaled.valid_accuracy is not None and fp32.valid_accuracy is not None
     assert unscaled.valid_accuracy < fp32.valid_accuracy - 0.05
     assert static.valid_accuracy == pytest.approx(fp32.valid_accuracy, abs=0.01)
+
+
+def test_the_command_line_knows_every_rung() -> None:
+    from mixprec.commands import compare
+
+    assert compare.PURE_BF16_KEYS == tuple(r.key for r in ladder.PURE_BF16)
+    assert compare.DEMO_KEYS == ladder.DEMO_RUNGS and set(compare.DEMO_KEYS) == set(ladder.ALL_RUNGS)
