@@ -7,7 +7,9 @@ from them and is computed here, not looked up, so the tests can check it against
 even) and takes the result apart into its bit fields: the tests check it against torch's own cast.
 
 This module is pure Python and imports torch only when a torch dtype is asked for, so
-``mixprec formats`` and the docs can use it without loading torch.
+``mixprec formats`` and the docs can use it without loading torch. It is longer than most modules because
+it holds one concept whole: a format's definition and the rounding into it are two views of the same
+three numbers, and the tests check them against each other.
 """
 
 from __future__ import annotations
