@@ -40,7 +40,8 @@ from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import HalfModel, prepare
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
-from mixprec.scaler import GradScaler, device_skip_is_safe
+from mixprec.scaler import GradScaler
+from mixprec.skip_step import combined_found_inf, step_unless_inf
 
 __all__ = [
     "Properties",
@@ -161,6 +162,8 @@ def initialize(
     else:
         _warn_if_state_underflows(recipe, opt_list)
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
+    for scaler, model in ((s, m) for s in scalers for m in model_list):
+        scaler.watch(model)  # a skipped step leaves BatchNorm's running statistics as they were
     if _STATE is not None and opt_list:
         warnings.warn(
             "mixprec.initialize was called again: its optimizers keep their own loss scalers, and "
@@ -285,20 +288,8 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             "call optimizer.zero_grad() and run the next forward/backward inside scale_loss before stepping.",
         )
     pending.stepped = True
-    found = _combined(pending.found_infs)
-    assert found is not None  # checked above: there are flags
-    inner = _inner(opt)
-    if getattr(inner, "_step_supports_amp_scaling", False) and device_skip_is_safe(inner):
-        # fused optimizers skip on the device: no host sync
-        inner.found_inf, inner.grad_scale = found, None  # type: ignore[attr-defined]
-        try:
-            return plain(*args, **kwargs)
-        finally:
-            del inner.found_inf, inner.grad_scale  # type: ignore[attr-defined]
-    if found.item() == 0:  # one sync, as apex
-        return plain(*args, **kwargs)
-    inner._opt_called = True  # type: ignore[attr-defined]  # skipped, but called in order (LR schedulers)
-    return None
+    # The scaler's one skip decision: on the device for fused optimizers, else one read (as apex).
+    return step_unless_inf(_inner(opt), combined_found_inf(pending.found_infs), plain, *args, **kwargs)
 
 
 def _state_of(opts: list[Any]) -> _AmpState:
@@ -354,21 +345,13 @@ def scale_loss(
         scaler.unscale_(inner)
         _add_stash(stashes[id(opt)])
         flags.extend(scaler._found_inf_per_device(inner).values())
-    found = _combined(flags)
+    found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
         if found is not None:
             pending.found_infs.append(found)
         pending.unscaled = True
     scaler.update()
-
-
-def _combined(flags: list[torch.Tensor]) -> torch.Tensor | None:
-    """One 0/1 flag from several: the max, not the sum, because torch's fused optimizers skip only when
-    ``found_inf == 1`` (a sum of two overflows, 2.0, would let the step write inf/NaN)."""
-    if not flags:
-        return None
-    return torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
 
 def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tensor] | None:

@@ -34,13 +34,8 @@ import torch
 
 from mixprec.errors import ConfigError
 from mixprec.half_model import HALF_DTYPES
-from mixprec.scaler import (
-    DEFAULT_BACKOFF_FACTOR,
-    DEFAULT_GROWTH_FACTOR,
-    DEFAULT_GROWTH_INTERVAL,
-    DEFAULT_INIT_SCALE,
-    GradScaler,
-)
+from mixprec.scale_state import ScaleConfig  # the scaler's own record of its settings: one definition
+from mixprec.scaler import GradScaler
 
 __all__ = [
     "ScaleConfig",
@@ -61,38 +56,6 @@ FASTAI_MAX_NOSKIP = 1000
 # apex's (and fastai's) ceiling on a dynamic scale: past it a scaled 2**-24 would already be 1, so larger
 # scales only buy overflows.
 APEX_MAX_LOSS_SCALE = 2.0**24
-
-
-@dataclass(frozen=True)
-class ScaleConfig:
-    """How a loss is scaled; the fields are :class:`~mixprec.scaler.GradScaler`'s keyword arguments, and
-    their defaults are the scaler's (torch.amp's), so no default is written twice."""
-
-    init_scale: float = DEFAULT_INIT_SCALE
-    dynamic: bool = True
-    growth_interval: int = DEFAULT_GROWTH_INTERVAL
-    growth_factor: float = DEFAULT_GROWTH_FACTOR
-    backoff_factor: float = DEFAULT_BACKOFF_FACTOR
-    max_scale: float | None = None  # torch.amp has no ceiling; the apex and fastai presets set 2**24
-    min_scale: float | None = None
-    hysteresis: int = 1  # overflows tolerated before backing off (DeepSpeed/Megatron's hysteresis)
-    skip_limit: int | None = None  # consecutive skipped steps before PersistentOverflowError
-
-    def __post_init__(self) -> None:
-        self.make_scaler("cpu")  # the scaler checks every value and names it as the user passed it
-
-    @classmethod
-    def static(cls, scale: float) -> ScaleConfig:
-        """A fixed scale; overflowing steps are still skipped."""
-        return cls(init_scale=scale, dynamic=False)
-
-    def make_scaler(self, device: str | torch.device, **extras: Any) -> GradScaler:
-        """A fresh scaler with this configuration; ``extras`` are GradScaler's other keywords."""
-        fields = dataclasses.asdict(self)
-        if not self.dynamic:  # a static scale never moves: no bounds to keep
-            fields.update(max_scale=None, min_scale=None)
-        device_type = torch.device(device).type
-        return GradScaler(device_type, **fields, **extras)
 
 
 @dataclass(frozen=True)
@@ -169,7 +132,7 @@ class Recipe:
         if self.scale is None:
             return GradScaler(torch.device(device).type, enabled=False, **extras)
         extras.setdefault("allow_fp16_grads", self.casts_model and not self.uses_masters)
-        return self.scale.make_scaler(device, **extras)
+        return GradScaler.from_config(torch.device(device).type, self.scale, **extras)
 
     # ---- presets
     @classmethod

@@ -124,6 +124,8 @@ def _check_backoff(value: Any) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- settings
+_RUN_SETTINGS = ("init_scale", "skip_limit")
+
 @dataclass(frozen=True)
 class ScaleConfig:
     """What the user chose. Frozen and validated in ``__post_init__``: change it with ``replace``."""
@@ -136,6 +138,10 @@ class ScaleConfig:
     max_scale: float | None = None  # None: unbounded, as torch (growth still stops short of fp32 inf)
     hysteresis: int = 1  # 1: back off on every overflow, as torch
     hysteresis_rule: HysteresisRule = "deepspeed"
+    # Where the scale starts, and when a run that keeps skipping stops: settings of a run, not of the
+    # scale's rule, so they are not part of state_dict (the scale itself and the skip counter are).
+    init_scale: float = DEFAULT_INIT_SCALE
+    skip_limit: int | None = None  # None: never stop (see GradScaler's docstring)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the validated values once, here
@@ -153,6 +159,8 @@ class ScaleConfig:
         for name in ("min_scale", "max_scale"):
             if getattr(self, name) is not None:
                 set_(self, name, check_scale(name, getattr(self, name)))
+        set_(self, "init_scale", check_scale("init_scale", self.init_scale, self.floor))
+        set_(self, "skip_limit", check_count("skip_limit", self.skip_limit, optional=True))
         if self.max_scale is not None and self.max_scale < self.floor:
             raise ConfigError(
                 f"min_scale {self.floor:g} is larger than max_scale {self.max_scale:g}.",
@@ -164,11 +172,17 @@ class ScaleConfig:
         """The lowest scale this scaler accepts or backs off to."""
         return DEFAULT_SCALE_FLOOR if self.min_scale is None else self.min_scale
 
+    @classmethod
+    def static(cls, scale: float) -> ScaleConfig:
+        """A fixed scale (overflowing steps are still skipped)."""
+        return cls(dynamic=False, init_scale=scale, min_scale=min(scale, DEFAULT_SCALE_FLOOR))
+
     def replace(self, **changes: Any) -> ScaleConfig:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The rule's settings as state_dict carries them (not the run's ``init_scale``/``skip_limit``)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_SETTINGS}
 
     def from_dict(self, saved: dict[str, Any]) -> ScaleConfig:
         """This config with the entries ``saved`` has (torch's dict lacks mixprec's extras)."""

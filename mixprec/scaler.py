@@ -195,17 +195,29 @@ class GradScaler:
             return  # as torch: a disabled scaler validates nothing, every call is a pass-through
         self._config = ScaleConfig(
             growth_factor, backoff_factor, growth_interval, dynamic, min_scale, max_scale, hysteresis,
-            hysteresis_rule,
+            hysteresis_rule, init_scale, skip_limit,
         )  # fmt: skip
         self._state = ScaleState(
-            scale=check_scale("init_scale", init_scale, self._config.floor),
+            scale=self._config.init_scale,
             hysteresis_left=self._config.hysteresis,
             history_size=cast(int, check_count("history_size", history_size)),
         )
         self._allow_fp16_grads = allow_fp16_grads
         self._sync_found_inf = sync_found_inf
         self._process_group = process_group
-        self._skip_limit = check_count("skip_limit", skip_limit, optional=True)
+
+    @classmethod
+    def from_config(cls, device: str, config: ScaleConfig, **extras: Any) -> GradScaler:
+        """A scaler with ``config``'s settings (a :class:`~mixprec.recipe.Recipe`'s ``scale``); ``extras``
+        are the other keyword arguments (``allow_fp16_grads``, ``history_size``, ...)."""
+        fields = {name: getattr(config, name) for name in (
+            "init_scale", "growth_factor", "backoff_factor", "growth_interval", "dynamic", "min_scale",
+            "max_scale", "hysteresis", "hysteresis_rule", "skip_limit")}  # fmt: skip
+        return cls(device, **fields, **extras)
+
+    @property
+    def _skip_limit(self) -> int | None:
+        return self._config.skip_limit
 
     # ------------------------------------------------------------------ torch's private names, kept readable
     @property

@@ -420,3 +420,18 @@ def test_no_warning_where_the_optimizer_state_is_safe(level: str, opt_class: typ
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mixprec.initialize(model, opt_class(model.parameters(), lr=1e-3), level, verbosity=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(level: str) -> None:
+    """One NaN sample: the step is skipped and BatchNorm's running statistics must not take the NaN."""
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, verbosity=0)
+    bn = model[1]
+    before = (bn.running_mean.clone(), bn.running_var.clone())
+    x, y = next(_batches(1))
+    x[0, 0] = float("nan")
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])

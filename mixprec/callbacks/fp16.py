@@ -209,7 +209,8 @@ class AutocastMixedPrecision(MixedPrecision):
     ) -> None:
         if recipe is None:
             check_scaling_arguments(loss_scale=loss_scale, max_noskip=max_noskip)
-            scale = None if loss_scale is None else ScaleConfig(loss_scale, dynamic, max_noskip)
+            scale = (None if loss_scale is None
+                     else ScaleConfig(init_scale=loss_scale, dynamic=dynamic, growth_interval=max_noskip))
             recipe = Recipe.from_opt_level("O1", dtype).replace(policy=policy, scale=scale)
         super().__init__(clip=clip, recipe=recipe)
 
