@@ -63,3 +63,37 @@ def test_each_recipe_trains_as_it_says(name: str, masters: bool, dtypes: set[tor
     assert watch.dtypes == dtypes  # the mlp has no BatchNorm: every parameter in the model dtype
     assert all(p.dtype == torch.float32 for p in learn.model.parameters())  # restored after the fit
     assert learn.recorder.loss_scales[0] == RECIPES[name].scale.init_scale
+
+
+class _NaNBatch(Callback):
+    """Batch 2 is NaN (one corrupt sample would do); records BatchNorm's buffers around that iteration."""
+
+    order = -50  # before MixedPrecision casts the batch
+
+    def __init__(self) -> None:
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b.detach().clone() for b in self.learn.model.buffers()]
+
+    def on_batch_begin(self) -> None:
+        if self.training and self.iteration == 2:
+            self.before = self._buffers()
+            self.learn.xb = torch.full_like(self.xb, float("nan"))
+
+    def on_batch_end(self) -> None:
+        if self.training and self.iteration == 2:
+            self.after = self._buffers()
+
+
+@pytest.mark.parametrize("name", ["fp16", "O2"])
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(name: str) -> None:
+    data = mixprec.digits(batch_size=256, seed=0)
+    torch.manual_seed(0)
+    learn = Learner(data, mixprec.build_model("cnn", data), silent=True).to_recipe(name)
+    nan = _NaNBatch()
+    learn.fit(steps=4, callbacks=[nan])
+    assert learn.recorder.skipped == [False, False, True, False]
+    assert nan.before and all(torch.equal(a, b) for a, b in zip(nan.before, nan.after, strict=True))
+    assert all(torch.isfinite(b).all() for b in learn.model.buffers())  # not NaN for the rest of the run

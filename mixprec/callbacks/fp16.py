@@ -25,6 +25,7 @@ from mixprec.half_model import HALF_DTYPES, HalfModel, model_to_float, model_to_
 from mixprec.master import MasterWeights
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
+from mixprec.skip_step import BufferWatch
 
 __all__ = [
     "MixedPrecision",
@@ -79,7 +80,8 @@ class MixedPrecision(Callback):
     (the learner's step goes through it: skipped on inf/NaN); on_batch_begin -- ``xb`` to the model's
     dtype, so callbacks see what the model computes on; on_backward_begin -- scale the loss;
     on_backward_end -- gradients unscaled into the masters and checked (no sync), clipped with ``clip``;
-    on_step_end -- update the scale; on_train_end -- the model back to fp32, holding the masters' values.
+    on_step_end -- update the scale (a skipped step's BatchNorm statistics put back, no sync);
+    on_train_end -- the model back to fp32, holding the masters' values.
 
     Args (fastai v1's, and ``MixedPrecision``'s before recipes; ignored when ``recipe`` is given):
         dtype: torch.float16 or torch.bfloat16.
@@ -132,6 +134,7 @@ class MixedPrecision(Callback):
         self.half: HalfModel | None = None
         self.masters: MasterWeights | None = None
         self.scaler: GradScaler | None = None
+        self.watch: BufferWatch | None = None
 
     # ---- the recipe's settings under their old attribute names
     dtype = property(lambda self: self.recipe.half_dtype)
@@ -155,6 +158,9 @@ class MixedPrecision(Callback):
         # history_size: the Recorder reads an epoch's scales from this ring buffer once per epoch
         history = max(1, len(self.data.train))
         self.learn.scaler = self.scaler = self.recipe.make_scaler(device, history_size=history)
+        # A skipped step leaves BatchNorm's running statistics as they were too (restored in update(), on
+        # the device: no sync); without it one NaN batch poisons them for the rest of the run.
+        self.watch = self.scaler.watch(self.learn.model) if self.scaler.is_enabled() else None
 
     def on_batch_begin(self) -> None:
         if self.recipe.casts_model and self.xb.is_floating_point():
@@ -177,11 +183,15 @@ class MixedPrecision(Callback):
     def on_step_end(self) -> None:
         if scaler_saw_step(self.scaler, self.opt):  # not when an earlier callback cancelled the step
             self.scaler.update()
+        elif self.watch is not None:
+            self.watch.arm()  # no update to re-arm it: snapshot again at the next iteration
 
     def on_train_end(self) -> None:
+        if self.watch is not None:
+            self.watch.remove()
         if self.half is not None:  # None: an earlier callback's on_train_begin failed before ours ran
             self.half.restore(self.masters)
-        self.half = self.masters = None
+        self.half = self.masters = self.watch = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.recipe.name}: {self.recipe.description})"
