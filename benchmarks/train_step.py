@@ -1,0 +1,418 @@
+"""Full training steps (forward, loss, backward, AdamW) in every precision mixprec and torch.amp offer.
+
+Workloads: a GPT-style decoder (d 512, 4 layers, 8 heads, T 128, vocab 4096, batch 16, tied embedding) and
+the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512). Configurations: fp32; torch.autocast bf16;
+torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16, bf16), O2 fp16 and O2 bf16
+(``mixprec.initialize`` + ``scale_loss``); each eager and ``torch.compile``-d (a configuration that fails
+to compile shows the reason in its row; the run goes on).
+
+Configurations are timed round-robin in one process (one step of each in turn), so load drift on a shared
+machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.autocast of the same dtype,
+tokens (samples) per second, MFU against an fp32 GEMM rate measured in the same run, and bytes per
+parameter held by parameters, gradients, master weights and optimizer state after a step.
+
+Where :mod:`mixprec.hardware` says a half dtype has no fast kernels here (an AVX2-only CPU: torch's bf16
+GEMMs ~90x slower than fp32), torch.autocast of that dtype is timed with fewer steps and, for the GPT, on a
+smaller batch scaled up linearly (GEMM time is linear in the tokens); the table marks those cells.
+
+    python benchmarks/train_step.py                 # default run (< 10 min on 2 cores)
+    python benchmarks/train_step.py --quick         # smoke run: MLP, eager, few steps
+    python benchmarks/train_step.py --no-compile    # eager only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import mixprec
+from mixprec import amp, hardware, models
+
+# the module, not the class mixprec.autocast that the package exports under the same name
+mixprec_autocast = importlib.import_module("mixprec.autocast")
+
+# ---- the GPT-style decoder (nanoGPT's shape, attention written with matmuls so every GEMM is visible) ----
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 4096
+    block: int = 128  # T
+    d: int = 512
+    layers: int = 4
+    heads: int = 8
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.d), nn.LayerNorm(c.d)
+        self.qkv, self.proj = nn.Linear(c.d, 3 * c.d), nn.Linear(c.d, c.d)
+        self.fc, self.out = nn.Linear(c.d, 4 * c.d), nn.Linear(4 * c.d, c.d)
+        self.register_buffer("mask", torch.ones(c.block, c.block, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        att = F.softmax(att.masked_fill(~self.mask[:t, :t], float("-inf")), dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(c.vocab, c.d), nn.Embedding(c.block, c.d)
+        self.blocks = nn.Sequential(*(Block(c) for _ in range(c.layers)))
+        self.ln = nn.LayerNorm(c.d)
+        self.head = nn.Linear(c.d, c.vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying, as GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def gpt_flops_per_token(c: GPTConfig) -> float:
+    # PaLM's estimate (as nanoGPT's estimate_mfu): 6 FLOPs per GEMM weight per token (forward 2, backward
+    # 4) plus the attention score and value GEMMs, 12 * layers * d * T per token.
+    gemm_weights = c.layers * 12 * c.d * c.d + c.vocab * c.d
+    return 6.0 * gemm_weights + 12.0 * c.layers * c.d * c.block
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make: Callable[[], nn.Module]
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # batch size -> (input, target)
+    batch_size: int
+    tokens_per_sample: int
+    flops_per_token: float
+    slow_batch_size: int  # batch for the torch configurations that have no fast kernels here
+
+
+def _gpt_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, GPTConfig.vocab, (n, GPTConfig.block + 1), generator=gen)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _mlp_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+WORKLOADS = {
+    "gpt": Workload("GPT d512 L4 H8 T128 V4096, b16", lambda: GPT(GPTConfig()), _gpt_batch, 16, 128,
+                    gpt_flops_per_token(GPTConfig()), slow_batch_size=1),
+    "mlp": Workload("MLP 784-8192-10, b512", lambda: models.mlp(784, 8192, 10), _mlp_batch, 512, 1,
+                    6.0 * (784 * 8192 + 8192 * 10), slow_batch_size=512),
+}
+
+
+# ---- configurations -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    dtype: torch.dtype  # the precision it is compared in (fp32 for the baseline)
+    kind: str  # "fp32", "torch" or an opt level
+
+
+CONFIGS = (
+    Config("fp32", torch.float32, "fp32"),
+    Config("torch.autocast bf16", torch.bfloat16, "torch"),
+    Config("torch.autocast fp16 + GradScaler", torch.float16, "torch"),
+    Config("mixprec O1 bf16", torch.bfloat16, "O1"),
+    Config("mixprec O1 fp16", torch.float16, "O1"),
+    Config("mixprec O2 bf16", torch.bfloat16, "O2"),
+    Config("mixprec O2 fp16", torch.float16, "O2"),
+)
+
+
+@dataclass
+class Runner:
+    """One model + optimizer + batch for a configuration; ``step()`` runs one training step."""
+
+    config: Config
+    compiled: bool
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    x: torch.Tensor
+    y: torch.Tensor
+    step: Callable[[], None] = field(init=False)
+    amp_state: object = None  # mixprec.initialize's process-wide state for this runner (see _swap_in)
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        forward = torch.compile(self.model) if self.compiled else self.model
+        self.step = _STEPS[self.config.kind](self, forward)
+
+    def timed_step(self) -> float:
+        if self.amp_state is not None:
+            amp._STATE = self.amp_state  # type: ignore[assignment]
+        start = time.perf_counter()
+        self.step()
+        return time.perf_counter() - start
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
+
+
+def _fp32_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        r.opt.zero_grad(set_to_none=True)
+        _loss(forward(r.x), r.y).backward()
+        r.opt.step()
+
+    return step
+
+
+def _torch_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    scaler = torch.amp.GradScaler("cpu", enabled=r.config.dtype is torch.float16)  # bf16 needs none
+
+    def step() -> None:
+        r.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=r.config.dtype):
+            loss = _loss(forward(r.x), r.y)
+        scaler.scale(loss).backward()
+        scaler.step(r.opt)
+        scaler.update()
+
+    return step
+
+
+def _mixprec_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        r.opt.zero_grad(set_to_none=True)
+        with mixprec.scale_loss(_loss(forward(r.x), r.y), r.opt) as scaled:
+            scaled.backward()
+        r.opt.step()
+
+    return step
+
+
+_STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[[], None]]] = {
+    "fp32": _fp32_step,
+    "torch": _torch_step,
+    "O1": _mixprec_step,
+    "O2": _mixprec_step,
+}
+
+
+def make_runner(workload: Workload, config: Config, compiled: bool, state: dict, batch: int) -> Runner:
+    model = workload.make()
+    model.load_state_dict(state)
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    amp_state = None
+    if config.kind in ("O1", "O2"):
+        model, opt = mixprec.initialize(model, opt, config.kind, dtype=config.dtype, verbosity=0)
+        # apex's amp keeps one process-wide state (one initialize per process); the round-robin holds one
+        # per configuration and swaps it in before each step.
+        amp_state = amp._STATE
+    x, y = workload.batch(batch)
+    return Runner(config, compiled, model, opt, x, y, amp_state=amp_state)
+
+
+# ---- measurements ---------------------------------------------------------------------------------------
+
+
+def bytes_per_param(runner: Runner) -> float:
+    """Bytes of parameters, gradients, masters and optimizer state (each storage once) per parameter."""
+    seen: dict[int, int] = {}
+
+    def add(t: object) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() > 1:  # skip scalar step counters
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    params = list(runner.model.parameters())
+    opts = [runner.opt] + ([runner.opt.optimizer] if hasattr(runner.opt, "optimizer") else [])
+    for p in params + [p for o in opts for g in o.param_groups for p in g["params"]]:
+        add(p)
+        add(p.grad)
+    for o in opts:
+        for state in o.state.values():
+            for value in state.values():
+                add(value)
+    return sum(seen.values()) / sum(p.numel() for p in params)
+
+
+def is_slow(config: Config) -> bool:
+    """torch.autocast of a dtype this machine has no fast kernels for (the ~90x case)."""
+    return config.kind == "torch" and hardware.half_arithmetic("cpu", config.dtype).emulated
+
+
+@dataclass
+class Result:
+    ms: float | None
+    steps: int
+    batch: int
+    bytes_per_param: float | None
+    error: str = ""
+
+
+def time_workload(workload: Workload, configs: list[Config], modes: tuple[bool, ...], steps: int,
+                  slow_steps: int, console: Console) -> dict[tuple[str, bool], Result]:
+    torch.manual_seed(0)
+    state = workload.make().state_dict()
+    runners: dict[tuple[str, bool], Runner] = {}
+    results: dict[tuple[str, bool], Result] = {}
+    for config in configs:
+        for compiled in modes:
+            key = (config.name, compiled)
+            batch = workload.slow_batch_size if is_slow(config) else workload.batch_size
+            if compiled and is_slow(config):
+                # Inductor calls the same slow half GEMM kernels: minutes of compile and steps to learn that
+                results[key] = Result(None, 0, batch, None, "skipped: no fast kernels here (see eager)")
+                continue
+            try:
+                runners[key] = make_runner(workload, config, compiled, state, batch)
+            except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
+                results[key] = _failed(key, batch, err, console)
+    times: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
+    for i in range(max(steps, slow_steps) + 2):  # the first steps warm up: allocation, compilation
+        for key, runner in list(runners.items()):
+            warmup = 2 if key[1] else 1
+            if i >= warmup + (slow_steps if is_slow(runner.config) else steps):
+                continue
+            try:
+                seconds = runner.timed_step()
+            except Exception as err:  # noqa: BLE001
+                results[key] = _failed(key, runner.x.shape[0], err, console)
+                del runners[key]
+                continue
+            if i >= warmup:
+                times[key].append(seconds)
+    for key, runner in runners.items():
+        scale = workload.batch_size / runner.x.shape[0]  # slow configs: smaller batch, scaled linearly
+        results[key] = Result(statistics.median(times[key]) * 1e3 * scale, len(times[key]),
+                              runner.x.shape[0], bytes_per_param(runner))
+    return results
+
+
+def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console) -> Result:
+    # A step that raised inside a region left it entered: leave it, so the next configuration runs clean.
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    torch.set_autocast_enabled("cpu", False)
+    mixprec_autocast._STATE.regions.clear()
+    reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:80]}"
+    console.print(f"  {key[0]}{' compiled' if key[1] else ''}: failed ({reason})")
+    return Result(None, 0, batch, None, reason)
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: float) -> Table:
+    table = Table(title=workload.name)
+    for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast", "tokens/s",
+                   "MFU", "bytes/param", "steps"):
+        table.add_column(header, justify="left" if header in ("configuration", "mode") else "right")
+    torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}
+    tokens = workload.batch_size * workload.tokens_per_sample
+    order = {c.name: i for i, c in enumerate(CONFIGS)}
+    for (name, compiled), r in sorted(results.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        mode = "compiled" if compiled else "eager"
+        if r.ms is None:
+            table.add_row(name, mode, r.error if r.error.startswith("skipped") else f"failed: {r.error}",
+                          *[""] * 6)
+            continue
+        config = next(c for c in CONFIGS if c.name == name)
+        base = results.get(("fp32", compiled))
+        ref = results.get((torch_of.get(config.dtype, ""), compiled))
+        flops = workload.flops_per_token * tokens
+        approx = "≈" if r.batch != workload.batch_size else ""
+        table.add_row(
+            name, mode, f"{approx}{r.ms:.1f}",
+            _ratio(r, base), _ratio(r, ref) if config.kind != "fp32" else "",
+            f"{tokens / (r.ms / 1e3):,.0f}", f"{flops / (r.ms / 1e3) / (gemm_gflops * 1e9):.0%}",
+            f"{r.bytes_per_param:.1f}" if r.bytes_per_param else "",
+            f"{r.steps}" + (f" (b{r.batch}, scaled)" if r.batch != workload.batch_size else ""),
+        )
+    return table
+
+
+def _ratio(r: Result, base: Result | None) -> str:
+    return f"{r.ms / base.ms:.2f}x" if base is not None and base.ms and r.ms else "—"
+
+
+# ---- where a step's time goes: the cast share ----------------------------------------------------------
+
+# Ops that only change a tensor's dtype (self time, so nested calls are counted once): torch's casts, the
+# emulation's input rounding, and the master-to-model copies of O2.
+CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::_foreach_copy_", "mixprec::round_to_half")
+
+
+def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float, float]:
+    """(cast self time / step self time, ms per step) of one eager configuration, under torch.profiler."""
+    config = next(c for c in CONFIGS if c.name == config_name)
+    torch.manual_seed(0)
+    runner = make_runner(workload, config, False, workload.make().state_dict(), workload.batch_size)
+    runner.timed_step()  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.timed_step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    casts = sum(e.self_cpu_time_total for e in events if e.key in CAST_OPS)
+    return casts / total, total / steps / 1e3
+
+
+GEMM_SIZE = 1024  # the MFU reference: a square fp32 GEMM as large as the MLP's, timed in this run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="MLP only, eager, 2 steps: a smoke run")
+    parser.add_argument("--no-compile", action="store_true", help="time eager configurations only")
+    parser.add_argument("--compiled-only", action="store_true", help="time compiled configurations only")
+    parser.add_argument("--config", action="append", default=None, choices=[c.name for c in CONFIGS],
+                        help="time only these configurations (repeatable; default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 3)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), action="append", default=None)
+    parser.add_argument("--profile", metavar="CONFIG", action="append", default=None,
+                        help="instead of timing, print the cast share of a step of CONFIG (eager)")
+    args = parser.parse_args(argv)
+    steps = args.steps or (2 if args.quick else 3)  # 3: the GPT's fp32 step takes seconds on 2 cores
+    slow_steps = 1  # ~90x configurations: one timed step after the warm-up
+    names = args.workload or (["mlp"] if args.quick else list(WORKLOADS))
+    modes = (False,) if args.no_compile or args.quick else (True,) if args.compiled_only else (False, True)
+    configs = [c for c in CONFIGS if args.config is None or c.name in args.config]
+    console = Console(width=max(Console().width, 150))
+    console.print(f"hardware: {hardware.hardware_line()}")
+    for dtype in hardware.HALF_DTYPES:
+        d = hardware.half_arithmetic("cpu", dtype)
+        console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
+    gflops = hardware.gemm_gflops("cpu", torch.float32, GEMM_SIZE)
+    console.print(f"fp32 GEMM {GEMM_SIZE}^3: {gflops:.1f} GFLOP/s (MFU reference); {steps} steps per config")
+    for name in names:
+        workload = WORKLOADS[name]
+        for config_name in args.profile or ():
+            share, ms = cast_share(workload, config_name, steps)
+            console.print(f"{workload.name}, {config_name}: casts {share:.1%} of a {ms:.0f} ms step")
+        if args.profile:
+            continue
+        console.print(f"timing {workload.name} ...")
+        results = time_workload(workload, configs, modes, steps, slow_steps, console)
+        console.print(report(workload, results, gflops))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
