@@ -27,6 +27,7 @@ import importlib
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -221,7 +222,9 @@ def make_runner(workload: Workload, config: Config, compiled: bool, state: dict,
     opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     amp_state = None
     if config.kind in ("O1", "O2"):
-        model, opt = mixprec.initialize(model, opt, config.kind, dtype=config.dtype, verbosity=0)
+        with warnings.catch_warnings():  # "initialize was called again": one call per configuration
+            warnings.simplefilter("ignore", UserWarning)
+            model, opt = mixprec.initialize(model, opt, config.kind, dtype=config.dtype, verbosity=0)
         # apex's amp keeps one process-wide state (one initialize per process); the round-robin holds one
         # per configuration and swaps it in before each step.
         amp_state = amp._STATE

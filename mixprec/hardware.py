@@ -26,7 +26,6 @@ The answer is a frozen :class:`HalfArithmetic` that says what was decided, by wh
 from __future__ import annotations
 
 import enum
-import functools
 import os
 import platform
 import time
@@ -157,7 +156,7 @@ def emulated_dtypes(device_type: str) -> frozenset[torch.dtype]:
 
 def clear_cache() -> None:
     """Forget detected answers (tests; a process that changed its thread count or device)."""
-    _detect.cache_clear()
+    _DETECTED.clear()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -167,11 +166,17 @@ def clear_cache() -> None:
 _Verdict = tuple[Arithmetic, Decider, str]
 
 
-@functools.cache
+# A plain dict, not functools.cache: torch.compile traces through a cache wrapper (it warns and re-runs the
+# detection while tracing), while a dict hit is an ordinary lookup it can guard on.
+_DETECTED: dict[tuple[str, torch.dtype], HalfArithmetic] = {}
+
+
 def _detect(device_type: str, dtype: torch.dtype) -> HalfArithmetic:
-    detector = _DETECTORS.get(device_type, _detect_by_probe)
-    arithmetic, decided_by, reason = detector(device_type, dtype)
-    return HalfArithmetic(device_type, dtype, arithmetic, decided_by, reason)
+    key = (device_type, dtype)
+    if key not in _DETECTED:
+        detector = _DETECTORS.get(device_type, _detect_by_probe)
+        _DETECTED[key] = HalfArithmetic(device_type, dtype, *detector(device_type, dtype))
+    return _DETECTED[key]
 
 
 def cpu_flags() -> Mapping[str, bool]:
