@@ -325,16 +325,16 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
 def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: float) -> Table:
     table = Table(title=workload.name)
     for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast", "tokens/s",
-                   "MFU", "bytes/param", "steps"):
-        table.add_column(header, justify="left" if header in ("configuration", "mode") else "right")
+                   "MFU", "bytes/param", "steps", "note"):
+        table.add_column(header, justify="left" if header in ("configuration", "mode", "note") else "right")
     torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}
     tokens = workload.batch_size * workload.tokens_per_sample
     order = {c.name: i for i, c in enumerate(CONFIGS)}
     for (name, compiled), r in sorted(results.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         mode = "compiled" if compiled else "eager"
         if r.ms is None:
-            table.add_row(name, mode, r.error if r.error.startswith("skipped") else f"failed: {r.error}",
-                          *[""] * 6)
+            outcome = "skipped" if r.error.startswith("skipped") else "failed"
+            table.add_row(name, mode, outcome, *[""] * 6, r.error.removeprefix("skipped: "))
             continue
         config = next(c for c in CONFIGS if c.name == name)
         base = results.get(("fp32", compiled))
@@ -346,7 +346,8 @@ def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gfl
             _ratio(r, base), _ratio(r, ref) if config.kind != "fp32" else "",
             f"{tokens / (r.ms / 1e3):,.0f}", f"{flops / (r.ms / 1e3) / (gemm_gflops * 1e9):.0%}",
             f"{r.bytes_per_param:.1f}" if r.bytes_per_param else "",
-            f"{r.steps}" + (f" (b{r.batch}, scaled)" if r.batch != workload.batch_size else ""),
+            str(r.steps),
+            f"≈: timed at batch {r.batch}, scaled to {workload.batch_size}" if approx else "",
         )
     return table
 
