@@ -22,7 +22,9 @@ eager and compiled code compute the same bits. The op is the *rounding*, not the
 convolution keeps torch's own fp32 forward and backward kernels.
 
 Cost: the fp32 copies of the rounded inputs (twice the bytes of half) are what autograd saves for
-backward.
+backward; each weight is rounded (or upcast) once per region however often it is used, and not again in
+backward. The roundings are memory-bound passes: 21-27% of an eager emulated step of the 784-8192-10 MLP
+on an AVX2 CPU (``benchmarks/RESULTS.md``).
 
 :func:`emulates` says which dtypes to emulate on a device (from :mod:`mixprec.hardware`); the autocast
 engine (:mod:`mixprec.autocast`) decides *which* ops are emulated and supplies a ``round_input`` that caches
