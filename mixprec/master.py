@@ -48,7 +48,7 @@ from mixprec.errors import ConfigError, ParameterMismatchError
 # re-exported: they lived here before mixprec.half_model
 from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
 from mixprec.master_fused import FusedMasterStep
-from mixprec.master_state import InnerOptimizerGuard, check_master_state
+from mixprec.master_state import InnerOptimizerGuard, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
 __all__ = [
@@ -362,26 +362,34 @@ class MasterWeights(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus the fp32 masters, so a resume never rounds through half."""
+        """The wrapped optimizer's state (``state``, ``param_groups``: a plain optimizer of the fp32 model
+        loads it, as apex O2 checkpoints allowed) plus the fp32 masters, so a resume never rounds through
+        half."""
         with self._guard.own():
             inner = self.optimizer.state_dict()
         masters = [v.detach().clone() for v in self.master_views()]
-        return {"optimizer": inner, "masters": masters, "flat": self.flat}
+        return {**inner, "masters": masters, "flat": self.flat}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output; or a plain optimizer's (saved before ``initialize``, as
+        apex allowed): its state is loaded and the masters are seeded from the model's current values."""
         views = list(self.master_views())
-        check_master_state(state_dict, views, self.flat)
-        with torch.no_grad():
-            saved = [m.to(v.device) for m, v in zip(state_dict["masters"], views, strict=True)]
-            torch._foreach_copy_(views, saved)
+        inner_state, masters = split_master_state(state_dict, views, self.flat)
+        if masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
         # torch's load_state_dict restores each group's saved settings, fused/foreach included; keep the
         # implementation this wrapper chose (the scaler relies on it to skip on the device).
         chosen = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
         with self._guard.own():
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            self.optimizer.load_state_dict(inner_state)
         for group, (fused, foreach) in zip(self.optimizer.param_groups, chosen, strict=True):
             group["fused"], group["foreach"] = fused, foreach
-        self.copy_master_to_model()
+        if masters is None:
+            self._seed_from_model()  # an exact upcast of the half weights: all a plain state allows
+            warn_reseeded(stacklevel=3)
+        else:
+            self.copy_master_to_model()
 
     def __repr__(self) -> str:
         layout = "flat" if self.flat else "per-parameter"

@@ -16,9 +16,9 @@ import torch
 
 from mixprec.errors import ConfigError, MasterStateWarning
 
-__all__ = ["InnerOptimizerGuard", "check_master_state"]
+__all__ = ["InnerOptimizerGuard", "split_master_state", "warn_reseeded"]
 
-STATE_KEYS = {"optimizer", "masters", "flat"}
+LEGACY_KEYS = {"optimizer", "masters", "flat"}  # mixprec 0.1 nested the optimizer's state
 
 
 class InnerOptimizerGuard:
@@ -54,29 +54,49 @@ class InnerOptimizerGuard:
         # The masters still hold their values of before the load; seed them from the (loaded) model
         # instead, an exact upcast: the best this state allows.
         self._reseed()
-        warnings.warn(MasterStateWarning(
-            "The wrapped optimizer was loaded without master weights; they were re-seeded from the model's "
-            "half-precision parameters (load the model first).",
-            "save and load the wrapper: opt.state_dict() / opt.load_state_dict(sd).",
-        ), stacklevel=5)  # the user's call, past torch's state_dict and its dynamo guard
+        warn_reseeded(stacklevel=6)  # the user's call, past torch's state_dict and its dynamo guard
 
 
-def check_master_state(state_dict: Any, views: list[torch.Tensor], flat: bool) -> None:
-    """Raise unless ``state_dict`` is a MasterWeights state fitting the masters ``views`` and ``flat``."""
-    if not isinstance(state_dict, dict) or set(state_dict) != STATE_KEYS:
+def warn_reseeded(stacklevel: int) -> None:
+    """An optimizer state without masters was loaded: the masters now come from the model."""
+    warnings.warn(MasterStateWarning(
+        "An optimizer state without master weights was loaded; the masters were re-seeded from the model's "
+        "half-precision parameters (load the model first).",
+        "to keep fp32's bits across a resume, save and load the wrapper: opt.state_dict() / "
+        "opt.load_state_dict(sd).",
+    ), stacklevel=stacklevel)
+
+
+def split_master_state(
+    state_dict: Any, views: list[torch.Tensor], flat: bool
+) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
+    """The wrapped optimizer's part of ``state_dict`` and the saved masters (None for a plain optimizer's
+    state_dict, as apex O2 users load one saved before ``initialize``). Raises unless it fits ``views``.
+
+    Accepted: the wrapper's own (a plain optimizer's ``state``/``param_groups`` plus ``masters`` and
+    ``flat``), mixprec 0.1's (``optimizer``/``masters``/``flat``), and a plain optimizer's."""
+    if not isinstance(state_dict, dict) or not ({"state", "param_groups"} <= set(state_dict)
+                                                or LEGACY_KEYS <= set(state_dict)):  # fmt: skip
         raise ConfigError(
-            "This is not a MasterWeights state_dict (expected keys optimizer, masters, flat); a plain "
-            "optimizer's state_dict has no masters.",
-            "save and load the wrapper: sd = opt.state_dict() ... opt.load_state_dict(sd).",
+            "This is not an optimizer state_dict (expected state and param_groups, plus masters and flat "
+            "from a MasterWeights).",
+            "pass what opt.state_dict() returned.",
         )
-    masters = state_dict["masters"]
+    if "optimizer" in state_dict:  # mixprec 0.1's layout
+        inner = state_dict["optimizer"]
+    else:
+        inner = {k: v for k, v in state_dict.items() if k not in ("masters", "flat")}
+    masters = state_dict.get("masters")
+    if masters is None:
+        return inner, None
     if len(masters) != len(views) or any(m.shape != v.shape for m, v in zip(masters, views, strict=True)):
         raise ConfigError(
             "The saved master weights do not match this model's half-precision parameters.",
             "load a checkpoint saved from the same model architecture and param groups.",
         )
-    if state_dict["flat"] != flat:
+    if state_dict.get("flat", flat) != flat:
         raise ConfigError(
             f"The checkpoint was saved with flat={state_dict['flat']}, this wrapper has flat={flat}.",
             f"construct MasterWeights(..., flat={state_dict['flat']}) to resume it.",
         )
+    return inner, masters

@@ -435,3 +435,24 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(level: str) -> 
         scaled.backward()
     opt.step()
     assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+
+
+def test_optimizer_state_saved_before_initialize_loads_into_o2_and_back() -> None:
+    """apex: an O2 optimizer loads a state_dict saved by the plain optimizer of an fp32 run, and its own
+    state_dict loads into a plain optimizer of the fp32 model."""
+    fp32 = _net()
+    plain = torch.optim.Adam(fp32.parameters(), lr=1e-3)
+    x, y = next(_batches(1))
+    nn.functional.cross_entropy(fp32(x), y).backward()
+    plain.step()
+    saved = plain.state_dict()
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), "O2", verbosity=0)
+    opt.load_state_dict(saved)
+    back = torch.optim.Adam(_net().parameters(), lr=1e-3)
+    back.load_state_dict(opt.state_dict())
+    ref, got = plain.state_dict()["state"], back.state_dict()["state"]
+    assert set(ref) == set(got)
+    for k in ref:
+        torch.testing.assert_close(got[k]["exp_avg"], ref[k]["exp_avg"], atol=0, rtol=0)
+        torch.testing.assert_close(got[k]["exp_avg_sq"], ref[k]["exp_avg_sq"], atol=0, rtol=0)
