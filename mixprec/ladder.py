@@ -97,11 +97,11 @@ LADDER: tuple[Rung, ...] = (
     Rung("fp16-master", "fp16 + master", "updates land in fp32 copies of the weights",
          RECIPES["fp16-master"], bases=("fp16-naive", "fp32"), shows=("lost", "bytes")),
     Rung("fp16-static", f"+ static scale {FASTAI_LOSS_SCALE:g}", "small gradients lifted above underflow",
-         RECIPES["fp16-static"], bases=("fp16-master", "fp32"), shows=("underflow",)),
+         RECIPES["fp16-static"], bases=("fp16-master", "fp32"), shows=("zero", "subnormal")),
     # apex O2: the dynamic scale starts at 2**16 and the first overflows find the level (fastai's fp16-dynamic
     # starts at 512 and grows only after 1000 clean steps: within the demo, the static rung again).
     Rung("fp16-dynamic", "+ dynamic scale (O2)", "the scale adapts: back off on overflow, grow when clean",
-         RECIPES["O2"], bases=("fp16-static", "fp32"), shows=("underflow", "scale")),
+         RECIPES["O2"], bases=("fp16-static", "fp32"), shows=("zero", "subnormal", "scale")),
     Rung("o1", "O1 (autocast)", "fp32 weights, per-op casts, dynamic loss scale",
          RECIPES["O1"], bases=("fp32",), shows=("bytes", "ms")),
     Rung("bf16", "bf16 + master", "fp32's range (no scaling), 8 significant bits, fp32 masters",

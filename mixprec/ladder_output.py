@@ -32,13 +32,6 @@ def _num(value: float | None, fmt: str) -> str:
     return "nan" if math.isnan(value) else format(value, fmt)
 
 
-def _underflow(r: RungResult) -> float | None:
-    """Gradient entries that are 0 or subnormal in their dtype: those that lost bits or vanished."""
-    if r.zero_grad_pct is None or r.subnormal_grad_pct is None:
-        return None
-    return r.zero_grad_pct + r.subnormal_grad_pct
-
-
 # column header -> how a result fills it
 COLUMNS: dict[str, Callable[[RungResult], str]] = {
     "rung": lambda r: r.label,
@@ -78,7 +71,9 @@ NOTES = (
 # measure name -> (words, value, format): what an explanation line may compare
 MEASURES: dict[str, tuple[str, Callable[[RungResult], float | None], str]] = {
     "lost": ("updates lost", lambda r: r.lost_update_pct, ".1f%"),
-    "underflow": ("grads 0 or subnormal", _underflow, ".1f%"),
+    # Apart, not summed: a scale can lift a gradient from 0 (lost) to a subnormal (kept, with fewer bits).
+    "zero": ("grads 0", lambda r: r.zero_grad_pct, ".1f%"),
+    "subnormal": ("grads subnormal", lambda r: r.subnormal_grad_pct, ".1f%"),
     "loss": ("train loss", lambda r: r.train_loss, ".4f"),
     "bytes": ("bytes/param", lambda r: r.bytes_per_param, ".1f"),
     "ms": ("ms/step", lambda r: r.ms_per_step, ".1f"),

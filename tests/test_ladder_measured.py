@@ -115,6 +115,10 @@ def test_small_gradients_need_loss_scaling() -> None:
     assert unscaled.valid_accuracy is not None and fp32.valid_accuracy is not None
     assert unscaled.valid_accuracy < fp32.valid_accuracy - 0.05
     assert static.valid_accuracy == pytest.approx(fp32.valid_accuracy, abs=0.01)
+    # The table's line for the static rung says so, in measured values.
+    line = explain(static, [fp32, unscaled, static])
+    assert f"grads 0 {unscaled.zero_grad_pct:.1f}% -> {static.zero_grad_pct:.1f}%" in line
+    assert f"acc {100 * (static.valid_accuracy - unscaled.valid_accuracy):+.2f} pts" in line
 
 
 def test_the_command_line_knows_every_rung() -> None:
