@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from mixprec.errors import DatasetNotFoundError, IDXFormatError  # re-exported: they were defined here
+
 __all__ = [
     "DataBunch",
     "DatasetNotFoundError",
@@ -42,14 +44,6 @@ __all__ = [
 # Resized images are kept in memory when they fit under this; larger ones (digits at 3x224x224 is
 # 1797*3*224*224*4 B = 1.08 GB, MNIST at that size 36 GB) are resized batch by batch as they are loaded.
 _MATERIALIZE_LIMIT_BYTES = 256 * 2**20
-
-
-class DatasetNotFoundError(FileNotFoundError):
-    """The files of a data set are not where they were looked for."""
-
-
-class IDXFormatError(ValueError):
-    """A file is not a valid IDX file (bad magic number, unknown type code, or wrong size)."""
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,15 @@ class DistributedError(MixprecError, RuntimeError):
 
 class MasterStateWarning(MixprecError, UserWarning):
     """The wrapped optimizer of a MasterWeights was saved or loaded alone, without the fp32 masters."""
+
+
+class UnknownFormatError(MixprecError, ValueError):
+    """A float format name (or dtype) that mixprec.formats does not know."""
+
+
+class DatasetNotFoundError(MixprecError, FileNotFoundError):
+    """The files of a data set are not where they were looked for."""
+
+
+class IDXFormatError(MixprecError, ValueError):
+    """A file is not a valid IDX file (bad magic number, unknown type code, or wrong size)."""

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mixprec.errors import ConfigError, MixprecError
+from mixprec.errors import ConfigError, UnknownFormatError  # re-exported: it was defined here
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +43,6 @@ __all__ = [
     "dtype_label",
     "ulp",
 ]
-
-
-class UnknownFormatError(MixprecError, ValueError):
-    """A format name (or dtype) that is not in :data:`FORMATS`."""
 
 
 class Specials(str, enum.Enum):
