@@ -71,3 +71,18 @@ class DatasetNotFoundError(MixprecError, FileNotFoundError):
 
 class IDXFormatError(MixprecError, ValueError):
     """A file is not a valid IDX file (bad magic number, unknown type code, or wrong size)."""
+
+
+class PolicyError(MixprecError, ValueError):
+    """A policy, registration or lookup was given something it cannot use; the message names the fix."""
+
+
+class AutocastError(ConfigError):
+    """Bad arguments to mixprec.autocast, keep_fp32 or a checkpoint context; the message names the fix."""
+
+
+class BannedOpError(MixprecError, NotImplementedError):
+    """An op the policy bans was called inside an autocast region.
+
+    A RuntimeError, like torch's own ban, and a NotImplementedError, which apex raised for banned functions.
+    """

@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import importlib.util
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,10 @@ import torch.nn.functional as F
 from conftest import load_torch_autocast_lists
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mixprec.errors
 from mixprec import policy as P
 from mixprec.autocast import AutocastError, BannedOpError, autocast, keep_fp32, release_fp32
+from mixprec.region import STATE
 
 # mixprec.autocast (the attribute) is the context manager; the engine module is reached through sys.modules
 A = importlib.import_module("mixprec.autocast")
@@ -244,7 +247,7 @@ def test_one_cast_per_weight_per_region(dtype: torch.dtype, cache_enabled: bool)
         for _ in range(2):  # two regions: the cache is released at exit, so each region casts again
             with autocast("cpu", dtype, cache_enabled=cache_enabled):
                 model(x).float().sum().backward()
-            assert len(A._STATE.cache) == 0
+            assert len(STATE.cache) == 0
     assert counter.count == (2 if cache_enabled else 6)
 
 
@@ -439,6 +442,36 @@ def test_emulation_can_be_switched_off() -> None:
 def test_bad_arguments_name_the_fix(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(AutocastError, match=match):
         autocast(**kwargs)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_float32_region_is_what_torch_makes_of_it(enabled: bool) -> None:
+    # issue 9: torch accepts dtype=float32; enabled=True warns and runs the region disabled.
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    seen: dict[str, tuple[torch.dtype, bool, bool]] = {}
+    for name, region in (("torch", torch.autocast), ("mixprec", autocast)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with region("cpu", dtype=torch.float32, enabled=enabled):
+                seen[name] = (lin(x).dtype, torch.is_autocast_enabled("cpu"), bool(caught))
+    assert seen["mixprec"] == seen["torch"] == (torch.float32, False, enabled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_a_disabled_region_accepts_any_dtype_as_torch_does(dtype: torch.dtype) -> None:
+    with torch.autocast("cpu", dtype=dtype, enabled=False):
+        pass  # the reference: torch accepts it
+    with autocast("cpu", dtype=dtype, enabled=False):
+        assert not torch.is_autocast_enabled("cpu")
+        assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_banned_op_error_is_what_torch_and_apex_raised() -> None:
+    # torch raises RuntimeError for its banned op; apex raised NotImplementedError for banned functions.
+    assert issubclass(BannedOpError, RuntimeError) and issubclass(BannedOpError, NotImplementedError)
+    assert mixprec.errors.BannedOpError is BannedOpError
+    with pytest.raises(NotImplementedError, match="BCEWithLogitsLoss"), autocast("cpu", torch.float16):
+        F.binary_cross_entropy(torch.rand(3), torch.rand(3))
 
 
 def test_keep_fp32_rejects_non_modules() -> None:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.autocast import autocast
 from mixprec.diagnostics.cast_trace import CastTrace, dtype_label
 
 DEVICES = [
@@ -104,3 +105,24 @@ def test_report_is_plain_text_with_both_tables() -> None:
     text = trace.report()
     assert "addmm" in text and "Casts" in text and "bf16" in text and "\x1b[" not in text
     assert str(trace) == text
+
+
+def test_emulated_fp16_gemms_are_reported_as_emulated_fp16() -> None:
+    # issue 15: mixprec computes CPU fp16 GEMMs with fp32 kernels on fp16-rounded inputs; the trace must
+    # say fp16 arithmetic ran (emulated), where torch.autocast's own fp16 kernels say plain fp16.
+    model, x, _ = _setup("cpu")
+    with CastTrace() as ours:
+        with autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        out.float().sum().backward()  # backward outside the region, as torch recommends
+    with CastTrace() as torchs:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        out.float().sum().backward()
+    assert torchs.dtypes_of("addmm") == {"fp16"}
+    assert ours.dtypes_of("addmm") == {"fp16 (emulated)"}
+    assert ours.dtypes_of("mm", phase="backward") == {"fp16 (emulated)"}
+    assert "fp32" not in {label for r in ours.ops if r.op in ("addmm", "mm") for label in r.inputs}
+    with autocast("cpu", dtype=torch.bfloat16), CastTrace() as bf16:  # not emulated: plain bf16
+        model(x)
+    assert bf16.dtypes_of("addmm") == {"bf16"}

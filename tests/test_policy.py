@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +266,70 @@ def test_bad_lookups_name_the_fix() -> None:
         P.get_preset("O1")
     with pytest.raises(PolicyError, match="keep_fp32"):
         P.TORCH.with_fp32_modules(42)  # type: ignore[arg-type]
+
+
+def test_every_with_action_spelling_is_with_action() -> None:
+    # issue 13: one derivation mechanism; the per-action spellings are that mechanism, not copies.
+    for action in Action:
+        spelled = getattr(P.TORCH, f"with_{action.value}")("gelu", device_type="cpu", reason="r")
+        assert spelled == P.TORCH.with_action(action, "gelu", device_type="cpu", reason="r")
+        assert spelled.action("gelu", "cpu", torch.bfloat16) is action
+        assert spelled.rule("gelu", "cpu", torch.bfloat16).source is Source.USER
+
+
+# ---- layout ---------------------------------------------------------------------------------------------
+
+ENGINE_MODULES = (
+    "mixprec.autocast", "mixprec.activation_checkpoint", "mixprec.cast_cache", "mixprec.cast_handlers",
+    "mixprec.cast_plan", "mixprec.emulation", "mixprec.fp32_modules", "mixprec.half_compute",
+    "mixprec.region", "mixprec.tensor_args",
+)  # fmt: skip
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    nodes: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        nodes.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every mixprec module ``path`` imports at run time, at any depth of its code (lazy imports too)."""
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith(package)}
+
+
+def test_the_policy_package_and_the_engine_import_no_cycle() -> None:
+    # issue 13: the policy is data the engine reads; nothing in mixprec.policy imports the engine, and
+    # the engine's modules import one another in one direction only.
+    root = Path(P.__file__).parents[1]
+    modules = {
+        ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in root.rglob("*.py")
+    }
+    ours = {m for m in modules if m.startswith("mixprec.policy")} | set(ENGINE_MODULES)
+    graph = {m: _imports(modules[m], "mixprec") & set(modules) for m in ours}
+    for module in (m for m in ours if m.startswith("mixprec.policy")):
+        assert not graph[module] & set(ENGINE_MODULES), (module, graph[module] & set(ENGINE_MODULES))
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, set()) - {"mixprec.policy"}:  # the package facade re-exports only
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    cycles = [m for m in ours if m != "mixprec.policy" and reaches(m, m, {m})]
+    assert not cycles

@@ -5,8 +5,11 @@ and below autocast, so it sees the ops that actually run, in the dtypes they act
 ``torch.autocast`` (or ``mixprec.autocast``) has inserted its casts. Those casts are ``aten._to_copy`` calls
 that change the dtype (and ``aten.copy_`` between dtypes, as when master weights are copied back); they
 are counted separately, as casts, with the bytes they wrote. Ops run by the autograd engine during
-``backward()`` are marked as the backward phase. View ops (``t``, ``view``, ``detach``...), which move no
-data and keep their input's dtype, are left out unless ``include_views=True``.
+``backward()`` are marked as the backward phase. A GEMM that mixprec *emulates* in half precision
+(``mixprec.emulation``: fp32 kernels on half-rounded inputs) is reported with its fp32 operands labelled
+``fp16 (emulated)`` (or bf16), in forward and backward, not as an fp32 GEMM. View ops (``t``, ``view``,
+``detach``...), which move no data and keep their input's dtype, are left out unless
+``include_views=True``.
 
 Cost: a Python call per aten op while the trace is active. Use it to look, not to train.
 
@@ -28,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mixprec.formats import dtype_label
+from mixprec.region import EMULATED_NODE_KEY, STATE
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -62,8 +66,22 @@ class CastRecord:
     bytes: int
 
 
-def _dtypes(value: Any) -> tuple[str, ...]:
-    return tuple(dtype_label(t.dtype) for t in tree_leaves(value) if isinstance(t, Tensor))
+def _dtypes(value: Any, emulated: torch.dtype | None = None) -> tuple[str, ...]:
+    return tuple(_label(t.dtype, emulated) for t in tree_leaves(value) if isinstance(t, Tensor))
+
+
+def _label(dtype: torch.dtype, emulated: torch.dtype | None) -> str:
+    # Inside an emulated half GEMM the fp32 tensors carry half-rounded values (or an fp32 accumulator).
+    if emulated is not None and dtype is torch.float32:
+        return f"{dtype_label(emulated)} (emulated)"
+    return dtype_label(dtype)
+
+
+def _emulated_dtype(node: Any) -> torch.dtype | None:
+    """The half dtype an emulated GEMM is computing now: flagged in forward, tagged on its backward node."""
+    if node is None:
+        return STATE.emulating
+    return node.metadata.get(EMULATED_NODE_KEY) if hasattr(node, "metadata") else None
 
 
 class CastTrace(TorchDispatchMode):
@@ -85,7 +103,12 @@ class CastTrace(TorchDispatchMode):
         self._casts.clear()
         self._cast_bytes.clear()
         super().__enter__()
+        STATE.traces += 1  # asks mixprec's emulated GEMMs to say so (they skip that work otherwise)
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        STATE.traces -= 1
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -93,11 +116,13 @@ class CastTrace(TorchDispatchMode):
         if func.is_view and not self.include_views:
             return out
         # The autograd engine sets a current node while it runs a backward function.
-        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        node = torch._C._current_autograd_node()
+        phase = "backward" if node is not None else "forward"
         name = func.overloadpacket.__name__
         if name in _CAST_OPS and self._record_cast(phase, name, args, out):
             return out
-        self._ops[(phase, name, _dtypes((args, kwargs)), _dtypes(out))] += 1
+        emulated = _emulated_dtype(node)
+        self._ops[(phase, name, _dtypes((args, kwargs), emulated), _dtypes(out, emulated))] += 1
         return out
 
     def _record_cast(self, phase: str, name: str, args: Any, out: Any) -> bool:

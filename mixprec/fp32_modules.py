@@ -1,0 +1,118 @@
+"""Modules that run in fp32 inside any autocast region: :func:`keep_fp32` per instance, and the hooks that
+apply a policy's ``fp32_modules`` (class names) while a region that has them is current.
+
+The module's forward runs with autocast off and its floating inputs cast to fp32; parameter storage is
+not touched (an fp16 model stays fp16).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from mixprec.errors import AutocastError
+from mixprec.policy.devices import DEVICES
+from mixprec.region import Region, is_current
+from mixprec.tensor_args import map_tensors
+
+__all__ = ["ModuleRules", "keep_fp32", "release_fp32"]
+
+
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        # (id of the module, devices whose autocast its forward switched off), innermost last
+        self.stack: list[tuple[int, tuple[str, ...]]] = []
+
+
+_SCOPES = _Scopes()
+
+
+def _enter_fp32(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    devices = tuple(d for d in DEVICES if torch.is_autocast_enabled(d))
+    _SCOPES.stack.append((id(module), devices))
+    if not devices:
+        return None
+    for device_type in devices:
+        torch.set_autocast_enabled(device_type, False)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        eligible = t.is_floating_point() and t.dtype is not torch.float64 and t.device.type in devices
+        return t.float() if eligible else t
+
+    return map_tensors(cast, args), map_tensors(cast, kwargs)
+
+
+def _exit_fp32(module: torch.nn.Module, *_: Any) -> None:
+    scopes = _SCOPES.stack
+    if scopes and scopes[-1][0] == id(module):
+        _, devices = scopes.pop()
+        for device_type in devices:
+            torch.set_autocast_enabled(device_type, True)
+
+
+_KEEP_ATTR = "_mixprec_keep_fp32_handles"
+
+
+def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """Run ``module`` (and everything it calls) in fp32 inside any autocast region; returns it.
+
+    Works under mixprec.autocast and plain torch.autocast: the module's forward runs with autocast off
+    and its floating inputs cast to fp32. Parameter storage is not touched (an fp16 model stays fp16).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise AutocastError(
+            f"keep_fp32 needs an nn.Module, got {type(module).__name__}",
+            "for a function use mixprec.policy.register_float_function",
+        )
+    if getattr(module, _KEEP_ATTR, None) is None:
+        pre = module.register_forward_pre_hook(_enter_fp32, with_kwargs=True)
+        post = module.register_forward_hook(_exit_fp32, always_call=True)
+        object.__setattr__(module, _KEEP_ATTR, (pre, post))
+    return module
+
+
+def release_fp32(module: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`keep_fp32`."""
+    handles = getattr(module, _KEEP_ATTR, None)
+    if handles is not None:
+        for handle in handles:
+            handle.remove()
+        object.__delattr__(module, _KEEP_ATTR)
+    return module
+
+
+class ModuleRules:
+    """Global forward hooks applying ``Policy.fp32_modules`` while a region that has them is current."""
+
+    def __init__(self, region: Region, keys: tuple[str, ...]) -> None:
+        self.region = region
+        self.keys = frozenset(keys)
+        self.matches: dict[type, bool] = {}
+        self.handles = (
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+            torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        )
+
+    def _matches(self, module: torch.nn.Module) -> bool:
+        cls = type(module)
+        hit = self.matches.get(cls)
+        if hit is None:
+            names = {n for c in cls.__mro__ for n in (c.__name__, f"{c.__module__}.{c.__qualname__}")}
+            hit = self.matches[cls] = bool(names & self.keys)
+        return hit
+
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if self._matches(module) and is_current(self.region):
+            result = _enter_fp32(module, args, {})
+            return None if result is None else result[0]
+        return None
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._matches(module):
+            _exit_fp32(module)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,140 @@
+"""``half_compute``: the arithmetic of a half-precision *model* (apex O2/O3, fastai's ``to_fp16``).
+
+``autocast`` decides *which dtype* each op runs in for an fp32 model; a model cast to half has already
+decided: its weights are half. Two things remain, and this region does them:
+
+1. **How half GEMMs compute.** Where :mod:`mixprec.hardware` says the device has no fast kernels for
+   the dtype (CPU fp16: 3x-500x slower than fp32 in torch; bf16 without AVX-512 BF16/AMX: ~90x) every
+   GEMM/convolution with an operand of that dtype is computed as a tensor core does
+   (:mod:`mixprec.emulation`).
+2. **The numerically sensitive ops stay fp32** (``HALF_MODEL_FP32_*`` in :mod:`mixprec.policy.tables`):
+   softmax, log_softmax, norms, exp/log, sum/mean take their half inputs upcast to fp32 and return their
+   result in the input's half dtype; losses (cross_entropy, nll_loss, ...) return fp32. So a model that
+   computes its loss inside forward (nanoGPT, HF models) gets an fp32 loss of fp32 arithmetic, where
+   apex's O2 computed it in fp16.
+
+Ops whose floating inputs hold no half tensor, and every op while a torch autocast region is on (it has
+its own rules), pass straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mixprec.cast_handlers import eligible, run_emulated
+from mixprec.cast_plan import plan, region_for
+from mixprec.policy.names import python_names
+from mixprec.policy.presets import DEFAULT_POLICY
+from mixprec.policy.rules import Action
+from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES
+from mixprec.region import STATE, Region, RegionMode, call_without_autocast, compiled_mode, func_name
+from mixprec.tensor_args import iter_tensors, map_tensors
+
+__all__ = ["half_compute"]
+
+# Python-level name -> whether the result is a loss (kept fp32) rather than an activation.
+_FP32_OPS: Mapping[str, bool] = {
+    **{name: False for op in HALF_MODEL_FP32_ACTIVATIONS for name in python_names(op)},
+    **{name: True for op in HALF_MODEL_FP32_LOSSES for name in python_names(op)},
+}
+
+
+class _HalfComputeMode(RegionMode):
+    """Emulates the GEMM family for half operands and runs the sensitive ops in fp32 (module docstring)."""
+
+    def __init__(self, region: Region, gemms: frozenset[str]) -> None:
+        super().__init__()
+        self.region = region
+        self.gemms = gemms
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = func_name(func)
+        handler = self._handler(name, args, kwargs) if name is not None else None
+        if handler is None:
+            return func(*args, **kwargs)
+        return handler(func, args, kwargs)
+
+    def _handler(self, name: str, args: Any, kwargs: Any) -> Callable[..., Any] | None:
+        region = self.region
+        loss = _FP32_OPS.get(name)
+        if (loss is None and name not in self.gemms) or torch.is_autocast_enabled(region.device_type):
+            return None
+        half = any(t.dtype is region.dtype and eligible(t, region.device_type) for t in iter_tensors(args))
+        if not half:
+            return None
+        if loss is None:
+            return lambda func, a, k: run_emulated(region, func, a, k)
+        if kwargs.get("dtype") is not None:  # the caller chose the accumulation dtype
+            return None
+        return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss)
+
+
+def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: Any, keep_fp32: bool) -> Any:
+    # The upcasts are exact; the one rounding back to half (for activations) is the only new error, the
+    # same a native fp32-accumulating half kernel would make.
+    def up(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype is region.dtype and eligible(t, region.device_type) else t
+
+    result = call_without_autocast(region.device_type, func, map_tensors(up, args), map_tensors(up, kwargs))
+    if keep_fp32:
+        return result
+
+    def down(t: torch.Tensor) -> torch.Tensor:
+        return t.to(region.dtype) if t.dtype is torch.float32 else t
+
+    return map_tensors(down, result)
+
+
+# One mode per plan (plans are few and long-lived): entering the region every step reuses it, so a
+# compiled model run inside keeps its guards.
+_MODES: dict[tuple[int, str], tuple[object, _HalfComputeMode]] = {}
+
+
+def _mode(device_type: str, dtype: torch.dtype) -> _HalfComputeMode:
+    # The same cached plan as autocast(device, dtype): honours emulate_fp16 and the user's
+    # register_half_function registrations, and costs a dict lookup per forward.
+    made = plan(DEFAULT_POLICY, device_type, dtype)
+    key = (id(made), device_type)
+    hit = _MODES.get(key)
+    if hit is not None and hit[0] is made:
+        return hit[1]
+    gemms = frozenset(
+        name for name, action in made.actions.items() if action is Action.LOWER and made.emulate
+    )
+    # cache_enabled: a weight used several times in one forward is upcast once (see half_compute.__exit__)
+    region = region_for(made, device_type, dtype, cache_enabled=True)
+    mode = _HalfComputeMode(region, gemms)
+    if len(_MODES) >= 64:  # bounded like the plans it follows
+        _MODES.clear()
+    _MODES[key] = (made, mode)
+    return mode
+
+
+class half_compute:  # noqa: N801 - a context manager used like autocast
+    """Run a model whose weights are already half precision with tensor-core arithmetic and fp32
+    sensitive ops (see the module docstring). Re-entrant; cheap to enter every forward."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype = torch.float16) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> half_compute:
+        if torch.compiler.is_compiling():
+            mode = compiled_mode(_mode, self.device_type, self.dtype)
+        else:
+            mode = _mode(self.device_type, self.dtype)
+        mode.__enter__()
+        self._modes.append(mode)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._modes.pop().__exit__(*exc)
+        if not STATE.regions and not torch.compiler.is_compiling():
+            STATE.cache.clear()  # the upcasts live for this forward only (autograd keeps its own)

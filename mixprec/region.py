@@ -1,0 +1,149 @@
+"""The state of mixprec.autocast regions: the entered :class:`Region` s of this thread and their cast cache.
+
+A region is in charge of an op when it is the innermost one and torch's autocast is on with its dtype
+(:func:`is_current`). Regions entered inside compiled code are not pushed on the thread's stack (Dynamo
+cannot trace thread-local state); there the torch-function mode stack alone decides who sees an op first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mixprec.cast_cache import CastCache
+
+if TYPE_CHECKING:
+    from mixprec.policy.cast_policy import Policy
+    from mixprec.policy.rules import Action
+
+__all__ = [
+    "EMULATED_NODE_KEY",
+    "Region",
+    "RegionMode", "call_without_autocast", "current_region", "is_current", "STATE"]
+
+
+@dataclass(eq=False)
+class Region:
+    """One kind of mixprec.autocast region (thread-local stack; innermost last).
+
+    Regions are cached per (policy, device, dtype, cache_enabled) plan, so entering the same region every
+    step gives the same object (what keeps compiled code that reads it from recompiling).
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    enabled: bool
+    cache_enabled: bool
+    policy: Policy
+    emulate: bool
+    # Python-level function name -> action, for the ops the Python layer must handle (empty: none).
+    actions: dict[str, Action]
+
+
+class RegionMode(TorchFunctionMode):
+    """Base of the torch-function modes mixprec regions push (a checkpoint recompute re-enters them)."""
+
+
+# Modes of regions entered inside compiled code, by a string key. Dynamo reads this dict as a global, so
+# it can guard on the entry it uses; the key comes from _compiled_key, which Dynamo runs eagerly while
+# tracing (assume_constant_result), because plan caches and the tables' cached properties are not
+# traceable. Entries are never replaced, so a guard on one stays true.
+_COMPILED_MODES: dict[str, RegionMode | None] = {}
+
+
+@torch.compiler.assume_constant_result
+def _compiled_key(make: Callable[..., RegionMode | None], *args: Any) -> str:
+    parts = (str(a) if isinstance(a, (str, bool, int, torch.dtype)) else f"id{id(a)}" for a in args)
+    key = f"{make.__module__}.{make.__qualname__}(" + ", ".join(parts) + ")"
+    if key not in _COMPILED_MODES:
+        _COMPILED_MODES[key] = make(*args)
+    return key
+
+
+def compiled_mode(make: Callable[..., RegionMode | None], *args: Any) -> RegionMode | None:
+    """``make(*args)`` -- the mode a region enters -- made once per distinct args, in compiled code.
+
+    ``args`` are strings, bools, ints, dtypes or long-lived objects (policies: keyed by identity).
+    """
+    return _COMPILED_MODES[_compiled_key(make, *args)]
+
+
+def func_name(func: Any) -> str | None:
+    """The Python-level name of a function a torch-function mode receives (None if it has none)."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces attribute access on torch functions but not getattr() with a default; every
+        # function it hands a mode is a torch function or method, which has a __name__.
+        return func.__name__
+    return getattr(func, "__name__", None)
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.regions: list[Region] = []
+        self.cache = CastCache()
+        # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
+        # computing right now (its fp32 kernel then reports as emulated half arithmetic).
+        self.traces = 0
+        self.emulating: torch.dtype | None = None
+
+
+# Key in an autograd node's metadata: the half dtype whose GEMM this (fp32) node's backward emulates.
+EMULATED_NODE_KEY = "mixprec_emulated"
+
+
+STATE = _ThreadState()
+
+
+def current_region() -> Region | None:
+    """The innermost mixprec.autocast region of this thread, or None outside any."""
+    return STATE.regions[-1] if STATE.regions else None
+
+
+def is_current(region: Region) -> bool:
+    """Whether ``region`` is in charge right now: innermost, and torch's autocast is on with its dtype.
+
+    A nested ``enabled=False`` region, a keep_fp32 module or a registered function body turns torch's
+    autocast off, and then the Python layer steps aside too.
+    """
+    if not (
+        torch.is_autocast_enabled(region.device_type)
+        and torch.get_autocast_dtype(region.device_type) == region.dtype
+    ):
+        return False
+    if torch.compiler.is_compiling():
+        return True  # no thread-local stack in compiled code: the mode stack's order decides
+    return bool(STATE.regions) and STATE.regions[-1] is region
+
+
+class _AutocastOff:
+    """Switch torch's autocast off for one device (cheaper than entering torch.autocast(enabled=False))."""
+
+    __slots__ = ("device_type", "prev")
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_autocast_enabled(self.device_type)
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled(self.device_type, self.prev)
+
+
+def autocast_off(device_type: str) -> Any:
+    """A context that switches torch's autocast off for ``device_type``; the traceable one when compiling."""
+    if torch.compiler.is_compiling():
+        return torch.autocast(device_type, enabled=False)
+    return _AutocastOff(device_type)
+
+
+def call_without_autocast(device_type: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` with torch's autocast off, so its tables cannot cast the inputs again."""
+    with autocast_off(device_type):
+        return func(*args, **kwargs)

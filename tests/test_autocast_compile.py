@@ -1,0 +1,116 @@
+"""mixprec.autocast and half_compute under torch.compile (issue 9 and 15's compile items). Few and tiny.
+
+Tolerances, where compiled and eager results are not compared bitwise:
+- under torch's own tables (bf16), compiled mixprec is compared *bitwise* with compiled torch.autocast,
+  and eager with eager: Inductor fuses the bias add and rounds once where eager rounds twice, so compiled
+  and eager differ by up to one bf16 rounding for torch itself;
+- emulated fp16 GEMMs: until the emulation is an opaque op (mixprec.emulation, issue 9), Inductor folds
+  the fp16 rounding of the GEMM inputs away, so a compiled result may differ from eager by the input
+  rounding: a few fp16 ulps (rtol 2**-9).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mixprec
+from mixprec import policy as P
+from mixprec.half_compute import half_compute
+
+FP16_EMULATED_RTOL = 2.0**-9
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(one_thread: None) -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def _in_region(region: Callable[[], object], model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with region():  # type: ignore[attr-defined]
+            return F.log_softmax(model(x), -1)
+
+    return f
+
+
+def test_compiled_function_entering_autocast_bf16_is_torch_compiled_autocast() -> None:
+    model, x = _mlp(), torch.randn(4, 16)
+    ours = _in_region(lambda: mixprec.autocast("cpu", torch.bfloat16), model)
+    theirs = _in_region(lambda: torch.autocast("cpu", torch.bfloat16), model)
+    compiled = torch.compile(ours, fullgraph=True)(x)
+    assert torch.equal(compiled, torch.compile(theirs, fullgraph=True)(x))
+    assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "policy", "rtol"),
+    [
+        (torch.float16, None, FP16_EMULATED_RTOL),  # emulated GEMMs: see the module docstring
+        (torch.bfloat16, P.APEX, 2.0**-8),  # a Python layer (gelu, log_softmax fp32): one bf16 rounding
+    ],
+)
+def test_compiled_function_with_the_python_layer_matches_eager(
+    dtype: torch.dtype, policy: P.Policy | None, rtol: float
+) -> None:
+    model, x = _mlp(), torch.randn(4, 16)
+    f = _in_region(lambda: mixprec.autocast("cpu", dtype, policy=policy), model)
+    eager = f(x)
+    compiled = torch.compile(f, fullgraph=True)(x)
+    assert compiled.dtype == eager.dtype
+    torch.testing.assert_close(compiled, eager, rtol=rtol, atol=rtol)
+
+
+def test_compiled_model_inside_an_fp16_region_does_not_recompile_per_step() -> None:
+    # issue 15: each step's region used to give Dynamo new objects to guard on (recompile limit hit).
+    model = _mlp()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            with mixprec.autocast("cpu", torch.float16):
+                out = compiled(x)
+            assert out.dtype == torch.float16
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_initialized_models_compile_and_match_eager(opt_level: str, fresh_amp_state: None) -> None:
+    # mixprec.amp's hooks enter autocast (O1) or half_compute (O2) inside the compiled forward.
+    eager_model, x = _mlp(), torch.randn(4, 16)
+    eager_model = mixprec.initialize(eager_model, opt_level=opt_level, verbosity=0)
+    compiled_model = torch.compile(copy.deepcopy(eager_model))
+    eager, compiled = eager_model(x), compiled_model(x)
+    assert compiled.dtype == eager.dtype == torch.float32  # outputs cast back to fp32 by amp
+    torch.testing.assert_close(compiled, eager, rtol=FP16_EMULATED_RTOL, atol=FP16_EMULATED_RTOL)
+
+
+def test_half_compute_compiles_with_its_fp32_loss() -> None:
+    # A half model computing its loss inside forward (issue 15), compiled: the loss is still fp32.
+    model, x = _mlp().half(), torch.randn(4, 16).half()
+    y = torch.randint(0, 8, (4,))
+
+    def loss_fn(x: torch.Tensor) -> torch.Tensor:
+        with half_compute("cpu", torch.float16):
+            return F.cross_entropy(model(x), y)
+
+    eager = loss_fn(x)
+    compiled = torch.compile(loss_fn, fullgraph=True)(x)
+    assert compiled.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager, rtol=FP16_EMULATED_RTOL, atol=FP16_EMULATED_RTOL)

@@ -1,0 +1,85 @@
+"""half_compute (the arithmetic of O2/O3 and to_fp16 models): sensitive ops in fp32 (issue 15)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mixprec.diagnostics import CastTrace
+from mixprec.half_compute import half_compute
+
+HALF = [torch.float16, torch.bfloat16]
+
+# op, the aten op CastTrace sees, a call on a (4, 64) half tensor
+ACTIVATION_OPS: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "softmax": ("_softmax", lambda x: F.softmax(x, -1)),
+    "log_softmax": ("_log_softmax", lambda x: x.log_softmax(-1)),
+    "layer_norm": ("native_layer_norm", lambda x: F.layer_norm(x, (64,))),
+    "exp": ("exp", torch.exp),
+    "sum": ("sum", lambda x: x.sum(-1)),
+    "mean": ("mean", lambda x: x.mean(-1)),
+}
+
+
+def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` numbers at |ref| (float64)."""
+    mantissa = {torch.float16: 10, torch.bfloat16: 7}[dtype]
+    tiny = torch.finfo(dtype).tiny
+    return 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(tiny))) - mantissa)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(ACTIVATION_OPS))
+def test_sensitive_activations_run_in_fp32_and_return_the_input_dtype(name: str, dtype: torch.dtype) -> None:
+    aten, op = ACTIVATION_OPS[name]
+    torch.manual_seed(0)
+    x = (torch.randn(4, 64) * 3).to(dtype)
+    with half_compute("cpu", dtype), CastTrace() as trace:
+        out = op(x)
+    assert out.dtype == dtype
+    ran = [r.inputs for r in trace.ops if r.op == aten]
+    assert ran and all(inputs[0] == "fp32" for inputs in ran), ran  # the kernel ran on fp32 inputs
+    # fp32 arithmetic rounded once to the half format: within one half ulp of the exact (fp64) result
+    ref = op(x.double())
+    assert bool(((out.double() - ref).abs() <= _ulp(ref, dtype)).all())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_loss_inside_forward_is_fp32_and_close_to_the_fp32_model(dtype: torch.dtype) -> None:
+    # nanoGPT computes its loss inside forward: under a half model the loss must be fp32 arithmetic.
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 50))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.body(x), y)
+
+    torch.manual_seed(0)
+    fp32_model, x, y = WithLoss(), torch.randn(32, 16), torch.randint(0, 50, (32,))
+    reference = fp32_model(x, y)
+    half_model = WithLoss()
+    half_model.load_state_dict(fp32_model.state_dict())
+    half_model.to(dtype)
+    norm_out: list[torch.dtype] = []
+    half_model.body[1].register_forward_hook(lambda m, a, out: norm_out.append(out.dtype))
+    with half_compute("cpu", dtype), CastTrace() as trace:
+        loss = half_model(x.to(dtype), y)
+    assert loss.dtype == torch.float32
+    assert trace.dtypes_of("nll_loss_forward") == trace.dtypes_of("native_layer_norm") == {"fp32"}
+    assert norm_out == [dtype]  # an activation: back to the model's half dtype
+    # The half model's weights and activations are rounded: a few units of the format's epsilon.
+    eps = torch.finfo(dtype).eps
+    assert abs(float(loss) - float(reference)) <= 8 * eps * float(reference)
+
+
+def test_ops_without_half_inputs_and_explicit_dtypes_pass_through() -> None:
+    x32, x16 = torch.randn(4, 8), torch.randn(4, 8).half()
+    with half_compute("cpu", torch.float16), CastTrace() as trace:
+        assert F.softmax(x32, -1).dtype == torch.float32
+        assert x16.sum(dtype=torch.float16).dtype == torch.float16  # the caller chose the dtype
+    assert {r.inputs[0] for r in trace.ops if r.op == "sum"} == {"fp16"}
