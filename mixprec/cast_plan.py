@@ -1,10 +1,11 @@
 """What a (policy, device, dtype) region needs from the Python layer, computed once and cached.
 
 A plan holds the effective policy (the preset with the user's registrations on top), whether half GEMMs
-are emulated (:func:`mixprec.emulation.emulates`, from :mod:`mixprec.hardware`), and the Python-level names of only the ops whose action differs from torch's own autocast.
-Plans, and the :class:`~mixprec.region.Region` objects built from them, are cached, so entering the same
-region every step costs a dict lookup and gives the same objects (compiled code that reads them then
-keeps its guards and does not recompile).
+are emulated (:func:`mixprec.emulation.emulates`, from :mod:`mixprec.hardware`), and the Python-level
+names of only the ops whose action differs from torch's own autocast. Plans, and the
+:class:`~mixprec.region.Region` objects built from them, are cached, so entering the same region every
+step costs a dict lookup and gives the same objects (compiled code that reads them then keeps its
+guards and does not recompile).
 """
 
 from __future__ import annotations
