@@ -41,15 +41,15 @@ def _fused_adamw(model: GPT) -> torch.optim.Optimizer:
     return torch.optim.AdamW(split, lr=LR, betas=BETAS, fused=True)
 
 
-def _checkpointed(model: GPT) -> None:
-    """Recompute each block's activations in backward instead of storing them."""
-    context_fn = getattr(mixprec, "checkpoint_context", None)
+def _checkpointed(model: GPT, compiled: bool) -> None:
+    """Recompute each block's activations in backward instead of storing them. Eager, the recompute must
+    re-enter the mixprec region (``mixprec.checkpoint_context``); compiled, the graph Dynamo traced already
+    holds the region's casts and Inductor replays it (torch accepts no Python context there)."""
+    kwargs: dict[str, Any] = {} if compiled else {"context_fn": mixprec.checkpoint_context}
     for block in model.blocks:
-        forward = block.forward
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if context_fn is not None:
-            kwargs["context_fn"] = context_fn
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, **kwargs)  # type: ignore[method-assign]
+        block.forward = functools.partial(  # type: ignore[method-assign]
+            torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False, **kwargs
+        )
 
 
 def _batches(data: Any, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,7 +112,7 @@ def run(interface: str, steps: int = 60, compile: bool = False, checkpoint: bool
     torch.manual_seed(seed)
     model = GPT(cfg)
     if checkpoint:
-        _checkpointed(model)
+        _checkpointed(model, compile)
     opt: Any = _fused_adamw(model)
     step: Callable[[nn.Module, Any, Any, Any], float] = _fp32_step
     if interface == "autocast":

@@ -58,6 +58,11 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
             yield
     finally:
         STATE.regions = saved
+        if not saved:
+            # The recompute ran after the forward's region had closed: its casts (made from this step's
+            # weights) must not outlive it, or the next step's region would reuse them after the optimizer
+            # changed the weights (fused optimizers update in place without a version bump we can see).
+            STATE.cache.clear()
 
 
 _Contexts = tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]
