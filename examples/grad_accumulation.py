@@ -82,7 +82,7 @@ def train_amp(half: bool, steps: int, fault_micro: Iterable[int]) -> dict[str, A
         opt.step()  # skipped if the accumulated gradients held an inf/NaN
         opt.zero_grad()
         history.append(flat(model))
-        if mixprec.loss_scaler().last_step_skipped:
+        if mixprec.amp.loss_scaler().last_step_skipped:
             skipped.append(step)
     return {"model": model, "history": history, "skipped": skipped}
 

@@ -8,7 +8,8 @@ scale the total loss and run the usual backward / step / update; an inf in the f
 penalty inf, the final gradients inf, and the step is skipped.
 
 With opt levels: ``scale_loss(loss, opt, delay_unscale=True)`` yields the scaled loss for
-``autograd.grad`` without touching ``.grad``; the scale to divide by is ``mixprec.loss_scaler().get_scale()``.
+``autograd.grad`` without touching ``.grad``; the scale to divide by is
+``mixprec.amp.loss_scaler().get_scale()``.
 
 Run:  python examples/grad_penalty.py --api scaler --precision fp16
 """
@@ -74,7 +75,7 @@ def train_amp(half: bool, steps: int) -> dict[str, Any]:
         loss = F.cross_entropy(model(x), y)
         with mixprec.scale_loss(loss, opt, delay_unscale=True) as scaled_loss:
             scaled_grads = torch.autograd.grad(scaled_loss, params, create_graph=True)
-        inv_scale = 1.0 / mixprec.loss_scaler().get_scale()
+        inv_scale = 1.0 / mixprec.amp.loss_scaler().get_scale()
         grads = [g * inv_scale for g in scaled_grads]
         with mixprec.autocast("cpu", torch.float16, enabled=half):  # apex's O1 patched these ops too
             penalty = grad_norm(grads)

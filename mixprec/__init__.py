@@ -1,17 +1,14 @@
 """mixprec: mixed precision training on PyTorch — loss scaling, fp32 master weights and a per-op cast
-policy, implemented once, offered as torch.amp-style, apex-style and fastai-style interfaces."""
+policy, implemented once, offered as torch.amp-style, apex-style and fastai-style interfaces.
 
-# formats: float formats bit by bit
-# policy & autocast: which op runs in which dtype
-# scaler: loss scaling (drop-in for torch.amp.GradScaler)
-# master: fp32 master weights around any torch.optim optimizer
-# opt levels: apex's O0-O3 as presets over the same parts
-# learner: a fastai-style training loop whose MixedPrecision callback uses the same parts
-# checkpoints: atomic save/resume of model, masters, optimizer, scalers, schedulers, RNG
-# data & models: bundled data sets and reference models
-# errors: what mixprec raises for user mistakes
-from mixprec.amp import initialize, load_state_dict, loss_scaler, master_params, scale_loss, state_dict
-from mixprec.autocast import AutocastError, BannedOpError, autocast, half_compute, keep_fp32
+What a training loop needs is here, grouped below. apex's module-level state (``state_dict``,
+``load_state_dict``, ``loss_scaler``) lives in :mod:`mixprec.amp`; every exception in :mod:`mixprec.errors`;
+the tools in :mod:`mixprec.diagnostics`.
+"""
+
+from mixprec.activation_checkpoint import checkpoint_context
+from mixprec.amp import initialize, master_params, scale_loss
+from mixprec.autocast import autocast, half_compute, keep_fp32
 from mixprec.callbacks import (
     AutocastMixedPrecision,
     Callback,
@@ -24,15 +21,22 @@ from mixprec.callbacks import (
 from mixprec.checkpoint import ResumableLoader, load_checkpoint, save_checkpoint
 from mixprec.data import DataBunch, digits, mnist, synthetic
 from mixprec.errors import (
+    AutocastError,
+    BannedOpError,
+    CheckpointError,
     ConfigError,
     DeviceMismatchError,
     Fp16GradientError,
     MixprecError,
     ParameterMismatchError,
+    PersistentOverflowError,
+    PolicyError,
     ScalerStateError,
 )
 from mixprec.formats import FORMATS, Decoded, FloatFormat, FormatInfo, decode, get_format, info
+from mixprec.hardware import half_arithmetic
 from mixprec.learner import Learner, accuracy, error_rate
+from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
 from mixprec.models import build as build_model
 from mixprec.policy import (
@@ -42,43 +46,33 @@ from mixprec.policy import (
     register_half_function,
     register_promote_function,
 )
+from mixprec.recipe import RECIPES, Recipe, ScaleConfig, get_recipe
 from mixprec.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # formats
-    "FORMATS",
-    "FloatFormat",
-    "FormatInfo",
-    "Decoded",
-    "decode",
-    "get_format",
-    "info",
-    # policy & autocast
+    # configuration: one Recipe describes a precision set-up; presets by name
+    "Recipe",
+    "ScaleConfig",
+    "RECIPES",
+    "get_recipe",
+    # torch.amp style: a cast policy around the forward, a loss scaler
     "autocast",
-    "half_compute",
-    "keep_fp32",
-    "Policy",
-    "get_preset",
-    "register_half_function",
-    "register_float_function",
-    "register_promote_function",
-    "AutocastError",
-    "BannedOpError",
-    # scaler
     "GradScaler",
     "OptState",
-    # master weights
+    "half_compute",
+    "keep_fp32",
+    "checkpoint_context",
+    "half_arithmetic",
+    # weights: fp32 masters, or pure half precision without them
     "MasterWeights",
-    # opt levels (apex style)
+    "LowPrecisionOptimizer",
+    # apex style (mixprec.amp holds the rest of apex's names)
     "initialize",
     "scale_loss",
     "master_params",
-    "loss_scaler",
-    "state_dict",
-    "load_state_dict",
-    # learner (fastai style)
+    # fastai style
     "Learner",
     "accuracy",
     "error_rate",
@@ -88,6 +82,12 @@ __all__ = [
     "Recorder",
     "CancelStepException",
     "CancelTrainException",
+    # the cast policy
+    "Policy",
+    "get_preset",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
     # checkpoints
     "save_checkpoint",
     "load_checkpoint",
@@ -99,11 +99,24 @@ __all__ = [
     "mnist",
     "synthetic",
     "build_model",
-    # errors
+    # float formats
+    "FORMATS",
+    "FloatFormat",
+    "FormatInfo",
+    "Decoded",
+    "decode",
+    "get_format",
+    "info",
+    # the errors a loop most often catches (all of them: mixprec.errors)
     "MixprecError",
     "ConfigError",
     "ScalerStateError",
     "Fp16GradientError",
+    "PersistentOverflowError",
+    "CheckpointError",
+    "PolicyError",
+    "AutocastError",
+    "BannedOpError",
     "DeviceMismatchError",
     "ParameterMismatchError",
 ]

@@ -7,6 +7,31 @@ Each message says what was wrong and what to do about it. Where torch raises an 
 
 from __future__ import annotations
 
+__all__ = [
+    "MixprecError",
+    # settings and call order
+    "ConfigError",
+    "ApexPropertyError",
+    "ScalerStateError",
+    "PolicyError",
+    "AutocastError",
+    "UnknownArithmeticError",
+    "UnknownFormatError",
+    # what training ran into
+    "Fp16GradientError",
+    "PersistentOverflowError",
+    "BannedOpError",
+    "DeviceMismatchError",
+    "ParameterMismatchError",
+    "UnsupportedParameterError",
+    # saving, loading, data, ranks
+    "CheckpointError",
+    "MasterStateWarning",
+    "DatasetNotFoundError",
+    "IDXFormatError",
+    "DistributedError",
+]
+
 
 class MixprecError(Exception):
     """Base class of every error mixprec raises on purpose."""
@@ -86,3 +111,7 @@ class BannedOpError(MixprecError, NotImplementedError):
 
     A RuntimeError, like torch's own ban, and a NotImplementedError, which apex raised for banned functions.
     """
+
+
+class UnknownArithmeticError(ConfigError):
+    """An arithmetic choice (native/emulated) that mixprec.hardware does not know."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, UnknownArithmeticError  # re-exported: it was defined here
 from mixprec.formats import dtype_label
 
 __all__ = [
@@ -91,10 +91,6 @@ class HalfArithmetic:
     @property
     def emulated(self) -> bool:
         return self.arithmetic is Arithmetic.EMULATED
-
-
-class UnknownArithmeticError(ConfigError):
-    """An override names no known arithmetic."""
 
 
 def _parse(value: str | Arithmetic, where: str) -> Arithmetic:
