@@ -1,5 +1,8 @@
 """Where gradients lie on the exponent axis, and what fp16 (with and without a loss scale) does to them.
 
+(Longer than most modules: the histogram, the underflow/subnormal/overflow fractions and the suggested
+scale are one computation read three ways, and the monitor that collects them over a run.)
+
 For each parameter tensor and overall: a histogram of ``floor(log2|g|)`` (bin ``e`` holds
 ``2^e <= |g| < 2^(e+1)``, read exactly from the float's exponent field with ``torch.frexp``, so no ``log2``
 rounding puts a value in the wrong bin), and the fractions that casting ``g * S`` to fp16 would

@@ -1,5 +1,8 @@
 """Memory of one training step, by component, for each precision recipe: where mixed precision saves bytes.
 
+(Longer than most modules: the measured breakdown and the estimate without computing are one concept, the
+same components counted two ways, and the tests hold them against each other.)
+
 :func:`memory_breakdown` copies the model into the recipe's dtypes, runs one forward pass and the loss under
 ``torch.autograd.graph.saved_tensors_hooks`` and lets the optimizer create its state, then reports:
 
