@@ -456,3 +456,24 @@ def test_optimizer_state_saved_before_initialize_loads_into_o2_and_back() -> Non
     for k in ref:
         torch.testing.assert_close(got[k]["exp_avg"], ref[k]["exp_avg"], atol=0, rtol=0)
         torch.testing.assert_close(got[k]["exp_avg_sq"], ref[k]["exp_avg_sq"], atol=0, rtol=0)
+
+
+def test_clip_grad_norm_of_the_model_parameters_works_under_o2() -> None:
+    """Issue 15's trap: torch.amp's clipping recipe on model.parameters() under O2 returned inf and clipped
+    nothing. After scale_loss the model's .grad hold the unscaled gradients (mirrored from the masters), so
+    the norm is the fp32 run's and the clip reaches the step."""
+    fp32 = _net()
+    x, y = next(_batches(1))
+    nn.functional.cross_entropy(fp32(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(fp32.parameters(), max_norm=float("inf"))
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2", verbosity=0)
+    before = [p.detach().float().clone() for p in model.parameters()]
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    assert torch.isfinite(norm) and norm.item() == pytest.approx(ref_norm.item(), rel=2e-2)  # fp16 forward
+    opt.step()
+    after = [p.detach().float() for p in model.parameters()]
+    step = torch.cat([(a - b).flatten() for a, b in zip(after, before, strict=True)])
+    assert step.norm().item() < 2e-3  # lr 1 x a gradient clipped to norm 1e-3 (+ fp16 rounding of weights)
