@@ -156,3 +156,21 @@ def test_resume_from_a_damaged_checkpoint_is_refused(finished_fp16_run: Path, tm
     argv = ["train", *TINY, "--precision", "fp16", "--epochs", "2", "--out", str(run), "--resume"]
     assert cli.main(argv) == 2
     assert "is damaged: its contents do not match the checksum" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["grads", "--model", "mlp", "--loss-scale", "-5", "--no-png"], "--loss-scale must be positive"),
+        (["memory", "--model", "mlp", "--input", "3x"], "cannot read input shape '3x'"),
+    ],
+)
+def test_other_commands_report_user_errors_the_same_way(argv: list[str], message: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own refusal of a --input it cannot read
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "error:" in err and "Traceback" not in err

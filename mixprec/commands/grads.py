@@ -8,6 +8,7 @@ the fractions that would underflow to zero, land in fp16's subnormal range or ov
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from mixprec.commands.console import make_console
@@ -66,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
             model = build_model(args.model, bunch, args.seed)
         except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed
             problem = str(err)
-    if problem is not None:
-        console.print(f"[red]error:[/red] {problem}")
+    if problem is not None:  # as cli.main prints every user error: on stderr, exit status 2
+        print(f"mixprec: error: {problem}", file=sys.stderr)
         return 2
     if args.train_steps:
         _train(model, bunch, args.train_steps)

@@ -53,8 +53,8 @@ OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "momentum", "none")
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"3x224x224"`` -> ``(3, 224, 224)``; also accepts commas."""
-    parts = [p for p in re.split(r"[x,X*\s]+", text.strip()) if p]
-    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+    parts = re.split(r"\s*[x,X*]\s*", text.strip())  # an empty part ("3x") is a typo, not a 1-d shape
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(
             f"cannot read input shape {text!r}: write it as CxHxW, e.g. 3x224x224"
         )
