@@ -12,6 +12,7 @@ numerically sensitive ops kept in fp32); fp32 weights with a cast policy (O1) ru
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -122,22 +123,35 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
             state_dict[key] = state_dict[key].float()
 
 
-class _Region:
-    """Enters the forward's precision region in a pre-hook and leaves it in an always-called hook.
-    A stack per module, so a module that calls itself (or is shared) nests correctly."""
+_REGION_ATTR = "_mixprec_region"
 
-    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-        self.make = make
-        self.stack: list[contextlib.AbstractContextManager[Any]] = []
 
-    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        ctx = self.make()
-        ctx.__enter__()
-        self.stack.append(ctx)
+def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's own forward inside its precision region, as a ``with`` block: torch.compile traces a
+    region entered this way into one graph (a region entered in a pre-hook and left in a post-hook made
+    AOTAutograd refuse graphs whose ops switch autocast off, e.g. an fp32 loss inside forward)."""
+    make, inner = getattr(self, _REGION_ATTR)
+    with make():
+        return inner(*args, **kwargs)
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
+
+class _RegionForward:
+    """Puts the forward inside the region (a bound method on the instance, so ``copy.deepcopy`` rebinds it
+    to the copy) and takes it out again: a handle like the hooks'."""
+
+    def __init__(self, model: nn.Module, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self.model = model
+        self.own = model.__dict__.get("forward")  # a forward the instance already had (torch.compile's)
+        # the forward as it was: a bound method, which deepcopy rebinds to the copy
+        setattr(model, _REGION_ATTR, (make, model.forward))
+        model.forward = types.MethodType(_forward_in_region, model)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.model.__dict__.pop(_REGION_ATTR, None)
+        if self.own is None:
+            self.model.__dict__.pop("forward", None)
+        else:
+            self.model.forward = self.own  # type: ignore[method-assign]
 
 
 def _region_factory(recipe: Recipe, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -196,9 +210,7 @@ def prepare(
         hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
-    region = _Region(_region_factory(recipe, device_type))
-    hooks.append(model.register_forward_pre_hook(region.enter, with_kwargs=True))
-    hooks.append(model.register_forward_hook(region.leave, always_call=True))
+    hooks.append(_RegionForward(model, _region_factory(recipe, device_type)))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
         hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))

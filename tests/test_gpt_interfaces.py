@@ -56,3 +56,12 @@ def test_o2_compiled_with_checkpointing_trains_like_eager() -> None:
     gpt = example("gpt_interfaces")
     compiled, eager = gpt.run("O2", 10, compile=True, checkpoint=True), gpt.run("O2", 10)
     assert max(abs(a - b) for a, b in zip(compiled, eager, strict=True)) < 5e-3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_o1_compiled_with_the_loss_inside_forward_trains_like_eager() -> None:
+    """O1 compiled, with the GPT's cross-entropy (an fp32 op under O1) inside forward: AOTAutograd refused
+    the graph while the region was entered in a pre-hook; as a with-block around forward it traces."""
+    gpt = example("gpt_interfaces")
+    compiled, eager = gpt.run("O1", 6, compile=True), gpt.run("O1", 6)
+    assert max(abs(a - b) for a, b in zip(compiled, eager, strict=True)) < 5e-3
