@@ -35,13 +35,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mixprec.apex_properties import DYNAMIC, OPT_LEVELS, Properties, apply_overrides, banner
+from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import HalfModel, prepare
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
 from mixprec.skip_step import combined_found_inf, step_unless_inf
+from mixprec.tree import cast_floating
 
 __all__ = [
     "Properties",
@@ -54,10 +55,6 @@ __all__ = [
     "state_dict",
     "load_state_dict",
 ]
-
-# Kept for code that imported them from here; the values live in mixprec.recipe / apex_properties.
-DEFAULT_MAX_LOSS_SCALE = APEX_MAX_LOSS_SCALE
-__all__ += ["DYNAMIC", "DEFAULT_MAX_LOSS_SCALE"]
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -181,18 +178,11 @@ def initialize(
 
 def _prepare(model: nn.Module, recipe: Recipe, device_type: str, out: torch.dtype | None) -> HalfModel:
     model._mixprec_opt_level = recipe.name  # type: ignore[assignment]
-    if recipe.name == "O0" and out is None:
-        return HalfModel(model, recipe)
-    if recipe.is_fp32:  # O0 (or an override that turned every cast off) with cast_model_outputs
-        model.register_forward_hook(lambda m, a, o: _cast_out(o, out))
+    if recipe.is_fp32:  # O0, or overrides that turned every cast off: only cast_model_outputs applies
+        if out is not None:
+            model.register_forward_hook(lambda module, args, output: cast_floating(output, out))
         return HalfModel(model, recipe)
     return prepare(model, recipe, device_type, output_dtype=out, fp32_state_dict=True)
-
-
-def _cast_out(output: Any, dtype: torch.dtype | None) -> Any:
-    from mixprec.tree import cast_floating
-
-    return output if dtype is None else cast_floating(output, dtype)
 
 
 def _inner(opt: Any) -> torch.optim.Optimizer:

@@ -31,7 +31,7 @@ from mixprec.half_model import HALF_DTYPES
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe, ScaleConfig
 from mixprec.recipe import OPT_LEVELS as _RECIPES
 
-__all__ = ["Properties", "OPT_LEVELS", "apply_overrides", "properties_of", "banner", "DYNAMIC"]
+__all__ = ["Properties", "OPT_LEVELS", "apply_overrides", "banner", "DYNAMIC"]
 
 DYNAMIC = "dynamic"
 
@@ -174,10 +174,6 @@ class Properties:
 
     def overridden(self, **overrides: Any) -> Properties:
         return Properties.of(apply_overrides(self.recipe, **overrides))
-
-
-def properties_of(recipe: Recipe) -> Properties:
-    return Properties.of(recipe)
 
 
 def banner(recipe: Recipe, verbosity: int) -> list[str]:

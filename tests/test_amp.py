@@ -477,3 +477,11 @@ def test_clip_grad_norm_of_the_model_parameters_works_under_o2() -> None:
     after = [p.detach().float() for p in model.parameters()]
     step = torch.cat([(a - b).flatten() for a, b in zip(after, before, strict=True)])
     assert step.norm().item() < 2e-3  # lr 1 x a gradient clipped to norm 1e-3 (+ fp16 rounding of weights)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_cast_model_outputs_casts_the_outputs_at_any_level(level: str) -> None:
+    """apex's initialize docs: cast_model_outputs ensures the model's outputs are always cast to that type,
+    regardless of opt_level."""
+    model = mixprec.initialize(_net(), opt_level=level, cast_model_outputs=torch.float16, verbosity=0)
+    assert model(torch.randn(4, 10)).dtype == torch.float16
