@@ -47,6 +47,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -70,6 +71,7 @@ from mixprec.region import (
     RegionMode,
     compiled_mode,
     current_region,
+    eager_backward_tracing,
     func_name,
     is_current,
 )
@@ -173,7 +175,7 @@ def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -
     )
 
 
-_Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None"]
+_Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None", Any]
 
 
 class autocast:  # noqa: N801 - lower case like torch.autocast, which it replaces
@@ -241,12 +243,14 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
             mode = _mode_for(region) if region.actions else None
             if mode is not None:
                 mode.__enter__()
+            tracing = eager_backward_tracing() if mode is not None else contextlib.nullcontext()
+            tracing.__enter__()
             modules = region.policy.fp32_modules if region.enabled else ()
             rules = ModuleRules(region, modules) if modules else None
         except BaseException:
             torch_region.__exit__(None, None, None)
             raise
-        self._frames.append((torch_region, region, mode, rules))
+        self._frames.append((torch_region, region, mode, rules, tracing))
         return self
 
     def _enter_compiled(self) -> autocast:
@@ -267,10 +271,11 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         if torch.compiler.is_compiling():
             self._exit_compiled(*exc)
             return
-        torch_region, region, mode, rules = self._frames.pop()
+        torch_region, region, mode, rules, tracing = self._frames.pop()
         try:
             if rules is not None:
                 rules.remove()
+            tracing.__exit__(*exc)
             if mode is not None:
                 mode.__exit__(*exc)
         finally:

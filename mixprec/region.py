@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EMULATED_NODE_KEY",
     "Region",
-    "RegionMode", "call_without_autocast", "current_region", "is_current", "STATE"]
+    "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "is_current", "STATE"]
 
 
 @dataclass(eq=False)
@@ -141,6 +141,20 @@ def autocast_off(device_type: str) -> Any:
     if torch.compiler.is_compiling():
         return torch.autocast(device_type, enabled=False)
     return _AutocastOff(device_type)
+
+
+def eager_backward_tracing() -> Any:
+    """A context under which a model compiled inside an eager region traces its backward without autocast.
+
+    AOTAutograd traces a compiled function's backward when its forward first runs, and by default under the
+    autocast state of that call (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``).
+    Inside a mixprec region that state is "fp16/bf16 on": the backward GEMMs of ops the Python layer kept
+    in fp32 or emulated (fp32 kernels on rounded inputs) would be autocast to native half kernels -- on a
+    CPU without half units 20x slower than eager, and with other numerics. Eager autograd runs the backward
+    where ``.backward()`` is called, outside the region (torch's documented place), with autocast off: this
+    makes compiled code trace it the same way.
+    """
+    return torch._functorch.config.patch(backward_pass_autocast="off")
 
 
 def call_without_autocast(device_type: str, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:

@@ -89,6 +89,26 @@ def test_compiled_model_inside_an_fp16_region_does_not_recompile_per_step() -> N
             opt.zero_grad()
 
 
+def test_a_compiled_model_inside_an_eager_region_traces_its_backward_as_eager_runs_it() -> None:
+    # AOTAutograd traces the backward with the forward's autocast state unless told otherwise: inside a
+    # region, the backward GEMM of an op the policy keeps in fp32 (and of every emulated GEMM) became a
+    # native fp16 GEMM -- 20x slower on a CPU without half units, and the fp32 op's gradients rounded to
+    # fp16. Eager runs that backward outside the region, in fp32: the gradients must agree at fp32
+    # tolerance, far below one fp16 rounding (2**-11).
+    torch.manual_seed(0)
+    fp32_linear = P.DEFAULT_POLICY.with_fp32("linear", reason="test: a GEMM kept in fp32")
+    eager_model, x = nn.Linear(64, 32), torch.randn(8, 64)
+    compiled_model = torch.compile(copy.deepcopy(eager_model))
+    grads = []
+    for model in (eager_model, compiled_model):
+        with mixprec.autocast("cpu", torch.float16, policy=fp32_linear):
+            out = model(x)
+        assert out.dtype == torch.float32
+        (out * x[:, :32]).sum().backward()
+        grads.append(model.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_initialized_models_compile_and_match_eager(opt_level: str, fresh_amp_state: None) -> None:
     # mixprec.amp's hooks enter autocast (O1) or half_compute (O2) inside the compiled forward.
