@@ -9,6 +9,8 @@ What each moves per parameter (bytes, read + written):
   master_grads=False   per 256K-element chunk: bf16 grad read (2), upcast into a 1 MiB scratch,
                        fused kernel on the chunk (24 + scratch from cache), bf16 weight written (2)
                        = ~30, one pass over memory; plus the scaler's inf check of the bf16 grads (2)
+  compile_step=True    one compiled loop: bf16 grad (2), master, moments (12 + 12), bf16 weight (2)
+                       = 28, one pass; plus the scaler's inf check (2) when a scaler is used
 The target: the master step no slower than torch's fused fp32 AdamW (ratio <= 1.0).
 
 Configurations are timed round-robin (one step of each in turn, ``--repeats`` rounds): load drift on a
@@ -58,10 +60,14 @@ def _torch_step(shapes: list[tuple[int, ...]], device: str, **impl: bool) -> Ste
     return lambda: opt.step()  # the gradients stay: every step reads the same ones
 
 
-def _master_step(shapes: list[tuple[int, ...]], device: str, flat: bool, master_grads: bool) -> Step:
+def _master_step(
+    shapes: list[tuple[int, ...]], device: str, flat: bool, master_grads: bool, compile_step: bool = False
+) -> Step:
     """What a training step does after backward: scaler checks/unscales, fused update, copy back."""
     half = _params(shapes, torch.bfloat16, device)
-    opt = MasterWeights(torch.optim.AdamW(half, lr=1e-3), flat=flat, master_grads=master_grads)
+    opt = MasterWeights(
+        torch.optim.AdamW(half, lr=1e-3), flat=flat, master_grads=master_grads, compile_step=compile_step
+    )
     scaler = GradScaler(device, init_scale=1.0, dynamic=False)
     dummy = torch.ones((), requires_grad=True, device=device)  # scale() needs a tensor; its grad is free
 
@@ -71,6 +77,13 @@ def _master_step(shapes: list[tuple[int, ...]], device: str, flat: bool, master_
         scaler.update()
 
     return step
+
+
+def _bare_step(shapes: list[tuple[int, ...]], device: str) -> Step:
+    """The compiled master step alone: what bf16 O2 runs when no loss scaling (and no inf check) is used."""
+    half = _params(shapes, torch.bfloat16, device)
+    opt = MasterWeights(torch.optim.AdamW(half, lr=1e-3), master_grads=False, compile_step=True)
+    return lambda: opt.step()
 
 
 def _sync(device: str) -> None:
@@ -108,6 +121,9 @@ def main() -> None:
         "MasterWeights(AdamW, flat=True)": _master_step(shapes, dev, True, True),
         "MasterWeights(AdamW, master_grads=False)": _master_step(shapes, dev, False, False),
         "MasterWeights(AdamW, flat=True, master_grads=False)": _master_step(shapes, dev, True, False),
+        "MasterWeights(AdamW, master_grads=False, compile_step=True)": _master_step(shapes, dev, False, False,
+                                                                                     True),
+        "  the same, no scaler (bf16 needs none)": _bare_step(shapes, dev),
     }
     ms = _round_robin(steps, args.repeats, dev)
     fused, foreach = ms["torch AdamW(fused=True), fp32 params"], ms["torch AdamW(foreach=True), fp32 params"]

@@ -100,6 +100,10 @@ class MasterWeights(torch.optim.Optimizer):
             keeps none: the step reads the half gradients chunk by chunk (master_fused.py), 16 bytes per
             parameter for O2 + Adam instead of 20; ``scaler.unscale_`` then unscales the half gradients in
             place, which the scaler allows for bf16 and refuses for fp16 (fp16 would flush small values).
+        compile_step: with ``master_grads=False``, run the update as one pass that torch.compile generates
+            (master_kernel.py): the half gradient upcast, unscaled, Adam's update and the rounding into the
+            model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
+            rounding order. Adam/AdamW without amsgrad.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
             ``.grad`` (see Clipping). One extra pass per explicit unscale; callers that clip the masters
             themselves (``mixprec.initialize``, the Learner) may pass False.
@@ -126,12 +130,16 @@ class MasterWeights(torch.optim.Optimizer):
         initial: Mapping[torch.Tensor, torch.Tensor] | None = None,
         master_grads: bool = True,
         mirror_grads: bool = True,
+        compile_step: bool = False,
     ) -> None:
         _check_wrappable(optimizer, model)
         if not master_grads and fused is False:
             raise ConfigError("master_grads=False runs a fused kernel, but fused=False was passed.",
                               "drop fused=False, or keep master_grads=True.")
-        self._fused_step = None if master_grads else FusedMasterStep(optimizer)
+        if compile_step and master_grads:
+            raise ConfigError("compile_step=True compiles the step that reads the half gradients itself.",
+                              "pass master_grads=False with it.")
+        self._fused_step = None if master_grads else FusedMasterStep(optimizer, compiled=compile_step)
         self.optimizer = optimizer
         self.flat = flat
         self.mirror_grads = mirror_grads

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import ConfigError
+from mixprec.master_kernel import KernelUnit, adam_pass, check_compilable
 from mixprec.master_storage import GroupMasters, views_like
 
 __all__ = ["CHUNK", "FusedMasterStep", "check_fused_master"]
@@ -78,11 +79,16 @@ def _adam_state(state: dict[str, Any], param: torch.Tensor, amsgrad: bool) -> di
 
 
 class FusedMasterStep:
-    """Steps an Adam/AdamW whose param groups hold the masters of ``groups`` (see module docstring)."""
+    """Steps an Adam/AdamW whose param groups hold the masters of ``groups`` (see module docstring).
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    ``compiled=True`` runs the whole update as one compiled pass instead (master_kernel.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compiled: bool = False) -> None:
         check_fused_master(optimizer)
+        if compiled:
+            check_compilable(optimizer)
         self.optimizer = optimizer
+        self.compiled = compiled
 
     def _units(self, group: dict[str, Any], masters: GroupMasters) -> Iterator[_Unit]:
         state, amsgrad = self.optimizer.state, bool(group["amsgrad"])
@@ -117,6 +123,9 @@ class FusedMasterStep:
 
     @torch.no_grad()
     def step(self, groups: list[GroupMasters], grad_scale: Any = None, found_inf: Any = None) -> None:
+        if self.compiled:
+            self._step_compiled(groups, grad_scale, found_inf)
+            return
         scratch: dict[torch.device, torch.Tensor] = {}  # CHUNK fp32 values per device, freed after the step
         for group, masters in zip(self.optimizer.param_groups, groups, strict=True):
             units = list(self._units(group, masters))
@@ -128,6 +137,20 @@ class FusedMasterStep:
                 self._update(group, chunk, grad_scale, found_inf, scratch)
             if found_inf is not None:  # a skipped step does not count (torch's fused Adam does the same)
                 torch._foreach_sub_(steps, [found_inf.to(s.device) for s in steps])
+
+    def _step_compiled(self, groups: list[GroupMasters], grad_scale: Any, found_inf: Any) -> None:
+        if found_inf is not None and found_inf.item():
+            return  # skipped: masters, moments and step counts untouched, as torch's fused Adam leaves them
+        units = [
+            KernelUnit(u.param, u.grad, _moment(u, "exp_avg"), _moment(u, "exp_avg_sq"), u.model,
+                       u.state["step"], k)
+            for k, (group, masters) in enumerate(zip(self.optimizer.param_groups, groups, strict=True))
+            for u in self._units(group, masters)
+        ]
+        steps = list({id(u.step): u.step for u in units}.values())
+        if steps:
+            torch._foreach_add_(steps, 1)  # once per tensor: flat-buffer members share their buffer's step
+        adam_pass(units, self.optimizer.param_groups, grad_scale)
 
     def _update(
         self, group: dict[str, Any], chunk: list[_Unit], grad_scale: Any, found_inf: Any,

@@ -1,0 +1,147 @@
+"""The O2 Adam/AdamW step as one compiled pass over memory (``MasterWeights(..., compile_step=True)``).
+
+master_fused.py runs torch's fused Adam kernel, which needs fp32 gradients: each chunk of half gradients is
+upcast into a scratch buffer first, and the updated masters are rounded into the model after, so every
+element passes through three kernels (about 1.9x torch's fused fp32 AdamW on the 2-core AVX2 EPYC,
+benchmarks/master_step.py). Here the whole update is one loop that torch.compile (Inductor) generates:
+per element it reads the half gradient, the fp32 master and the two fp32 moments, and writes the master,
+the moments and the half weight -- 28 bytes, what torch's fused fp32 AdamW moves -- with the upcast, the
+unscale and the rounding in registers.
+
+The arithmetic is torch.optim.Adam's (``_single_tensor_adam``), written once below; the scalars (bias
+corrections, step size) in fp64 as torch computes them in Python, the elementwise part in fp32. It equals
+the fused kernel's result up to the order of fp32 operations (tests/test_master_kernel.py: within a few
+fp32 ulps after several steps), not bit for bit.
+
+Hyperparameters enter as tensors, so an LR schedule does not recompile; the set of tensors with a gradient
+does (one compile per distinct set). The skip of an overflowing step is decided before the kernel from
+``found_inf`` (one read: free on the CPU, one sync on CUDA), which keeps the kernel a pure update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.errors import ConfigError
+
+__all__ = ["KernelUnit", "adam_pass", "check_compilable"]
+
+# How weight decay enters, per param group: torch's Adam adds it to the gradient (L2), AdamW shrinks the
+# weight (decoupled); "none" when weight_decay == 0 (static: guarded by Dynamo, recompiles if it changes).
+DECAY_KINDS = ("none", "l2", "decoupled")
+
+
+@dataclass
+class KernelUnit:
+    """One tensor the pass updates: flattened fp32 master, its gradient, moments, half copy, step."""
+
+    param: torch.Tensor
+    grad: torch.Tensor  # half (upcast in the kernel) or fp32
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    model: torch.Tensor | None  # the half model tensor to round into; None for an fp32 parameter
+    step: torch.Tensor  # 0-d fp32, already incremented for this step
+    group: int  # index into the groups' hyperparameter tensors
+
+
+def check_compilable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless every group is one this pass implements (Adam/AdamW without amsgrad, differentiable)."""
+    unsupported = [k for k in ("amsgrad", "differentiable", "capturable")
+                   if any(g.get(k) for g in optimizer.param_groups)]
+    if unsupported:
+        raise ConfigError(
+            f"compile_step=True implements Adam/AdamW without {', '.join(unsupported)}.",
+            "drop compile_step=True (master_grads=False then runs torch's fused kernel chunk by chunk).",
+        )
+
+
+# The per-tensor scalars the pass reads, computed before it in fp64 (torch computes them in Python floats,
+# i.e. doubles, and hands them to its kernels as fp32 scalars). Computed outside the compiled loop because
+# Inductor would re-evaluate loop-invariant scalar math (two pow() in double) for every 8 elements.
+COEFFICIENTS = ("step_size", "bias_correction2_sqrt", "decay", "weight_decay", "one_minus_beta1", "beta2",
+                "one_minus_beta2", "eps")
+
+
+def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """One row of COEFFICIENTS per unit (fp32), from its group's settings and its own step count."""
+    device = units[0].param.device
+    rows = [[_value(g["lr"]), *map(float, g["betas"]), g["eps"], g["weight_decay"]] for g in groups]
+    lr, beta1, beta2, eps, wd = torch.tensor(rows, dtype=torch.float64, device=device)[
+        torch.tensor([u.group for u in units], device=device)
+    ].unbind(1)
+    step = torch.stack([u.step for u in units]).to(torch.float64)
+    columns = (
+        lr / (1 - beta1**step),  # step size: lr over the first moment's bias correction
+        (1 - beta2**step).sqrt(),
+        1 - lr * wd,  # AdamW's decoupled decay factor
+        wd,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        eps,
+    )
+    return torch.stack(columns, 1).to(torch.float32)
+
+
+def _value(lr: float | torch.Tensor) -> float:
+    return lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def decay_kind(group: dict[str, Any]) -> str:
+    if group["weight_decay"] == 0:
+        return "none"
+    return "decoupled" if group.get("decoupled_weight_decay", False) else "l2"
+
+
+def _adam_pass(
+    units: Sequence[tuple[torch.Tensor, ...]],
+    models: Sequence[torch.Tensor | None],
+    which: Sequence[int],
+    coef: torch.Tensor,
+    decay: Sequence[str],
+    maximize: Sequence[bool],
+    grad_scale: torch.Tensor | None,
+) -> None:
+    for i, ((p, g, m, v), model, k) in enumerate(zip(units, models, which, strict=True)):
+        step_size, bias_correction2_sqrt, decay_factor, wd, one_minus_beta1, beta2, one_minus_beta2, eps = (
+            coef[i].unbind()
+        )
+        # fp16/bf16 -> fp32 is exact; unscaling in fp32 cannot flush a small gradient to zero.
+        grad = g.float() if grad_scale is None else g.float() / grad_scale
+        if maximize[k]:
+            grad = -grad
+        if decay[k] == "l2":
+            grad = grad + wd * p
+        if decay[k] == "decoupled":
+            p.mul_(decay_factor)
+        m.lerp_(grad, one_minus_beta1)
+        v.copy_(v * beta2 + grad * grad * one_minus_beta2)
+        p.sub_(step_size * (m / (v.sqrt() / bias_correction2_sqrt + eps)))  # addcdiv's order
+        if model is not None:
+            model.copy_(p)  # round to nearest into the model, from the value still in registers
+
+
+# Compiled once per distinct set of tensors; dynamic=False: the shapes are fixed for a model's life.
+_compiled_pass = torch.compile(_adam_pass, dynamic=False)
+
+
+@torch.no_grad()
+def adam_pass(
+    units: list[KernelUnit], groups: list[dict[str, Any]], grad_scale: torch.Tensor | None
+) -> None:
+    """Update ``units`` (their steps already counted) by Adam/AdamW with ``groups``' settings, one pass."""
+    if not units:
+        return
+    _compiled_pass(
+        [(u.param, u.grad, u.exp_avg, u.exp_avg_sq) for u in units],
+        [u.model for u in units],
+        tuple(u.group for u in units),
+        coefficients(units, groups),
+        tuple(decay_kind(g) for g in groups),
+        tuple(bool(g["maximize"]) for g in groups),
+        None if grad_scale is None else grad_scale.to(units[0].param.device, torch.float32),
+    )
