@@ -120,6 +120,8 @@ def initialize(
     min_loss_scale: float | None = None,
     max_loss_scale: float = APEX_MAX_LOSS_SCALE,
     skip_limit: int | None = None,
+    master_grads: bool = True,
+    compile_step: bool = False,
     verbosity: int = 1,
 ) -> Any:
     """Prepare models and optimizers for mixed precision at an apex opt level.
@@ -128,8 +130,10 @@ def initialize(
     model(s) when no optimizer is passed. Build the optimizers before calling this, over the fp32 model.
     apex's arguments keep apex's meaning (``enabled=False`` returns everything untouched); ``dtype``
     chooses the half dtype (bf16 too) and ``skip_limit`` stops a run whose steps keep overflowing
-    (:class:`~mixprec.errors.PersistentOverflowError`). ``verbosity``: 0 silent, 1 one line, 2 apex's
-    property list."""
+    (:class:`~mixprec.errors.PersistentOverflowError`). ``master_grads=False`` (O2 with Adam/AdamW, bf16)
+    keeps no fp32 master gradients -- 16 bytes per parameter instead of 20 -- and ``compile_step=True``
+    runs that step as one compiled pass (:class:`~mixprec.master.MasterWeights`). ``verbosity``: 0 silent,
+    1 one line, 2 apex's property list."""
     global _STATE
     if not enabled:
         return models if optimizers is None else (models, optimizers)
@@ -145,6 +149,9 @@ def initialize(
     )
     if skip_limit is not None and recipe.scale is not None:
         recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
+    if not master_grads or compile_step:
+        recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
+        _check_half_gradient_step(recipe)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
     _check_models_and_optimizers(model_list, opt_list)
@@ -155,7 +162,7 @@ def initialize(
     if recipe.uses_masters:
         originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
-        opt_list = [_with_masters(opt, originals) for opt in opt_list]
+        opt_list = [_with_masters(opt, originals, recipe) for opt in opt_list]
     else:
         _warn_if_state_underflows(recipe, opt_list)
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
@@ -191,14 +198,29 @@ def _inner(opt: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else opt
 
 
-def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor]) -> Any:
+def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe: Recipe) -> Any:
     """Wrap the optimizer (or a LARC-style wrapper's inner one) in fp32 master weights."""
     inner = _inner(opt)
-    masters = MasterWeights(inner, model=None, initial=originals)
+    masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
+                            compile_step=recipe.compile_step)
     if inner is opt:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
     return opt
+
+
+def _check_half_gradient_step(recipe: Recipe) -> None:
+    """apex's ``scale_loss`` hands back unscaled gradients on exit. Without fp32 master gradients they are
+    unscaled where they are, in the model's dtype: exact enough in bf16 (its scale is 1: nothing to divide),
+    but an fp16 gradient divided by a loss scale of 65536 flushes to zero -- what the scale protects."""
+    if recipe.model_dtype is torch.float16 and recipe.scale is not None:
+        raise ConfigError(
+            "master_grads=False with fp16: scale_loss unscales the gradients on exit, and without fp32 "
+            "master gradients they would be unscaled in fp16, flushing the small ones to zero.",
+            "use dtype=torch.bfloat16 with master_grads=False, or keep master_grads=True for fp16 "
+            "(or, torch.amp style, MasterWeights(opt, master_grads=False) with mixprec.GradScaler's "
+            "scaler.step(opt), which unscales inside the fused step).",
+        )
 
 
 # fp16's smallest subnormal: an optimizer constant below it rounds to 0 in an fp16 tensor op.
@@ -371,7 +393,9 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``."""
     inner = _inner(optimizer)
     if isinstance(inner, MasterWeights):
-        yield from inner.master_params()
+        # master_grads=False: the masters have no gradient; the step reads (and a clip must scale) the
+        # model's half gradients, unscaled in place by scale_loss.
+        yield from inner.master_params() if inner.keeps_master_grads else inner.scaled_grad_params()
         return
     for group in inner.param_groups:
         yield from group["params"]

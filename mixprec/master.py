@@ -286,6 +286,11 @@ class MasterWeights(torch.optim.Optimizer):
             return [p for g in self.param_groups for p in g["params"]]
         return [*self.model_params(), *self._fp32_params()]
 
+    @property
+    def keeps_master_grads(self) -> bool:
+        """Whether the masters get fp32 gradients (False: the step reads the half gradients itself)."""
+        return self._fused_step is None
+
     def _fp32_params(self) -> list[torch.Tensor]:
         shadowed = {id(m) for g in self._groups for m in g.shadow()}
         return [p for g in self.param_groups for p in g["params"] if id(p) not in shadowed]

@@ -74,6 +74,10 @@ class Recipe:
     keep_batchnorm_fp32: bool = True  # BatchNorm's statistics are long reductions: fp32 costs few bytes
     master_weights: bool = False
     flat_master: bool = False  # one contiguous fp32 buffer per param group (one long optimizer kernel)
+    # True keeps an fp32 gradient per master (4 bytes per parameter; any optimizer). False (Adam/AdamW):
+    # the step reads the half gradients itself, 16 bytes per parameter with Adam, fp32 training's figure.
+    master_grads: bool = True
+    compile_step: bool = False  # with master_grads=False: the update as one compiled pass (master_kernel)
     autocast_dtype: torch.dtype | None = None
     policy: Any = None  # a mixprec Policy or preset name for the autocast region; None: torch's op lists
     scale: ScaleConfig | None = None
@@ -96,6 +100,18 @@ class Recipe:
             raise ConfigError(
                 f"recipe {self.name!r}: flat_master=True, but it keeps no fp32 master weights.",
                 "use master_weights=True with a half model_dtype, or drop flat_master.",
+            )
+        if not (self.master_grads and not self.compile_step) and not self.uses_masters:
+            raise ConfigError(
+                f"recipe {self.name!r}: master_grads=False/compile_step=True shape the fp32 master step, but "
+                "this recipe keeps no fp32 master weights.",
+                "use them with opt_level='O2' (or master_weights=True and a half model dtype).",
+            )
+        if self.compile_step and self.master_grads:
+            raise ConfigError(
+                f"recipe {self.name!r}: compile_step=True compiles the step that reads the half gradients "
+                "itself.",
+                "pass master_grads=False with it.",
             )
         if self.scale is not None and not isinstance(self.scale, ScaleConfig):
             raise ConfigError(
