@@ -151,7 +151,6 @@ def initialize(
         recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
     if not master_grads or compile_step:
         recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
-        _check_half_gradient_step(recipe)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
     _check_models_and_optimizers(model_list, opt_list)
@@ -207,20 +206,6 @@ def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
     return opt
-
-
-def _check_half_gradient_step(recipe: Recipe) -> None:
-    """apex's ``scale_loss`` hands back unscaled gradients on exit. Without fp32 master gradients they are
-    unscaled where they are, in the model's dtype: exact enough in bf16 (its scale is 1: nothing to divide),
-    but an fp16 gradient divided by a loss scale of 65536 flushes to zero -- what the scale protects."""
-    if recipe.model_dtype is torch.float16 and recipe.scale is not None:
-        raise ConfigError(
-            "master_grads=False with fp16: scale_loss unscales the gradients on exit, and without fp32 "
-            "master gradients they would be unscaled in fp16, flushing the small ones to zero.",
-            "use dtype=torch.bfloat16 with master_grads=False, or keep master_grads=True for fp16 "
-            "(or, torch.amp style, MasterWeights(opt, master_grads=False) with mixprec.GradScaler's "
-            "scaler.step(opt), which unscales inside the fused step).",
-        )
 
 
 # fp16's smallest subnormal: an optimizer constant below it rounds to 0 in an fp16 tensor op.

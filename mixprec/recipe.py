@@ -107,6 +107,17 @@ class Recipe:
                 "this recipe keeps no fp32 master weights.",
                 "use them with opt_level='O2' (or master_weights=True and a half model dtype).",
             )
+        if not self.master_grads and self.model_dtype is torch.float16 and self.scale is not None:
+            # initialize's scale_loss and the Learner hand back unscaled gradients before the step; without
+            # fp32 master gradients those are unscaled where they are, and an fp16 gradient divided by a
+            # loss scale of 65536 flushes to zero -- what the scale protects. (bf16 scales by 1: exact.)
+            raise ConfigError(
+                f"recipe {self.name!r}: master_grads=False with fp16 and loss scaling: the gradients would "
+                "be unscaled in fp16, flushing the small ones to zero.",
+                "use torch.bfloat16 with master_grads=False, or keep master_grads=True for fp16 (torch.amp "
+                "style, MasterWeights(opt, master_grads=False) with GradScaler's scaler.step(opt) unscales "
+                "inside the fused step instead).",
+            )
         if self.compile_step and self.master_grads:
             raise ConfigError(
                 f"recipe {self.name!r}: compile_step=True compiles the step that reads the half gradients "

@@ -95,7 +95,7 @@ def test_the_compiled_step_through_initialize_trains_like_the_uncompiled_one() -
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"dtype": torch.float16, "master_grads": False}, "unscaled in fp16"),
+        ({"dtype": torch.float16, "master_grads": False}, "unscaled in fp16|flushing the small ones"),
         ({"opt_level": "O1", "master_grads": False}, "keeps no fp32 master weights"),
         ({"compile_step": True}, "master_grads=False"),
     ],

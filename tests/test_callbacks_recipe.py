@@ -97,3 +97,32 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(name: str) -> N
     assert learn.recorder.skipped == [False, False, True, False]
     assert nan.before and all(torch.equal(a, b) for a, b in zip(nan.before, nan.after, strict=True))
     assert all(torch.isfinite(b).all() for b in learn.model.buffers())  # not NaN for the rest of the run
+
+
+class _MasterGradsSpy(Callback):
+    kept: bool | None = None
+
+    def on_step_end(self) -> None:
+        self.kept = self.opt.keeps_master_grads
+
+
+def test_a_bf16_recipe_without_master_grads_trains_as_with_them() -> None:
+    # The Learner builds its MasterWeights from the recipe. master_grads=False (16 bytes per parameter with
+    # Adam) runs torch's fused kernel on the same fp32 values: unclipped, the weights agree bit for bit.
+    # Clipped, the clip scales the bf16 gradients the step reads instead of fp32 copies: within bf16
+    # rounding of the clipped run with master gradients, and away from the unclipped one.
+    recipe, lean = RECIPES["bf16"], RECIPES["bf16"].replace(master_grads=False)
+    runs, kept = {}, {}
+    for key, r, clip in (("fp32 grads", recipe, None), ("half grads", lean, None),
+                         ("fp32 grads, clipped", recipe, 0.05), ("half grads, clipped", lean, 0.05)):
+        learn, spy = _learner().to_recipe(r, clip=clip), _MasterGradsSpy()
+        learn.fit(steps=4, callbacks=[spy])
+        runs[key], kept[key] = [p.detach().clone() for p in learn.model.parameters()], spy.kept
+    assert kept == {"fp32 grads": True, "half grads": False, "fp32 grads, clipped": True,
+                    "half grads, clipped": False}
+    for a, b in zip(runs["fp32 grads"], runs["half grads"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(runs["fp32 grads, clipped"], runs["half grads, clipped"], strict=True):
+        torch.testing.assert_close(b, a, rtol=2**-7, atol=2**-7)
+    assert not all(torch.equal(a, b) for a, b in zip(runs["half grads"], runs["half grads, clipped"],
+                                                       strict=True))

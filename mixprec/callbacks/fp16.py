@@ -154,6 +154,7 @@ class MixedPrecision(Callback):
                 self.learn.opt, flat=self.recipe.flat_master, model=self.learn.model,
                 initial=self.half.fp32_originals(),  # the fp32 values, not their rounding
                 mirror_grads=False,  # `clip` clips the fp32 masters; model grads stay as backward left them
+                master_grads=self.recipe.master_grads, compile_step=self.recipe.compile_step,
             )
         # history_size: the Recorder reads an epoch's scales from this ring buffer once per epoch
         history = max(1, len(self.data.train))
