@@ -132,6 +132,7 @@ class Config:
     name: str
     dtype: torch.dtype  # the precision it is compared in (fp32 for the baseline)
     kind: str  # "fp32", "torch" or an opt level
+    options: tuple[tuple[str, object], ...] = ()  # extra mixprec.initialize arguments
 
 
 CONFIGS = (
@@ -142,6 +143,9 @@ CONFIGS = (
     Config("mixprec O1 fp16", torch.float16, "O1"),
     Config("mixprec O2 bf16", torch.bfloat16, "O2"),
     Config("mixprec O2 fp16", torch.float16, "O2"),
+    # 16 bytes per parameter: no fp32 master gradients, the master step one compiled pass (master_kernel.py)
+    Config("mixprec O2 bf16, 16 B/param", torch.bfloat16, "O2",
+           (("master_grads", False), ("compile_step", True))),
 )
 
 
@@ -225,7 +229,8 @@ def make_runner(workload: Workload, config: Config, compiled: bool, state: dict,
     if config.kind in ("O1", "O2"):
         with warnings.catch_warnings():  # "initialize was called again": one call per configuration
             warnings.simplefilter("ignore", UserWarning)
-            model, opt = mixprec.initialize(model, opt, config.kind, dtype=config.dtype, verbosity=0)
+            model, opt = mixprec.initialize(model, opt, config.kind, dtype=config.dtype, verbosity=0,
+                                            **dict(config.options))
         # apex's amp keeps one process-wide state (one initialize per process); the round-robin holds one
         # per configuration and swaps it in before each step.
         amp_state = amp._STATE
