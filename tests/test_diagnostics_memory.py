@@ -242,6 +242,27 @@ def test_opt_level_recipes_match_what_initialize_does(level: str) -> None:
 
 
 @pytest.mark.usefixtures("fresh_amp_state")
+@pytest.mark.parametrize("master_grads", [True, False])
+def test_master_gradients_are_counted_as_initialize_keeps_them(master_grads: bool) -> None:
+    """The reference: the fp32 gradients alive after a real O2 bf16 step, with and without master_grads."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model, batch = simple_cnn((1, 4, 8, 10)), _batch(2, (1, 8, 8))
+    recipe = Recipe.from_opt_level("O2", torch.bfloat16).replace(master_grads=master_grads)
+    result = memory_breakdown(model, torch.optim.Adam, batch, recipe)
+    real = copy.deepcopy(model)
+    real, opt = mixprec.initialize(real, torch.optim.Adam(real.parameters()), "O2", dtype=torch.bfloat16,
+                                   master_grads=master_grads, verbosity=0)
+    with mixprec.scale_loss(F.cross_entropy(real(batch[0]), batch[1]), opt) as scaled:
+        scaled.backward()
+    masters = set(map(id, opt.master_views()))
+    fp32_grads = [m.grad for m in opt.master_params() if id(m) in masters and m.grad is not None]
+    assert result.master_grads == sum(g.numel() * g.element_size() for g in fp32_grads)
+    assert (result.master_grads > 0) is master_grads
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
 @pytest.mark.parametrize("precision", ["O2", "pure-fp16"])
 def test_the_master_weights_optimizer_initialize_returns_is_unwrapped(precision: str, estimate: bool) -> None:

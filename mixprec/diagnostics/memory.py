@@ -505,7 +505,7 @@ def memory_breakdown(
         masters=_nbytes(masters),
         buffers=_unique_bytes(step_model.buffers()),
         grads=_nbytes(trainable),
-        master_grads=_nbytes(masters),
+        master_grads=_nbytes(masters) if recipe.master_grads else 0,  # False: the step reads half grads
         optimizer_state=state,
         weight_copies=sum(saved.weight_copies.values()),
         activations=sum(saved.activations.values()),
