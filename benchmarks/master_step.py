@@ -61,13 +61,17 @@ def _torch_step(shapes: list[tuple[int, ...]], device: str, **impl: bool) -> Ste
 
 
 def _master_step(
-    shapes: list[tuple[int, ...]], device: str, flat: bool, master_grads: bool, compile_step: bool = False
+    shapes: list[tuple[int, ...]], device: str, flat: bool, master_grads: bool, compile_step: bool = False,
+    scaled: bool = True,
 ) -> Step:
-    """What a training step does after backward: scaler checks/unscales, fused update, copy back."""
+    """What a training step does after backward: scaler checks/unscales, fused update, copy back. Without
+    ``scaled``, the update alone: what bf16 O2 runs when no loss scaling (and no inf check) is used."""
     half = _params(shapes, torch.bfloat16, device)
     opt = MasterWeights(
         torch.optim.AdamW(half, lr=1e-3), flat=flat, master_grads=master_grads, compile_step=compile_step
     )
+    if not scaled:
+        return lambda: opt.step()
     scaler = GradScaler(device, init_scale=1.0, dynamic=False)
     dummy = torch.ones((), requires_grad=True, device=device)  # scale() needs a tensor; its grad is free
 
@@ -77,13 +81,6 @@ def _master_step(
         scaler.update()
 
     return step
-
-
-def _bare_step(shapes: list[tuple[int, ...]], device: str) -> Step:
-    """The compiled master step alone: what bf16 O2 runs when no loss scaling (and no inf check) is used."""
-    half = _params(shapes, torch.bfloat16, device)
-    opt = MasterWeights(torch.optim.AdamW(half, lr=1e-3), master_grads=False, compile_step=True)
-    return lambda: opt.step()
 
 
 def _sync(device: str) -> None:
@@ -121,9 +118,10 @@ def main() -> None:
         "MasterWeights(AdamW, flat=True)": _master_step(shapes, dev, True, True),
         "MasterWeights(AdamW, master_grads=False)": _master_step(shapes, dev, False, False),
         "MasterWeights(AdamW, flat=True, master_grads=False)": _master_step(shapes, dev, True, False),
-        "MasterWeights(AdamW, master_grads=False, compile_step=True)": _master_step(shapes, dev, False, False,
-                                                                                     True),
-        "  the same, no scaler (bf16 needs none)": _bare_step(shapes, dev),
+        "MasterWeights(AdamW, master_grads=False, compile_step=True)": _master_step(
+            shapes, dev, False, False, compile_step=True),
+        "  the same, no scaler (bf16 needs none)": _master_step(
+            shapes, dev, False, False, compile_step=True, scaled=False),
     }
     ms = _round_robin(steps, args.repeats, dev)
     fused, foreach = ms["torch AdamW(fused=True), fp32 params"], ms["torch AdamW(foreach=True), fp32 params"]

@@ -149,8 +149,7 @@ def initialize(
     )
     if skip_limit is not None and recipe.scale is not None:
         recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
-    if not master_grads or compile_step:
-        recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
+    recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
     _check_models_and_optimizers(model_list, opt_list)

@@ -30,11 +30,6 @@ from mixprec.errors import ConfigError
 
 __all__ = ["KernelUnit", "adam_pass", "check_compilable"]
 
-# How weight decay enters, per param group: torch's Adam adds it to the gradient (L2), AdamW shrinks the
-# weight (decoupled); "none" when weight_decay == 0 (static: guarded by Dynamo, recompiles if it changes).
-DECAY_KINDS = ("none", "l2", "decoupled")
-
-
 @dataclass
 class KernelUnit:
     """One tensor the pass updates: flattened fp32 master, its gradient, moments, half copy, step."""
@@ -74,17 +69,17 @@ def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) 
         torch.tensor([u.group for u in units], device=device)
     ].unbind(1)
     step = torch.stack([u.step for u in units]).to(torch.float64)
-    columns = (
-        lr / (1 - beta1**step),  # step size: lr over the first moment's bias correction
-        (1 - beta2**step).sqrt(),
-        1 - lr * wd,  # AdamW's decoupled decay factor
-        wd,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        eps,
-    )
-    return torch.stack(columns, 1).to(torch.float32)
+    columns = {
+        "step_size": lr / (1 - beta1**step),  # lr over the first moment's bias correction
+        "bias_correction2_sqrt": (1 - beta2**step).sqrt(),
+        "decay": 1 - lr * wd,  # AdamW's decoupled decay factor
+        "weight_decay": wd,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "eps": eps,
+    }
+    return torch.stack([columns[name] for name in COEFFICIENTS], 1).to(torch.float32)
 
 
 def _value(lr: float | torch.Tensor) -> float:
@@ -92,6 +87,8 @@ def _value(lr: float | torch.Tensor) -> float:
 
 
 def decay_kind(group: dict[str, Any]) -> str:
+    """How weight decay enters: torch's Adam adds it to the gradient (L2), AdamW shrinks the weight
+    (decoupled); "none" at 0. A constant of the compiled pass: Dynamo recompiles if it changes."""
     if group["weight_decay"] == 0:
         return "none"
     return "decoupled" if group.get("decoupled_weight_decay", False) else "l2"
@@ -108,7 +105,7 @@ def _adam_pass(
 ) -> None:
     for i, ((p, g, m, v), model, k) in enumerate(zip(units, models, which, strict=True)):
         step_size, bias_correction2_sqrt, decay_factor, wd, one_minus_beta1, beta2, one_minus_beta2, eps = (
-            coef[i].unbind()
+            coef[i].unbind()  # COEFFICIENTS' order
         )
         # fp16/bf16 -> fp32 is exact; unscaling in fp32 cannot flush a small gradient to zero.
         grad = g.float() if grad_scale is None else g.float() / grad_scale

@@ -101,7 +101,7 @@ class Recipe:
                 f"recipe {self.name!r}: flat_master=True, but it keeps no fp32 master weights.",
                 "use master_weights=True with a half model_dtype, or drop flat_master.",
             )
-        if not (self.master_grads and not self.compile_step) and not self.uses_masters:
+        if (not self.master_grads or self.compile_step) and not self.uses_masters:
             raise ConfigError(
                 f"recipe {self.name!r}: master_grads=False/compile_step=True shape the fp32 master step, but "
                 "this recipe keeps no fp32 master weights.",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 from mixprec import amp, hardware
 from mixprec import policy as P
@@ -68,6 +69,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fresh_dynamo(one_thread: None) -> Iterator[None]:
+    """Compiled tests: no graph or recompile count carried over from another test, one thread (tiny)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture

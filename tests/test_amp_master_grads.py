@@ -6,8 +6,6 @@ kernel on the same fp32 values, so the two agree bit for bit), and the bytes of 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch._dynamo
@@ -18,12 +16,7 @@ from mixprec import amp
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
 
-
-@pytest.fixture(autouse=True)
-def _fresh(fresh_amp_state: None, one_thread: None) -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_amp_state", "fresh_dynamo")
 
 
 def _model() -> nn.Module:

@@ -11,7 +11,7 @@ compared *bitwise* with compiled torch.autocast, and eager with eager. Elsewhere
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,11 +26,7 @@ from mixprec.half_compute import half_compute
 FP16_ROUNDING = 2.0**-9
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(one_thread: None) -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mlp() -> nn.Module:

@@ -9,8 +9,6 @@ wrong bias correction, decay or unscale is off by > 1e-4). Few tests: each compi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch._dynamo
@@ -23,11 +21,7 @@ SHAPES = [(64, 48), (48,), (5, 64)]
 TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo(one_thread: None) -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
