@@ -7,12 +7,13 @@ import importlib.util
 import sys
 import types
 import unittest
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
+from torch import nn
 
 from mixprec import amp, hardware
 from mixprec import policy as P
@@ -91,3 +92,21 @@ def example(name: str) -> types.ModuleType:
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     return importlib.import_module(name)
+
+
+LiveBytes = Callable[[nn.Module, torch.optim.Optimizer], int]
+
+
+@pytest.fixture
+def live_bytes() -> LiveBytes:
+    """Bytes of the distinct storages behind a model's parameters and gradients and a MasterWeights
+    optimizer's masters, master gradients and state: what O2 training holds outside activations."""
+
+    def count(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+        masters = list(opt.master_params())  # type: ignore[attr-defined]
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        tensors += [*masters, *(m.grad for m in masters if m.grad is not None)]
+        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    return count

@@ -6,6 +6,8 @@ kernel on the same fp32 values, so the two agree bit for bit), and the bytes of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo
@@ -14,7 +16,6 @@ from torch import nn
 import mixprec
 from mixprec import amp
 from mixprec.errors import ConfigError
-from mixprec.master import MasterWeights
 
 pytestmark = pytest.mark.usefixtures("fresh_amp_state", "fresh_dynamo")
 
@@ -40,14 +41,9 @@ def _train(steps: int = 4, clip: float | None = None, **kwargs: object) -> tuple
     return model, opt
 
 
-def _live_bytes(model: nn.Module, opt: MasterWeights) -> int:
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    tensors += [*opt.master_params(), *(m.grad for m in opt.master_params() if m.grad is not None)]
-    tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def test_o2_without_master_grads_trains_exactly_as_with_them_in_16_bytes_per_parameter() -> None:
+def test_o2_without_master_grads_trains_exactly_as_with_them_in_16_bytes_per_parameter(
+    live_bytes: Callable[..., int],
+) -> None:
     ref_model, ref_opt = _train()
     model, opt = _train(master_grads=False)
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
@@ -62,8 +58,8 @@ def test_o2_without_master_grads_trains_exactly_as_with_them_in_16_bytes_per_par
     for p in ref_model.parameters():
         p.grad = torch.zeros_like(p)
     n = sum(p.numel() for p in model.parameters())
-    assert _live_bytes(model, opt) / n == pytest.approx(16, abs=0.02)
-    assert _live_bytes(ref_model, ref_opt) / n == pytest.approx(20, abs=0.02)
+    assert live_bytes(model, opt) / n == pytest.approx(16, abs=0.02)
+    assert live_bytes(ref_model, ref_opt) / n == pytest.approx(20, abs=0.02)
 
 
 def test_apex_clipping_reaches_the_gradients_the_step_reads() -> None:

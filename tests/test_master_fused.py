@@ -6,6 +6,7 @@ kernel on the same fp32 values (the half gradients upcast exactly), only in chun
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -87,18 +88,11 @@ def test_fused_step_equals_the_step_with_master_grads(
         assert torch.equal(a, b)  # moments and step counts (the skipped step not counted)
 
 
-def _live_bytes(model: nn.Module, opt: MasterWeights) -> int:
-    """Bytes of the distinct storages behind parameters, gradients, masters and optimizer state."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    tensors += [*opt.master_params(), *(m.grad for m in opt.master_params() if m.grad is not None)]
-    tensors += _state_tensors(opt)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize(("master_grads", "expected"), [(False, 16), (True, 20)])
-def test_bytes_per_param_of_o2_adam(master_grads: bool, expected: int, flat: bool) -> None:
+def test_bytes_per_param_of_o2_adam(
+    master_grads: bool, expected: int, flat: bool, live_bytes: Callable[..., int]
+) -> None:
     """half param 2 + half grad 2 + master 4 + Adam's moments 8 = 16 (plain fp32 training's figure);
     persistent fp32 master gradients add 4. Counted after a step, gradients still held (the peak at rest).
     The scalar step counts (4 bytes per tensor) are the only excess: 1e-3 per parameter here."""
@@ -108,7 +102,7 @@ def test_bytes_per_param_of_o2_adam(master_grads: bool, expected: int, flat: boo
     nn.functional.cross_entropy(model(x).float(), y).backward()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
-    assert _live_bytes(model, opt) / n == pytest.approx(expected, abs=1e-3)
+    assert live_bytes(model, opt) / n == pytest.approx(expected, abs=1e-3)
 
 
 def test_without_scaler_the_fused_step_reads_the_half_gradients() -> None:
