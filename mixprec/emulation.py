@@ -21,10 +21,11 @@ its backward rounds the gradient, as the eager ``Tensor.to`` pair does), which n
 eager and compiled code compute the same bits. The op is the *rounding*, not the GEMM, so every GEMM and
 convolution keeps torch's own fp32 forward and backward kernels.
 
-Cost: the fp32 copies of the rounded inputs (twice the bytes of half) are what autograd saves for
-backward; each weight is rounded (or upcast) once per region however often it is used, and not again in
-backward. The roundings are memory-bound passes: 21-27% of an eager emulated step of the 784-8192-10 MLP
-on an AVX2 CPU (``benchmarks/RESULTS.md``).
+Cost: autograd saves the fp32 copies of the rounded inputs (twice the bytes of half) for backward, except
+that ``F.linear`` saves a half input as it is and upcasts it again in backward (:class:`_LinearSavingHalf`:
+an O2 MLP's saved activations 25.9 -> 9.1 MiB, below fp32's 17.6); each weight is rounded (or upcast) once
+per region however often it is used, and not again in backward. The roundings are memory-bound passes:
+14-18% of an eager emulated step of the 784-8192-10 MLP on a quiet AVX2 CPU (``benchmarks/RESULTS.md``).
 
 :func:`emulates` says which dtypes to emulate on a device (from :mod:`mixprec.hardware`); the autocast
 engine (:mod:`mixprec.autocast`) decides *which* ops are emulated and supplies a ``round_input`` that caches
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.tensor_args import iter_tensors, map_tensors
@@ -99,6 +101,66 @@ def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:
     return map_tensors(cast, value)
 
 
+class _LinearSavingHalf(torch.autograd.Function):
+    """``F.linear`` on rounded fp32 operands whose backward keeps a half-precision input as it is.
+
+    Left to autograd, the fp32 linear saves its fp32 input, the upcast of a half activation: twice the
+    bytes of the activation, held until backward. Here a half input (the ``keep`` argument, the tensor
+    ``x_r`` is the exact upcast of) is saved instead and upcast again in backward: half the saved bytes for
+    one more pass, and often none at all, since the op that made the activation (a ReLU, say) saves it
+    too. (Compiled code is unaffected: AOTAutograd re-partitions what is saved across forward and
+    backward whatever the function saves.)
+
+    The backward GEMMs are the ones autograd runs for linear, in fp32; gradients leave through the input
+    roundings as in :func:`emulated` (equal to it up to fp32 summation order)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.has_bias = b_r is not None
+        _, need_x, need_w, _ = ctx.needs_input_grad
+        # What autograd's linear saves: the input for the weight's gradient, the weight for the input's.
+        x = (x_r if keep is None else keep) if need_w else None
+        ctx.save_for_backward(x, w_r if need_x else None)
+        return F.linear(x_r, w_r, b_r)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w_r = ctx.saved_tensors
+        _, need_x, need_w, need_b = ctx.needs_input_grad
+        # fp32 GEMMs, as the forward: no autocast region may turn them into slow half kernels here.
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_x = grad.matmul(w_r) if need_x else None
+            rows = grad.reshape(-1, grad.shape[-1])
+            # the half input's exact upcast, the same values the forward GEMM read
+            grad_w = rows.t().mm(x.reshape(-1, x.shape[-1]).float()) if need_w else None
+            grad_b = rows.sum(0) if need_b and ctx.has_bias else None
+        return None, grad_x, grad_w, grad_b
+
+
+def _linear_operands(args: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+    """(input, weight, bias) of an F.linear call, or None for any other form (left to the generic path)."""
+    bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if set(bound) - {"input", "weight", "bias"} or not isinstance(x, torch.Tensor):
+        return None
+    if not isinstance(w, torch.Tensor) or not (b is None or isinstance(b, torch.Tensor)):
+        return None
+    return x, w, b
+
+
+def _emulated_linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor:
+    x_r, w_r = rounder(x), rounder(w)
+    b_r = None if b is None else rounder(b)
+    if any(t is not None and t.dtype is not torch.float32 for t in (x_r, w_r, b_r)):
+        return round_result(F.linear(x_r, w_r, b_r), dtype)  # an operand left alone: torch's own rules
+    keep = x if x.dtype is dtype else None  # then x_r == x.float(), exactly
+    return round_result(_LinearSavingHalf.apply(keep, x_r, w_r, b_r), dtype)
+
+
 def emulated(
     func: Callable[..., Any],
     args: Any,
@@ -113,6 +175,9 @@ def emulated(
     other devices). An ``out=`` tensor receives the rounded result and is returned, as torch does.
     """
     rounder = round_input if round_input is not None else lambda t: round_to_half(t, dtype)
+    operands = _linear_operands(args, kwargs) if func is F.linear else None
+    if operands is not None:
+        return _emulated_linear(*operands, dtype, rounder)
     out = kwargs.get("out")
     if out is not None:  # compute into a fresh fp32 result, then write the caller's half tensor
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
