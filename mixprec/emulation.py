@@ -22,10 +22,11 @@ eager and compiled code compute the same bits. The op is the *rounding*, not the
 convolution keeps torch's own fp32 forward and backward kernels.
 
 Cost: autograd saves the fp32 copies of the rounded inputs (twice the bytes of half) for backward, except
-that ``F.linear`` saves a half input as it is and upcasts it again in backward (:class:`_LinearSavingHalf`:
-an O2 MLP's saved activations 25.9 -> 9.1 MiB, below fp32's 17.6); each weight is rounded (or upcast) once
-per region however often it is used, and not again in backward. The roundings are memory-bound passes:
-14-18% of an eager emulated step of the 784-8192-10 MLP on a quiet AVX2 CPU (``benchmarks/RESULTS.md``).
+that ``F.linear`` and plain matrix products save a half input as it is and upcast it again in backward
+(:class:`_LinearSavingHalf`, :class:`_MatmulSavingHalf`: an O2 MLP's saved activations 25.9 -> 9.1 MiB,
+below fp32's 17.6); each weight is rounded (or upcast) once per region however often it is used, and not
+again in backward. The roundings are memory-bound passes: 14-18% of an eager emulated step of the
+784-8192-10 MLP on a quiet AVX2 CPU (``benchmarks/RESULTS.md``).
 
 :func:`emulates` says which dtypes to emulate on a device (from :mod:`mixprec.hardware`); the autocast
 engine (:mod:`mixprec.autocast`) decides *which* ops are emulated and supplies a ``round_input`` that caches
@@ -139,6 +140,64 @@ class _LinearSavingHalf(torch.autograd.Function):
         return None, grad_x, grad_w, grad_b
 
 
+class _MatmulSavingHalf(torch.autograd.Function):
+    """``a @ b`` (mm, bmm, matmul of equal batch shapes) on rounded fp32 operands, saving each half operand
+    as it is, as :class:`_LinearSavingHalf` does: attention's q, k, v and probabilities stay half."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, a_keep: torch.Tensor | None, b_keep: torch.Tensor | None, a_r: torch.Tensor,
+        b_r: torch.Tensor,
+    ) -> torch.Tensor:
+        _, _, need_a, need_b = ctx.needs_input_grad
+        a = (a_r if a_keep is None else a_keep) if need_b else None
+        b = (b_r if b_keep is None else b_keep) if need_a else None
+        ctx.save_for_backward(a, b)
+        return torch.matmul(a_r, b_r)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        _, _, need_a, need_b = ctx.needs_input_grad
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 GEMMs, as in _LinearSavingHalf
+            grad_a = grad.matmul(b.float().transpose(-2, -1)) if need_a else None
+            grad_b = a.float().transpose(-2, -1).matmul(grad) if need_b else None
+        return None, None, grad_a, grad_b
+
+
+# The calls _MatmulSavingHalf computes: a plain product of two matrices or of equal-shaped stacks of them.
+MATMULS = frozenset(
+    {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
+)
+
+
+def _matmul_operands(args: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a, b) of ``a @ b`` without broadcasting or ``out=``, else None (left to the generic path)."""
+    if kwargs or len(args) != 2 or not all(isinstance(t, torch.Tensor) for t in args):
+        return None
+    a, b = args
+    if a.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+        return None
+    return a, b
+
+
+def _kept(t: torch.Tensor, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` itself when ``rounded`` is its exact upcast (``t`` already holds ``dtype``) and ``t`` is an
+    activation, else None. A parameter's upcast is kept: it is made once per region (the cast cache) and
+    not again in backward."""
+    parameter = t.is_leaf and t.requires_grad
+    return t if t.dtype is dtype and rounded.dtype is torch.float32 and not parameter else None
+
+
+def _emulated_matmul(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor:
+    a_r, b_r = rounder(a), rounder(b)
+    if a_r.dtype is not torch.float32 or b_r.dtype is not torch.float32:
+        return round_result(torch.matmul(a_r, b_r), dtype)  # an operand left alone: torch's own rules
+    return round_result(_MatmulSavingHalf.apply(_kept(a, a_r, dtype), _kept(b, b_r, dtype), a_r, b_r), dtype)
+
+
 def _linear_operands(args: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
     """(input, weight, bias) of an F.linear call, or None for any other form (left to the generic path)."""
     bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
@@ -157,8 +216,7 @@ def _emulated_linear(
     b_r = None if b is None else rounder(b)
     if any(t is not None and t.dtype is not torch.float32 for t in (x_r, w_r, b_r)):
         return round_result(F.linear(x_r, w_r, b_r), dtype)  # an operand left alone: torch's own rules
-    keep = x if x.dtype is dtype else None  # then x_r == x.float(), exactly
-    return round_result(_LinearSavingHalf.apply(keep, x_r, w_r, b_r), dtype)
+    return round_result(_LinearSavingHalf.apply(_kept(x, x_r, dtype), x_r, w_r, b_r), dtype)
 
 
 def emulated(
@@ -175,9 +233,10 @@ def emulated(
     other devices). An ``out=`` tensor receives the rounded result and is returned, as torch does.
     """
     rounder = round_input if round_input is not None else lambda t: round_to_half(t, dtype)
-    operands = _linear_operands(args, kwargs) if func is F.linear else None
-    if operands is not None:
-        return _emulated_linear(*operands, dtype, rounder)
+    if func is F.linear and (linear := _linear_operands(args, kwargs)) is not None:
+        return _emulated_linear(*linear, dtype, rounder)
+    if func in MATMULS and (product := _matmul_operands(args, kwargs)) is not None:
+        return _emulated_matmul(*product, dtype, rounder)
     out = kwargs.get("out")
     if out is not None:  # compute into a fresh fp32 result, then write the caller's half tensor
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}

@@ -148,32 +148,60 @@ def test_emulated_backward_is_the_emulated_gemm_of_the_right_operands(
         assert torch.equal(got.to(dtype).float(), got)  # values are dtype numbers: one rounding happened
 
 
-def _generic_linear(*args: Any, **kwargs: Any) -> torch.Tensor:
-    return F.linear(*args, **kwargs)  # not F.linear itself: emulated() takes its generic path
+def _generic(func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda *args, **kwargs: func(*args, **kwargs)  # not func itself: emulated()'s generic path
 
 
-def _linear_case(form: str, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
-    """(F.linear arguments, the leaves whose gradients to compare) for one way a model calls linear."""
+def _activation(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a half activation, not a leaf; the fp32 leaf it comes from)."""
+    leaf = torch.randn(*shape, requires_grad=True)
+    return leaf.to(dtype).relu(), leaf
+
+
+def _half_param(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype).requires_grad_()
+
+
+Case = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], list[torch.Tensor]]
+
+
+def _case(form: str, dtype: torch.dtype) -> Case:
+    """(function, arguments, the leaves whose gradients to compare) for one way a model calls a GEMM."""
     torch.manual_seed(3)
-    if form == "half model":  # O2: a half activation (not a leaf) and half parameters
-        leaf = torch.randn(4, 5, 16, requires_grad=True)
-        w, b = torch.randn(6, 16).to(dtype).requires_grad_(), torch.randn(6).to(dtype).requires_grad_()
-        return (leaf.to(dtype).relu(), w, b), [leaf, w, b]
+    if form == "linear, half model":  # O2: a half activation (not a leaf) and half parameters
+        x, leaf = _activation((4, 5, 16), dtype)
+        w, b = _half_param(6, 16, dtype=dtype), _half_param(6, dtype=dtype)
+        return F.linear, (x, w, b), [leaf, w, b]
     w = torch.randn(6, 16, requires_grad=True)
-    if form == "fp32 input, no bias":  # O1: autocast rounds an fp32 activation
+    if form == "linear, fp32 input, no bias":  # O1: autocast rounds an fp32 activation
         x = torch.randn(8, 16, requires_grad=True)
-        return (x, w), [x, w]
-    b = torch.randn(6, requires_grad=True)
-    return (torch.randn(8, 16), w, b), [w, b]  # data in: no input gradient
+        return F.linear, (x, w), [x, w]
+    if form == "linear, data input":  # no input gradient
+        b = torch.randn(6, requires_grad=True)
+        return F.linear, (torch.randn(8, 16), w, b), [w, b]
+    if form == "matmul, attention scores":  # q @ k^T of half activations, 4-d
+        (q, lq), (k, lk) = _activation((2, 3, 5, 8), dtype), _activation((2, 3, 5, 8), dtype)
+        return torch.matmul, (q, k.transpose(-2, -1)), [lq, lk]
+    if form == "bmm, activation times parameter":  # a half parameter is saved as its fp32 upcast
+        (a, la), p = _activation((3, 5, 8), dtype), _half_param(3, 8, 4, dtype=dtype)
+        return torch.bmm, (a, p), [la, p]
+    x = torch.randn(8, 16, requires_grad=True)  # "mm, fp32": O1's rounding of fp32 operands
+    return torch.mm, (x, w.t()), [x, w]
+
+
+FORMS = ["linear, half model", "linear, fp32 input, no bias", "linear, data input",
+         "matmul, attention scores", "bmm, activation times parameter", "mm, fp32"]
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("form", ["half model", "fp32 input, no bias", "data input"])
-def test_emulated_linear_equals_the_generic_emulation(form: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_emulated_gemms_that_save_half_inputs_equal_the_generic_emulation(
+    form: str, dtype: torch.dtype
+) -> None:
     results = []
-    for func in (F.linear, _generic_linear):
-        args, leaves = _linear_case(form, dtype)
-        out = emulated(func, args, {}, dtype)
+    for wrap in (lambda f: f, _generic):
+        func, args, leaves = _case(form, dtype)
+        out = emulated(wrap(func), args, {}, dtype)
         out.backward(torch.randn_like(out, dtype=torch.float32, generator=torch.Generator().manual_seed(4)))
         results.append([out, *(t.grad for t in leaves)])
     for ours, generic in zip(*results, strict=True):
@@ -195,15 +223,19 @@ def _saved_storages(func: Callable[..., torch.Tensor], args: tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_emulated_linear_saves_a_half_input_not_its_fp32_copy(dtype: torch.dtype) -> None:
-    (x, w, b), _ = _linear_case("half model", dtype)
-    x_storage = x.untyped_storage().data_ptr()
-    ours = _saved_storages(F.linear, (x, w, b), dtype)
-    generic = _saved_storages(_generic_linear, (x, w, b), dtype)
-    # Both save the fp32 copy of the weight (for the input's gradient, rounded once per region).
-    assert x_storage in ours and x_storage not in generic  # the generic path keeps x's fp32 upcast
+@pytest.mark.parametrize(("form", "half_inputs"), [("linear, half model", 1), ("matmul, attention scores", 2),
+                                                   ("bmm, activation times parameter", 1)])
+def test_emulated_gemms_save_half_inputs_not_their_fp32_copies(
+    form: str, half_inputs: int, dtype: torch.dtype
+) -> None:
+    func, args, _ = _case(form, dtype)
+    activations = {t.untyped_storage().data_ptr() for t in args[:half_inputs]}
+    ours = _saved_storages(func, args, dtype)
+    generic = _saved_storages(_generic(func), args, dtype)
+    assert activations <= ours.keys() and not activations & generic.keys()  # generic: their fp32 upcasts
+    # A parameter's fp32 upcast is saved by both (made once per region, not again in backward).
     fp32 = [sum(d is torch.float32 for d in saved.values()) for saved in (ours, generic)]
-    assert fp32[0] == fp32[1] - 1
+    assert fp32[0] == fp32[1] - half_inputs
 
 
 @pytest.mark.parametrize("dtype", HALF)
