@@ -119,11 +119,19 @@ def _arithmetic_notes(results: Sequence[RungResult], device_type: str) -> list[s
         decided = half_arithmetic(device_type, dtype)
         line = f"{name} GEMMs ran {decided.arithmetic.value} ({decided.decided_by.value}: {decided.reason})"
         if fp32 is not None and fp32.ms_per_step:
-            ratios = ", ".join(f"{r.label} {r.ms_per_step / fp32.ms_per_step:.2f}x" for r in rungs
-                               if r.ms_per_step is not None)
-            line += f"; ms/step against fp32's: {ratios}"
+            ratio = {r.label: r.ms_per_step / fp32.ms_per_step for r in rungs if r.ms_per_step is not None}
+            line += "; ms/step against fp32's: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items())
+            if decided.emulated and ratio and min(ratio.values()) < IMPLAUSIBLE_SPEEDUP:
+                line += (f". Emulated GEMMs are fp32 GEMMs plus roundings: a ratio below "
+                         f"{IMPLAUSIBLE_SPEEDUP}x means the machine was busy while fp32 ran (rungs run one "
+                         "after another); run again for timings (losses and accuracies do not depend on it)")
         notes.append(line + ".")
     return notes
+
+
+# Below this, an emulated rung "faster" than fp32 is load noise, not arithmetic: the best measured eager
+# emulated step was 0.91x fp32 (an O2 MLP, whose elementwise ops move half the bytes).
+IMPLAUSIBLE_SPEEDUP = 0.8
 
 
 def _gradient_note(results: Sequence[RungResult]) -> list[str]:

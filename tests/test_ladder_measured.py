@@ -97,6 +97,21 @@ def test_notes_say_which_arithmetic_ran(arithmetic: str, monkeypatch: pytest.Mon
     assert not any("fp16 GEMMs" in n for n in notes)  # no fp16 rung ran: nothing said about fp16
 
 
+@pytest.mark.parametrize(("ms", "warned"), [(12.0, False), (3.0, True)])
+def test_an_emulated_rung_far_faster_than_fp32_is_called_load_noise(
+    ms: float, warned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A shared machine slowed the fp32 rung in a real `make demo`: emulated rungs read 0.30x of it.
+    monkeypatch.setenv(hardware.ENV_VAR, "emulated")
+    ran = [ladder.RungResult("fp32", "fp32", "ok", ms_per_step=10.0),
+           ladder.RungResult("bf16", "bf16 + master", "ok", ms_per_step=ms, arithmetic="bf16 emulated")]
+    note = next(n for n in measured_notes(ran) if n.startswith("bf16 GEMMs ran emulated"))
+    assert ("machine was busy" in note) is warned
+    monkeypatch.setenv(hardware.ENV_VAR, "native")  # native half GEMMs may well beat fp32: no warning
+    ran[1] = dataclasses.replace(ran[1], arithmetic="bf16 native")
+    assert not any("machine was busy" in n for n in measured_notes(ran))
+
+
 def test_small_gradients_need_loss_scaling() -> None:
     """The underflow experiment: fp32 takes the same steps as without the loss weight; unscaled fp16 with
     masters flushes most gradients to 0 and falls behind; a static scale of 512 gives fp32's run back."""

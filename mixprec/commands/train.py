@@ -152,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32 (the default); fp16: fp32 masters + loss scaling (Learner.to_fp16); "
                         "bf16: fp32 masters, no scaling")
     parser.add_argument("--opt-level", choices=OPT_LEVELS, default=None,
-                        help="an apex opt level through mixprec.initialize, instead of --precision")
+                        help="an apex opt level's recipe (O0-O3, apex's properties), run by the Learner's "
+                        "mixed-precision callback; instead of --precision")
     parser.add_argument("--loss-scale", type=_loss_scale_arg, default=None, metavar="dynamic|NUMBER",
                         help="fp16 only: 'dynamic' (start at 512, back off on overflow; the default) or a "
                         "fixed scale such as 512")
