@@ -9,8 +9,8 @@ to compile shows the reason in its row; the run goes on).
 Configurations are timed round-robin in one process (one step of each in turn), so load drift on a shared
 machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.autocast of the same dtype,
 tokens (samples) per second, MFU (the FLOPs a step must compute, against the best fp32 GEMM rate measured
-throughout the same run), and bytes per parameter held by parameters, gradients, master weights and
-optimizer state after a step.
+throughout the same run), bytes per parameter held by parameters, gradients, master weights and
+optimizer state after a step, and the MiB autograd saves for backward in one eager forward.
 
 Where :mod:`mixprec.hardware` says a half dtype has no fast kernels here (an AVX2-only CPU: torch's bf16
 GEMMs ~90x slower than fp32), torch.autocast of that dtype is timed with fewer steps and, for the GPT, on a
@@ -24,6 +24,7 @@ smaller batch scaled up linearly (GEMM time is linear in the tokens); the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import statistics
@@ -269,6 +270,30 @@ def bytes_per_param(runner: Runner) -> float:
     return sum(seen.values()) / sum(p.numel() for p in params)
 
 
+def saved_mib(runner: Runner) -> float | None:
+    """MiB autograd saves for backward in one eager forward (each storage once, parameters excluded):
+    activations, and the weight copies a precision keeps for backward. None for compiled runners (what
+    AOTAutograd saves is not visible to saved-tensor hooks)."""
+    if runner.compiled:
+        return None
+    params = {p.untyped_storage().data_ptr() for p in runner.model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    if runner.amp_state is not None:
+        amp._STATE = runner.amp_state  # type: ignore[assignment]
+    context = (torch.autocast("cpu", dtype=runner.config.dtype) if runner.config.kind == "torch"
+               else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+        _loss(runner.model(runner.x), runner.y)
+    return sum(seen.values()) / 2**20
+
+
 def is_slow(config: Config) -> bool:
     """torch.autocast of a dtype this machine has no fast kernels for (the ~90x case)."""
     return config.kind == "torch" and hardware.half_arithmetic("cpu", config.dtype).emulated
@@ -280,6 +305,7 @@ class Result:
     steps: int
     batch: int
     bytes_per_param: float | None
+    saved_mib: float | None = None
     error: str = ""
 
 
@@ -322,7 +348,7 @@ def time_workload(
     for key, runner in runners.items():
         scale = workload.batch_size / runner.x.shape[0]  # slow configs: smaller batch, scaled linearly
         results[key] = Result(statistics.median(times[key]) * 1e3 * scale, len(times[key]),
-                              runner.x.shape[0], bytes_per_param(runner))
+                              runner.x.shape[0], bytes_per_param(runner), saved_mib=saved_mib(runner))
     return results
 
 
@@ -343,7 +369,7 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
 def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: float) -> Table:
     table = Table(title=workload.name)
     for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast", "tokens/s",
-                   "MFU", "bytes/param", "steps", "note"):
+                   "MFU", "bytes/param", "saved MiB", "steps", "note"):
         table.add_column(header, justify="left" if header in ("configuration", "mode", "note") else "right")
     torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}
     tokens = workload.batch_size * workload.tokens_per_sample
@@ -352,7 +378,7 @@ def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gfl
         mode = "compiled" if compiled else "eager"
         if r.ms is None:
             outcome = "skipped" if r.error.startswith("skipped") else "failed"
-            table.add_row(name, mode, outcome, *[""] * 6, r.error.removeprefix("skipped: "))
+            table.add_row(name, mode, outcome, *[""] * 7, r.error.removeprefix("skipped: "))
             continue
         config = next(c for c in CONFIGS if c.name == name)
         base = results.get(("fp32", compiled))
@@ -364,6 +390,7 @@ def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gfl
             _ratio(r, base), _ratio(r, ref) if config.kind != "fp32" else "",
             f"{tokens / (r.ms / 1e3):,.0f}", f"{flops / (r.ms / 1e3) / (gemm_gflops * 1e9):.0%}",
             f"{r.bytes_per_param:.1f}" if r.bytes_per_param else "",
+            f"{r.saved_mib:.0f}" if r.saved_mib and not approx else "",  # weight copies do not scale
             str(r.steps),
             f"≈: timed at batch {r.batch}, scaled to {workload.batch_size}" if approx else "",
         )
