@@ -305,8 +305,8 @@ class Result:
     steps: int
     batch: int
     bytes_per_param: float | None
-    saved_mib: float | None = None
     error: str = ""
+    saved_mib: float | None = None
 
 
 def time_workload(

@@ -112,6 +112,9 @@ class BufferWatch:
         self._taken = False
         self._handle = module.register_forward_pre_hook(self._pre_forward)
 
+    # Eager even inside a compiled model: traced, its per-iteration Python state (the armed flag, the
+    # snapshot pairs) would be guarded on and recompile the model every step.
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self._armed and module.training:  # eval forwards do not change BatchNorm buffers
             self.snapshot()
