@@ -21,11 +21,11 @@ its backward rounds the gradient, as the eager ``Tensor.to`` pair does), which n
 eager and compiled code compute the same bits. The op is the *rounding*, not the GEMM, so every GEMM and
 convolution keeps torch's own fp32 forward and backward kernels.
 
-Cost: autograd saves the fp32 copies of the rounded inputs (twice the bytes of half) for backward, except
-that ``F.linear`` and plain matrix products save a half input as it is and upcast it again in backward
-(:class:`_LinearSavingHalf`, :class:`_MatmulSavingHalf`: an O2 MLP's saved activations 25.9 -> 9.1 MiB,
-below fp32's 17.6); each weight is rounded (or upcast) once per region however often it is used, and not
-again in backward. The roundings are memory-bound passes: 14-18% of an eager emulated step of the
+Cost: linear, plain matrix products and convolutions save a half activation as it is for backward and
+upcast it again there (:mod:`mixprec.half_saving_gemms`: an O2 MLP's saved activations 25.9 -> 9.1 MiB,
+below fp32's 17.6); other call forms save the fp32 copies of their rounded inputs (twice the bytes of
+half). Each weight is rounded (or upcast) once per region however often it is used, and not again in
+backward. The roundings are memory-bound passes: 14-18% of an eager emulated step of the
 784-8192-10 MLP on a quiet AVX2 CPU (``benchmarks/RESULTS.md``).
 
 :func:`emulates` says which dtypes to emulate on a device (from :mod:`mixprec.hardware`); the autocast
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from mixprec.half_saving_gemms import half_saving_gemm
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.tensor_args import iter_tensors, map_tensors
 
@@ -102,123 +102,6 @@ def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:
     return map_tensors(cast, value)
 
 
-class _LinearSavingHalf(torch.autograd.Function):
-    """``F.linear`` on rounded fp32 operands whose backward keeps a half-precision input as it is.
-
-    Left to autograd, the fp32 linear saves its fp32 input, the upcast of a half activation: twice the
-    bytes of the activation, held until backward. Here a half input (the ``keep`` argument, the tensor
-    ``x_r`` is the exact upcast of) is saved instead and upcast again in backward: half the saved bytes for
-    one more pass, and often none at all, since the op that made the activation (a ReLU, say) saves it
-    too. (Compiled code is unaffected: AOTAutograd re-partitions what is saved across forward and
-    backward whatever the function saves.)
-
-    The backward GEMMs are the ones autograd runs for linear, in fp32; gradients leave through the input
-    roundings as in :func:`emulated` (equal to it up to fp32 summation order)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.has_bias = b_r is not None
-        _, need_x, need_w, _ = ctx.needs_input_grad
-        # What autograd's linear saves: the input for the weight's gradient, the weight for the input's.
-        x = (x_r if keep is None else keep) if need_w else None
-        ctx.save_for_backward(x, w_r if need_x else None)
-        return F.linear(x_r, w_r, b_r)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w_r = ctx.saved_tensors
-        _, need_x, need_w, need_b = ctx.needs_input_grad
-        # fp32 GEMMs, as the forward: no autocast region may turn them into slow half kernels here.
-        with torch.autocast(grad.device.type, enabled=False):
-            grad_x = grad.matmul(w_r) if need_x else None
-            rows = grad.reshape(-1, grad.shape[-1])
-            # the half input's exact upcast, the same values the forward GEMM read
-            grad_w = rows.t().mm(x.reshape(-1, x.shape[-1]).float()) if need_w else None
-            grad_b = rows.sum(0) if need_b and ctx.has_bias else None
-        return None, grad_x, grad_w, grad_b
-
-
-class _MatmulSavingHalf(torch.autograd.Function):
-    """``a @ b`` (mm, bmm, matmul of equal batch shapes) on rounded fp32 operands, saving each half operand
-    as it is, as :class:`_LinearSavingHalf` does: attention's q, k, v and probabilities stay half."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, a_keep: torch.Tensor | None, b_keep: torch.Tensor | None, a_r: torch.Tensor,
-        b_r: torch.Tensor,
-    ) -> torch.Tensor:
-        _, _, need_a, need_b = ctx.needs_input_grad
-        a = (a_r if a_keep is None else a_keep) if need_b else None
-        b = (b_r if b_keep is None else b_keep) if need_a else None
-        ctx.save_for_backward(a, b)
-        return torch.matmul(a_r, b_r)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        a, b = ctx.saved_tensors
-        _, _, need_a, need_b = ctx.needs_input_grad
-        with torch.autocast(grad.device.type, enabled=False):  # fp32 GEMMs, as in _LinearSavingHalf
-            grad_a = grad.matmul(b.float().transpose(-2, -1)) if need_a else None
-            grad_b = a.float().transpose(-2, -1).matmul(grad) if need_b else None
-        return None, None, grad_a, grad_b
-
-
-# The calls _MatmulSavingHalf computes: a plain product of two matrices or of equal-shaped stacks of them.
-MATMULS = frozenset(
-    {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
-)
-
-
-def _matmul_operands(args: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(a, b) of ``a @ b`` without broadcasting or ``out=``, else None (left to the generic path)."""
-    if kwargs or len(args) != 2 or not all(isinstance(t, torch.Tensor) for t in args):
-        return None
-    a, b = args
-    if a.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
-        return None
-    return a, b
-
-
-def _kept(t: torch.Tensor, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """``t`` itself when ``rounded`` is its exact upcast (``t`` already holds ``dtype``) and ``t`` is an
-    activation, else None. A parameter's upcast is kept: it is made once per region (the cast cache) and
-    not again in backward."""
-    parameter = t.is_leaf and t.requires_grad
-    return t if t.dtype is dtype and rounded.dtype is torch.float32 and not parameter else None
-
-
-def _emulated_matmul(
-    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, rounder: RoundInput
-) -> torch.Tensor:
-    a_r, b_r = rounder(a), rounder(b)
-    if a_r.dtype is not torch.float32 or b_r.dtype is not torch.float32:
-        return round_result(torch.matmul(a_r, b_r), dtype)  # an operand left alone: torch's own rules
-    return round_result(_MatmulSavingHalf.apply(_kept(a, a_r, dtype), _kept(b, b_r, dtype), a_r, b_r), dtype)
-
-
-def _linear_operands(args: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-    """(input, weight, bias) of an F.linear call, or None for any other form (left to the generic path)."""
-    bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
-    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
-    if set(bound) - {"input", "weight", "bias"} or not isinstance(x, torch.Tensor):
-        return None
-    if not isinstance(w, torch.Tensor) or not (b is None or isinstance(b, torch.Tensor)):
-        return None
-    return x, w, b
-
-
-def _emulated_linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype, rounder: RoundInput
-) -> torch.Tensor:
-    x_r, w_r = rounder(x), rounder(w)
-    b_r = None if b is None else rounder(b)
-    if any(t is not None and t.dtype is not torch.float32 for t in (x_r, w_r, b_r)):
-        return round_result(F.linear(x_r, w_r, b_r), dtype)  # an operand left alone: torch's own rules
-    return round_result(_LinearSavingHalf.apply(_kept(x, x_r, dtype), x_r, w_r, b_r), dtype)
-
-
 def emulated(
     func: Callable[..., Any],
     args: Any,
@@ -233,10 +116,9 @@ def emulated(
     other devices). An ``out=`` tensor receives the rounded result and is returned, as torch does.
     """
     rounder = round_input if round_input is not None else lambda t: round_to_half(t, dtype)
-    if func is F.linear and (linear := _linear_operands(args, kwargs)) is not None:
-        return _emulated_linear(*linear, dtype, rounder)
-    if func in MATMULS and (product := _matmul_operands(args, kwargs)) is not None:
-        return _emulated_matmul(*product, dtype, rounder)
+    saving_half = half_saving_gemm(func, args, kwargs, dtype, rounder)  # linear, matmul, conv: most calls
+    if saving_half is not None:
+        return round_result(saving_half, dtype)
     out = kwargs.get("out")
     if out is not None:  # compute into a fresh fp32 result, then write the caller's half tensor
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}

@@ -110,3 +110,14 @@ def live_bytes() -> LiveBytes:
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     return count
+
+
+@pytest.fixture
+def arithmetic(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Force an arithmetic for both half dtypes (``MIXPREC_HALF_ARITHMETIC``), whatever this CPU would
+    choose; undone after the test."""
+
+    def force(value: str) -> None:
+        monkeypatch.setenv(hardware.ENV_VAR, value)
+
+    return force

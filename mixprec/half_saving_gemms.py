@@ -1,0 +1,216 @@
+"""Emulated GEMMs whose backward keeps half-precision activations as they are.
+
+An emulated GEMM (:mod:`mixprec.emulation`) runs torch's fp32 op on the fp32 upcasts of its rounded
+inputs. Left to autograd, that op saves the fp32 upcasts for backward: twice the bytes of the half
+activations they came from, held until backward (an emulated O2 MLP saved 25.9 MiB where fp32 saves 17.6).
+The autograd functions here run the same fp32 op but save a half activation itself and upcast it again
+in backward (exact), so saved activations take what native half kernels take, and often nothing extra,
+since the op that made the activation (a ReLU, say) saves it too. A parameter's fp32 copy is saved as
+before: it is made once per region (the cast cache) and not again in backward.
+
+Covered: ``F.linear``; plain matrix products (mm, bmm, matmul of equal batch shapes); ``F.conv1d/2d/3d``
+with numeric padding. Other call forms (broadcasting matmul, ``out=``, ``padding="same"``) return None and
+keep the generic path. The backward runs the kernels autograd runs for these ops, in fp32: results equal
+the generic emulation bit for bit (tests/test_half_saving_gemms.py). Compiled code is unaffected:
+AOTAutograd re-partitions what is saved across forward and backward whatever a function saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["half_saving_gemm"]
+
+RoundInput = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _kept(t: torch.Tensor, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` itself when ``rounded`` is its exact upcast (``t`` already holds ``dtype``) and ``t`` is an
+    activation, else None (then the rounded fp32 copy is saved, as the generic path saves it)."""
+    parameter = t.is_leaf and t.requires_grad
+    return t if t.dtype is dtype and rounded.dtype is torch.float32 and not parameter else None
+
+
+def _saved(keep: torch.Tensor | None, rounded: torch.Tensor) -> torch.Tensor:
+    return rounded if keep is None else keep
+
+
+# ---- linear ---------------------------------------------------------------------------------------------
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.has_bias = b_r is not None
+        _, need_x, need_w, _ = ctx.needs_input_grad
+        # What autograd's linear saves: the input for the weight's gradient, the weight for the input's.
+        ctx.save_for_backward(_saved(keep, x_r) if need_w else None, w_r if need_x else None)
+        return F.linear(x_r, w_r, b_r)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w_r = ctx.saved_tensors
+        _, need_x, need_w, need_b = ctx.needs_input_grad
+        # fp32 GEMMs, as the forward: no autocast region may turn them into slow half kernels here.
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_x = grad.matmul(w_r) if need_x else None
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_w = rows.t().mm(x.reshape(-1, x.shape[-1]).float()) if need_w else None  # exact upcast
+            grad_b = rows.sum(0) if need_b and ctx.has_bias else None
+        return None, grad_x, grad_w, grad_b
+
+
+def _linear(
+    args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor | None:
+    bound = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if set(bound) - {"input", "weight", "bias"} or not _tensors(x, w) or not (b is None or _tensors(b)):
+        return None
+    x_r, w_r = rounder(x), rounder(w)
+    b_r = None if b is None else rounder(b)
+    if not _all_fp32(x_r, w_r, b_r):
+        return None
+    return _Linear.apply(_kept(x, x_r, dtype), x_r, w_r, b_r)
+
+
+# ---- matrix products --------------------------------------------------------------------------------------
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, a_keep: torch.Tensor | None, b_keep: torch.Tensor | None, a_r: torch.Tensor,
+        b_r: torch.Tensor,
+    ) -> torch.Tensor:
+        _, _, need_a, need_b = ctx.needs_input_grad
+        a, b = _saved(a_keep, a_r), _saved(b_keep, b_r)
+        ctx.save_for_backward(a if need_b else None, b if need_a else None)
+        return torch.matmul(a_r, b_r)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        _, _, need_a, need_b = ctx.needs_input_grad
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 GEMMs, as in _Linear
+            grad_a = grad.matmul(b.float().transpose(-2, -1)) if need_a else None
+            grad_b = a.float().transpose(-2, -1).matmul(grad) if need_b else None
+        return None, None, grad_a, grad_b
+
+
+def _matmul(
+    args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor | None:
+    # Only a product of two matrices or of equal-shaped stacks of them: no broadcasting, no out=.
+    if kwargs or len(args) != 2 or not _tensors(*args):
+        return None
+    a, b = args
+    if a.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+        return None
+    a_r, b_r = rounder(a), rounder(b)
+    if not _all_fp32(a_r, b_r):
+        return None
+    return _Matmul.apply(_kept(a, a_r, dtype), _kept(b, b_r, dtype), a_r, b_r)
+
+
+# ---- convolutions -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ConvGeometry:
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None,
+        geometry: _ConvGeometry,
+    ) -> torch.Tensor:
+        ctx.geometry, ctx.has_bias = geometry, b_r is not None
+        ctx.save_for_backward(_saved(keep, x_r), w_r)  # autograd's convolution saves both as well
+        g = geometry
+        return torch.convolution(x_r, w_r, b_r, g.stride, g.padding, g.dilation, False, [0] * len(g.stride),
+                                 g.groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w_r = ctx.saved_tensors
+        _, need_x, need_w, need_b, _ = ctx.needs_input_grad
+        g = ctx.geometry
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _Linear
+            grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+                grad, x.float(), w_r, [w_r.shape[0]] if ctx.has_bias else None, g.stride, g.padding,
+                g.dilation, False, [0] * len(g.stride), g.groups, [need_x, need_w, need_b and ctx.has_bias],
+            )
+        return None, grad_x, grad_w, grad_b, None
+
+
+CONVOLUTIONS: dict[Callable[..., Any], int] = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}  # -> spatial dims
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _conv(
+    func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor | None:
+    dims = CONVOLUTIONS[func]
+    bound = dict(zip(_CONV_ARGS, args, strict=False)) | kwargs
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    padding = bound.get("padding", 0)
+    if set(bound) - set(_CONV_ARGS) or isinstance(padding, str) or not _tensors(x, w):
+        return None
+    if not (b is None or _tensors(b)) or x.dim() != dims + 2:  # unbatched input: the generic path
+        return None
+
+    def per_dim(value: int | tuple[int, ...]) -> tuple[int, ...]:
+        return (value,) * dims if isinstance(value, int) else tuple(value)
+
+    geometry = _ConvGeometry(per_dim(bound.get("stride", 1)), per_dim(padding),
+                             per_dim(bound.get("dilation", 1)), int(bound.get("groups", 1)))
+    x_r, w_r = rounder(x), rounder(w)
+    b_r = None if b is None else rounder(b)
+    if not _all_fp32(x_r, w_r, b_r):
+        return None
+    return _Conv.apply(_kept(x, x_r, dtype), x_r, w_r, b_r, geometry)
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------------
+
+
+def _tensors(*values: Any) -> bool:
+    return all(isinstance(v, torch.Tensor) for v in values)
+
+
+def _all_fp32(*rounded: torch.Tensor | None) -> bool:
+    # An operand the rounder left alone (another device, float64): torch's own rules, the generic path.
+    return all(t is None or t.dtype is torch.float32 for t in rounded)
+
+
+MATMULS = frozenset(
+    {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
+)
+
+
+def half_saving_gemm(
+    func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
+) -> torch.Tensor | None:
+    """The fp32 result (not yet rounded to ``dtype``) of ``func`` on ``rounder``'s copies of its inputs,
+    with backward saving half activations as they are; None where ``func`` or its call form is not
+    covered (the caller then takes the generic path)."""
+    if func is F.linear:
+        return _linear(args, kwargs, dtype, rounder)
+    if func in MATMULS:
+        return _matmul(args, kwargs, dtype, rounder)
+    if func in CONVOLUTIONS:
+        return _conv(func, args, kwargs, dtype, rounder)
+    return None
