@@ -52,8 +52,6 @@ def test_emulated_writes_out_and_returns_it() -> None:
 HALF = [torch.bfloat16, torch.float16]
 
 
-
-
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of ``dtype`` numbers at |x| (float64), subnormal spacing below the smallest normal."""
     fi = torch.finfo(dtype)
