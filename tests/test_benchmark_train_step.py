@@ -1,0 +1,87 @@
+"""benchmarks/train_step.py on a tiny workload: every row it reports is measured from a real run (a
+configuration that cannot run fast here is skipped, not failed), and its counts agree with the tensors."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from mixprec import hardware
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_step_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny(bench: ModuleType) -> object:
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    return bench.Workload("tiny MLP", make, batch, 8, 1, bench.mlp_flops_per_sample(16, 32, 4), 8)
+
+
+def test_a_run_reports_measured_rows_and_skips_what_has_no_fast_kernels(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=emulated")  # torch.autocast bf16 is "slow"
+    names = ("fp32", "torch.autocast bf16", "mixprec O2 bf16")
+    configs = [c for c in bench.CONFIGS if c.name in names]
+    rates: list[float] = []
+    results = bench.time_workload(_tiny(bench), configs, (False, True), 1, 1, Console(quiet=True), rates)
+    assert rates and all(r > 0 for r in rates)  # one reference GEMM per round
+    for name in ("fp32", "mixprec O2 bf16"):  # compiled rows run too
+        assert results[(name, True)].ms is not None, results[(name, True)].error
+    skipped = results[("torch.autocast bf16", True)]
+    assert skipped.ms is None and skipped.error.startswith("skipped")
+    for name in names:
+        eager = results[(name, False)]
+        assert eager.ms is not None and eager.ms > 0, eager.error
+        assert eager.saved_mib is not None and eager.saved_mib > 0
+    assert results[("fp32", False)].bytes_per_param == pytest.approx(16, abs=0.1)
+    assert results[("mixprec O2 bf16", False)].bytes_per_param == pytest.approx(20, abs=0.1)
+    # Half activations take half the bytes of fp32's (here: the input and the ReLU output are saved)
+    assert results[("mixprec O2 bf16", False)].saved_mib < results[("fp32", False)].saved_mib
+    table = bench.report(_tiny(bench), results, max(rates))
+    console = Console(width=250, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "skipped" in text and "failed" not in text
+
+
+def test_the_mlp_flop_count_is_what_a_step_computes(bench: ModuleType) -> None:
+    # Count the multiply-adds of the GEMMs a training step runs: forward and weight gradient for every
+    # layer, input gradient for all but the first (the data needs none).
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    flops = 0
+
+    def count(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        nonlocal flops
+        gemms = 3 if args[0].requires_grad else 2
+        flops += 2 * gemms * module.in_features * module.out_features * args[0].shape[0]
+
+    for layer in (model[0], model[2]):
+        layer.register_forward_hook(count)
+    model(x)
+    assert flops / 8 == bench.mlp_flops_per_sample(16, 32, 4)
