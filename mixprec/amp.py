@@ -338,8 +338,14 @@ def scale_loss(
     flags: list[torch.Tensor] = []
     for opt in opts:
         inner = _inner(opt)
-        scaler.unscale_(inner)
+        if scaler.is_enabled():
+            scaler._unscale(inner)
         _add_stash(stashes[id(opt)])
+        # Only now do the gradients hold every loss of the iteration: mirror them into the model's .grad
+        # (MasterWeights), so a clip of the model's parameters reads and edits the sum, not this loss alone.
+        mirror = getattr(inner, "grads_unscaled", None)
+        if callable(mirror) and scaler.is_enabled():
+            mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
@@ -356,9 +362,10 @@ def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tens
     pending = state.pending.get(id(opt))
     if pending is None or not pending.unscaled:
         return None
-    inner = _inner(opt)
-    stash = {p: p.grad.clone() for g in inner.param_groups for p in g["params"] if p.grad is not None}
-    inner.zero_grad(set_to_none=True)
+    # master_params: the tensors whose gradients hold the unscaled values (the model's own parameters with
+    # master_grads=False, where the masters get no gradient).
+    stash = {p: p.grad.clone() for p in master_params(opt) if p.grad is not None}
+    _inner(opt).zero_grad(set_to_none=True)
     return stash or None
 
 

@@ -108,13 +108,17 @@ class _Matmul(torch.autograd.Function):
 
 
 def _matmul(
-    args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
+    func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
 ) -> torch.Tensor | None:
-    # Only a product of two matrices or of equal-shaped stacks of them: no broadcasting, no out=.
+    # Only a product of two matrices or of equal-shaped stacks of them, of the rank the function takes: no
+    # vectors, no broadcasting, no out=. Anything else (and every call torch would refuse) goes generic.
     if kwargs or len(args) != 2 or not _tensors(*args):
         return None
     a, b = args
-    if a.dim() < 2 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+    rank = MATMULS[func]
+    if a.dim() != b.dim() or a.dim() < 2 or (rank is not None and a.dim() != rank):
+        return None
+    if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
         return None
     a_r, b_r = rounder(a), rounder(b)
     if not _all_fp32(a_r, b_r):
@@ -198,9 +202,11 @@ def _all_fp32(*rounded: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype is torch.float32 for t in rounded)
 
 
-MATMULS = frozenset(
-    {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
-)
+# The matrix products _Matmul computes, and the rank each takes (None: matmul, any rank from 2 up).
+MATMULS: dict[Callable[..., Any], int | None] = {
+    torch.matmul: None, torch.Tensor.matmul: None, torch.mm: 2, torch.Tensor.mm: 2, torch.bmm: 3,
+    torch.Tensor.bmm: 3,
+}
 
 
 def half_saving_gemm(
@@ -212,7 +218,7 @@ def half_saving_gemm(
     if func is F.linear:
         return _linear(args, kwargs, dtype, rounder)
     if func in MATMULS:
-        return _matmul(args, kwargs, dtype, rounder)
+        return _matmul(func, args, kwargs, dtype, rounder)
     if func in CONVOLUTIONS:
         return _conv(func, args, kwargs, dtype, rounder)
     return None

@@ -154,6 +154,37 @@ def test_two_losses_feeding_one_optimizer_match_fp32() -> None:
         torch.testing.assert_close(p, q)  # powers of two scale exactly: only summation order differs
 
 
+@pytest.mark.parametrize("options", [{"dtype": torch.float16, "loss_scale": 128.0},
+                                     {"dtype": torch.bfloat16, "master_grads": False}],
+                         ids=["O2 fp16", "O2 bf16 without master grads"])
+def test_two_losses_into_one_o2_optimizer_train_as_one_loss_of_their_sum(options: dict) -> None:
+    # apex: the losses of an iteration that feed one optimizer add up, and what a user clips between them
+    # and the step (here the model's parameters, a no-op clip that still rewrites the gradients) is the sum.
+    # L + L = 2L: every gradient doubles exactly, so the two runs must agree bit for bit. Gradients are
+    # compared as well as weights: Adam's update barely moves when every gradient is scaled alike.
+    def train(two_losses: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = mixprec.initialize(model, opt, "O2", num_losses=2, verbosity=0, **options)
+        seen: list[torch.Tensor] = []
+        for x, y in _batches(3):
+            losses = [nn.functional.cross_entropy(model(x).float(), y) for _ in range(2)] if two_losses else [
+                2 * nn.functional.cross_entropy(model(x).float(), y)]
+            for loss_id, loss in enumerate(losses):
+                with mixprec.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                    scaled.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            seen += [m.grad.clone() for m in amp.master_params(opt)]
+            opt.step()
+            opt.zero_grad()
+        amp.reset()
+        return seen + [m.detach().clone() for m in amp.master_params(opt)]
+
+    for a, b in zip(train(two_losses=True), train(two_losses=False), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_state_dict_round_trip() -> None:
     _train("O2", steps=5)
     saved = amp.state_dict()

@@ -64,13 +64,19 @@ def _case(form: str, dtype: torch.dtype) -> Case:
     if form == "conv1d, fp32 input":  # O1: autocast rounds an fp32 activation; dilation, no bias
         x, w1 = torch.randn(2, 3, 12, requires_grad=True), torch.randn(5, 3, 3, requires_grad=True)
         return F.conv1d, (x, w1), {"dilation": 2}, [x, w1]
+    if form == "matmul, matrix times vector":  # not a product of matrices: the generic path
+        (a, la), (v, lv) = _activation((5, 16), dtype), _activation((16,), dtype)
+        return torch.matmul, (a, v), {}, [la, lv]
+    if form == "matmul, broadcast batch":  # a 3-d stack times one matrix: the generic path
+        (a, la), p = _activation((3, 5, 16), dtype), _half_param(16, 4, dtype=dtype)
+        return torch.matmul, (a, p), {}, [la, p]
     x = torch.randn(8, 16, requires_grad=True)  # "mm, fp32": O1's rounding of fp32 operands
     return torch.mm, (x, w.t()), {}, [x, w]
 
 
 FORMS = ["linear, half model", "linear, fp32 input, no bias", "linear, data input",
          "matmul, attention scores", "bmm, activation times parameter", "mm, fp32", "conv2d, half model",
-         "conv1d, fp32 input"]
+         "conv1d, fp32 input", "matmul, matrix times vector", "matmul, broadcast batch"]
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -164,3 +170,16 @@ def test_an_emulated_half_cnn_saves_what_native_half_kernels_save(
     native = _saved_activation_bytes(model, x, dtype)
     arithmetic("emulated")
     assert _saved_activation_bytes(model, x, dtype) == native == (8 * 3 * 81 + 8 * 4 * 81) * 2
+
+
+@pytest.mark.parametrize(("func", "shapes"),
+                         [(torch.mm, ((2, 3, 4), (2, 4, 5))), (torch.bmm, ((3, 4), (4, 5)))])
+def test_calls_torch_refuses_are_refused_as_torch_refuses_them(
+    func: Callable[..., torch.Tensor], shapes: tuple[tuple[int, ...], ...]
+) -> None:
+    args = tuple(torch.randn(*s) for s in shapes)
+    with pytest.raises(RuntimeError) as theirs:
+        func(*args)
+    with pytest.raises(RuntimeError) as ours:
+        emulated(func, args, {}, torch.bfloat16)
+    assert str(ours.value) == str(theirs.value)
