@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import math
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -41,59 +41,31 @@ from rich.table import Table
 
 import mixprec
 from mixprec import amp, hardware, models
+from mixprec.diagnostics.memory import SavedTensors
+from mixprec.low_precision import footprint
+from mixprec.region import STATE
 
-# the module, not the class mixprec.autocast that the package exports under the same name
-mixprec_autocast = importlib.import_module("mixprec.autocast")
+# ---- the GPT-style decoder: examples/gpt_learner.py's (nanoGPT's shape, attention written with matmuls so
+# every GEMM is visible), at the issue's size ------------------------------------------------------------
 
-# ---- the GPT-style decoder (nanoGPT's shape, attention written with matmuls so every GEMM is visible) ----
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt_learner import GPT, GPTConfig  # noqa: E402  (the examples folder is not a package)
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 4096
-    block: int = 128  # T
-    d: int = 512
-    layers: int = 4
-    heads: int = 8
+GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 
 
-class Block(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
-        super().__init__()
-        self.heads = c.heads
-        self.ln1, self.ln2 = nn.LayerNorm(c.d), nn.LayerNorm(c.d)
-        self.qkv, self.proj = nn.Linear(c.d, 3 * c.d), nn.Linear(c.d, c.d)
-        self.fc, self.out = nn.Linear(c.d, 4 * c.d), nn.Linear(4 * c.d, c.d)
-        self.register_buffer("mask", torch.ones(c.block, c.block, dtype=torch.bool).tril(), persistent=False)
+class GPTLogits(GPT):
+    """The example's GPT returning its logits only: the benchmark computes every configuration's loss."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
-        att = F.softmax(att.masked_fill(~self.mask[:t, :t], float("-inf")), dim=-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(c.vocab, c.d), nn.Embedding(c.block, c.d)
-        self.blocks = nn.Sequential(*(Block(c) for _ in range(c.layers)))
-        self.ln = nn.LayerNorm(c.d)
-        self.head = nn.Linear(c.d, c.vocab, bias=False)
-        self.head.weight = self.tok.weight  # weight tying, as GPT-2
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(idx)[0]
 
 
 def gpt_flops_per_token(c: GPTConfig) -> float:
     # PaLM's estimate (as nanoGPT's estimate_mfu): 6 FLOPs per GEMM weight per token (forward 2, backward
     # 4) plus the attention score and value GEMMs, 12 * layers * d * T per token.
-    gemm_weights = c.layers * 12 * c.d * c.d + c.vocab * c.d
-    return 6.0 * gemm_weights + 12.0 * c.layers * c.d * c.block
+    gemm_weights = c.n_layer * 12 * c.n_embd * c.n_embd + c.vocab_size * c.n_embd
+    return 6.0 * gemm_weights + 12.0 * c.n_layer * c.n_embd * c.block_size
 
 
 def mlp_flops_per_sample(n_in: int, hidden: int, n_out: int) -> float:
@@ -116,7 +88,7 @@ class Workload:
 
 def _gpt_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, GPTConfig.vocab, (n, GPTConfig.block + 1), generator=gen)
+    idx = torch.randint(0, GPT_SIZE.vocab_size, (n, GPT_SIZE.block_size + 1), generator=gen)
     return idx[:, :-1], idx[:, 1:]
 
 
@@ -126,8 +98,8 @@ def _mlp_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 WORKLOADS = {
-    "gpt": Workload("GPT d512 L4 H8 T128 V4096, b16", lambda: GPT(GPTConfig()), _gpt_batch, 16, 128,
-                    gpt_flops_per_token(GPTConfig()), slow_batch_size=1),
+    "gpt": Workload("GPT d512 L4 H8 T128 V4096, b16", lambda: GPTLogits(GPT_SIZE), _gpt_batch, 16, 128,
+                    gpt_flops_per_token(GPT_SIZE), slow_batch_size=1),
     "mlp": Workload("MLP 784-8192-10, b512", lambda: models.mlp(784, 8192, 10), _mlp_batch, 512, 1,
                     mlp_flops_per_sample(784, 8192, 10), slow_batch_size=512),
 }
@@ -250,48 +222,20 @@ def make_runner(workload: Workload, config: Config, compiled: bool, state: dict,
 # ---- measurements ---------------------------------------------------------------------------------------
 
 
-def bytes_per_param(runner: Runner) -> float:
-    """Bytes of parameters, gradients, masters and optimizer state (each storage once) per parameter."""
-    seen: dict[int, int] = {}
-
-    def add(t: object) -> None:
-        if isinstance(t, torch.Tensor) and t.numel() > 1:  # skip scalar step counters
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-
-    params = list(runner.model.parameters())
-    opts = [runner.opt] + ([runner.opt.optimizer] if hasattr(runner.opt, "optimizer") else [])
-    for p in params + [p for o in opts for g in o.param_groups for p in g["params"]]:
-        add(p)
-        add(p.grad)
-    for o in opts:
-        for state in o.state.values():
-            for value in state.values():
-                add(value)
-    return sum(seen.values()) / sum(p.numel() for p in params)
-
-
 def saved_mib(runner: Runner) -> float | None:
     """MiB autograd saves for backward in one eager forward (each storage once, parameters excluded):
     activations, and the weight copies a precision keeps for backward. None for compiled runners (what
     AOTAutograd saves is not visible to saved-tensor hooks)."""
     if runner.compiled:
         return None
-    params = {p.untyped_storage().data_ptr() for p in runner.model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            seen[key] = t.untyped_storage().nbytes()
-        return t
-
+    saved = SavedTensors.beyond(runner.model.parameters())
     if runner.amp_state is not None:
         amp._STATE = runner.amp_state  # type: ignore[assignment]
     context = (torch.autocast("cpu", dtype=runner.config.dtype) if runner.config.kind == "torch"
                else contextlib.nullcontext())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+    with saved.counting(), context:
         _loss(runner.model(runner.x), runner.y)
-    return sum(seen.values()) / 2**20
+    return saved.total / 2**20
 
 
 def is_slow(config: Config) -> bool:
@@ -348,7 +292,7 @@ def time_workload(
     for key, runner in runners.items():
         scale = workload.batch_size / runner.x.shape[0]  # slow configs: smaller batch, scaled linearly
         results[key] = Result(statistics.median(times[key]) * 1e3 * scale, len(times[key]),
-                              runner.x.shape[0], bytes_per_param(runner), saved_mib=saved_mib(runner))
+                              runner.x.shape[0], footprint(runner.opt).per_param, saved_mib=saved_mib(runner))
     return results
 
 
@@ -357,7 +301,7 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
     torch.set_autocast_enabled("cpu", False)
-    mixprec_autocast._STATE.regions.clear()
+    STATE.regions.clear()
     reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:80]}"
     console.print(f"  {key[0]}{' compiled' if key[1] else ''}: failed ({reason})")
     return Result(None, 0, batch, None, reason)

@@ -11,8 +11,9 @@ is a few lines:
                clipping on ``mixprec.master_params(opt)`` as apex documents
     learner    ``Learner(...).to_fp16()`` (gpt_learner.train)
 
-Each can be combined with ``torch.compile`` (``--compile``) and activation checkpointing of every block
-(``--checkpoint``, through ``mixprec.checkpoint_context`` where a mixprec region is active).
+Each hand-written loop (not ``learner``, which runs gpt_learner.train) can be combined with
+``torch.compile`` (``--compile``) and activation checkpointing of every block (``--checkpoint``, through
+``mixprec.checkpoint_context`` where a mixprec region is active).
 
 Run:  python examples/gpt_interfaces.py --interface O2 --steps 100
 """
@@ -106,6 +107,9 @@ def run(interface: str, steps: int = 60, compile: bool = False, checkpoint: bool
     """Train for ``steps`` steps through ``interface``; returns the training losses."""
     cfg = cfg or GPTConfig()
     if interface == "learner":
+        if compile or checkpoint:
+            raise ValueError("--compile and --checkpoint apply to the hand-written loops, not to the learner "
+                             "(gpt_learner.train); drop them, or pick --interface autocast, O1 or O2.")
         learn = train("fp16", steps, cfg, seed)
         return [float(v) for v in learn.recorder.losses]
     data, _ = markov_language(cfg, seed=seed)

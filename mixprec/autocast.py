@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cast_handlers import HANDLERS, call_registered
+from mixprec.cast_handlers import HANDLERS
 from mixprec.cast_plan import plan, region_for
 from mixprec.errors import AutocastError, BannedOpError, PolicyError
 from mixprec.fp32_modules import ModuleRules, keep_fp32, release_fp32
@@ -75,7 +75,6 @@ from mixprec.region import (
     func_name,
     is_current,
 )
-from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
     "autocast",
@@ -86,10 +85,6 @@ __all__ = [
     "BannedOpError",
     "current_region",
     "Region",
-    # kept importable from here for existing callers
-    "call_registered",
-    "iter_tensors",
-    "map_tensors",
 ]
 
 

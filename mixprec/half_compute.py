@@ -26,6 +26,7 @@ import torch
 
 from mixprec.cast_handlers import eligible, run_emulated
 from mixprec.cast_plan import plan, region_for
+from mixprec.emulation import round_result
 from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.rules import Action
@@ -82,13 +83,7 @@ def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: An
         return t.float() if t.dtype is region.dtype and eligible(t, region.device_type) else t
 
     result = call_without_autocast(region.device_type, func, map_tensors(up, args), map_tensors(up, kwargs))
-    if keep_fp32:
-        return result
-
-    def down(t: torch.Tensor) -> torch.Tensor:
-        return t.to(region.dtype) if t.dtype is torch.float32 else t
-
-    return map_tensors(down, result)
+    return result if keep_fp32 else round_result(result, region.dtype)
 
 
 # One mode per plan (plans are few and long-lived): entering the region every step reuses it, so a

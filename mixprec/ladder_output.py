@@ -64,7 +64,7 @@ NOTES = (
     "itself, or weight + compensation / the 16+16 master) did not change in the step: the update rounded "
     "away. upd. < ½ulp %: the theory for plain SGD, |lr * grad| below half the spacing of the stored dtype "
     "at the weight.",
-    "The last four are sampled on the last batch of each epoch.",
+    "grads 0 %, grads subn. %, upd. lost % and upd. < ½ulp % are sampled on the last batch of each epoch.",
 )
 
 

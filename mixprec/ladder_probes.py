@@ -13,13 +13,13 @@ their cost stays out of most timed steps (ms/step is a median).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from mixprec.callbacks import Callback
+from mixprec.diagnostics.memory import SavedTensors
 from mixprec.formats import info
 from mixprec.low_precision import footprint
 
@@ -29,16 +29,6 @@ __all__ = ["MemoryProbe", "GradientProbe", "UpdateProbe", "FP16_FLUSH", "FP16_NO
 FP16_FLUSH = info(torch.float16).smallest_subnormal / 2
 # fp16's smallest normal, 2**-14: below it fp16 keeps fewer than its 11 significant bits.
 FP16_NORMAL = info(torch.float16).smallest_normal
-
-
-def _storages(tensors: Sequence[Tensor | None]) -> dict[int, int]:
-    """Bytes per distinct storage (views and shared tensors counted once)."""
-    out: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
 
 
 def _sampled(cb: Callback) -> bool:
@@ -56,19 +46,16 @@ class MemoryProbe(Callback):
     order = 150  # after the callbacks that replace the optimizer at on_train_begin (MixedPrecision: 100)
 
     def on_train_begin(self) -> None:
-        self.saved: dict[int, int] = {}
         self.saved_bytes: int | None = None
         self.state_bytes: int | None = None
         self.per_param: float | None = None
         self.hooks: Any = None
 
-    def _pack(self, t: Tensor) -> Tensor:
-        self.saved.update(_storages([t]))
-        return t
-
     def on_batch_begin(self) -> None:
         if self.training and self.saved_bytes is None:
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            optimized = [p for g in self.opt.param_groups for p in g["params"]]
+            self.saved = SavedTensors.beyond(self.model.parameters(), optimized)
+            self.hooks = self.saved.counting()
             self.hooks.__enter__()
 
     def on_backward_begin(self) -> None:
@@ -76,11 +63,8 @@ class MemoryProbe(Callback):
             return
         self.hooks.__exit__(None, None, None)
         self.hooks = None
-        # Now, while the saved tensors are alive (their addresses are not yet reused), leave out parameters.
-        optimized = [p for g in self.opt.param_groups for p in g["params"]]
-        params = _storages([*optimized, *self.model.parameters()])
-        self.saved_bytes = sum(n for ptr, n in self.saved.items() if ptr not in params)
-        self.saved = {}
+        self.saved_bytes = self.saved.total
+        del self.saved
 
     def on_step_end(self) -> None:
         if self.state_bytes is None:

@@ -105,12 +105,6 @@ class GroupMasters:
                 self.holes = []
         return dst, src
 
-    def detach_grads(self) -> None:
-        """Drop the masters' ``.grad`` (the storage stays allocated for the next step)."""
-        for master in self.shadow():
-            master.grad = None
-        self.holes = []
-
 
 class HoleGuard:
     """Puts back the slices of a flat buffer (master and per-element optimizer state) whose parameters

@@ -85,3 +85,22 @@ def test_the_mlp_flop_count_is_what_a_step_computes(bench: ModuleType) -> None:
         layer.register_forward_hook(count)
     model(x)
     assert flops / 8 == bench.mlp_flops_per_sample(16, 32, 4)
+
+
+def test_a_configuration_that_fails_is_a_row_not_a_crash(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(runner: object, forward: object) -> object:
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # fails inside a region: it must be left
+                raise RuntimeError("this configuration cannot run")
+
+        return step
+
+    monkeypatch.setitem(bench._STEPS, "O1", broken)
+    configs = [c for c in bench.CONFIGS if c.name in ("fp32", "mixprec O1 bf16")]
+    results = bench.time_workload(_tiny(bench), configs, (False,), 1, 1, Console(quiet=True), [])
+    assert results[("mixprec O1 bf16", False)].ms is None
+    assert results[("mixprec O1 bf16", False)].error.startswith("RuntimeError: this configuration")
+    assert results[("fp32", False)].ms is not None
+    assert not torch.is_autocast_enabled("cpu")

@@ -8,11 +8,10 @@ the fractions that would underflow to zero, land in fp16's subnormal range or ov
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from mixprec.commands.console import make_console
-from mixprec.commands.train import add_data_arguments, build_model, data_spec
+from mixprec.commands.train import add_data_arguments, build_model, data_spec, fail
 
 HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
 
@@ -68,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed
             problem = str(err)
     if problem is not None:  # as cli.main prints every user error: on stderr, exit status 2
-        print(f"mixprec: error: {problem}", file=sys.stderr)
-        return 2
+        return fail(ValueError(problem))
     if args.train_steps:
         _train(model, bunch, args.train_steps)
     scales = tuple(args.loss_scale or ())

@@ -60,6 +60,7 @@ __all__ = [
     "AUTOCAST_IMPLS",
     "COMPONENTS",
     "MemoryBreakdown",
+    "SavedTensors",
     "PRECISIONS",
     "get_precision",
     "as_recipe",
@@ -71,8 +72,7 @@ __all__ = [
     "memory_table",
 ]
 
-MB = 1e6  # the published figures use decimal megabytes: 6,512,650 params x 4 B = 26.05 MB
-MIB = 2**20  # what every table and chart of the package shows (the ladder's too)
+MIB = 2**20  # what the memory tables show (the ladder's too); plots.py charts decimal MB/GB
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,14 +364,28 @@ def _is_weight_copy(t: Tensor, param_ids: set[int]) -> bool:
 
 
 @dataclass
-class _SavedTensors:
-    """Unique storages seen by the pack hook, split into weight copies and activations."""
+class SavedTensors:
+    """Unique storages autograd saves for backward, seen by a pack hook (``saved.counting()``), split into
+    weight copies and activations; the storages of ``exclude`` (parameters, buffers) are not counted."""
 
     exclude: set[int]
     param_ids: set[int]
     activations: dict[int, int] = dataclasses.field(default_factory=dict)
     weight_copies: dict[int, int] = dataclasses.field(default_factory=dict)
     keep: list[Tensor] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def beyond(cls, params: Iterable[Tensor], others: Iterable[Tensor] = ()) -> SavedTensors:
+        """Count what is saved beyond ``params`` (whose copies are weight copies) and ``others``."""
+        params = list(params)
+        return cls({_storage_key(t) for t in [*params, *others]}, {id(p) for p in params})
+
+    def counting(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.activations.values()) + sum(self.weight_copies.values())
 
     def pack(self, t: Tensor) -> Tensor:
         key = _storage_key(t)
@@ -387,15 +401,14 @@ class _SavedTensors:
 
 def _saved_for_backward(
     model: nn.Module, x: Any, y: Any, precision: Recipe, loss_fn: LossFn, autocast: str
-) -> _SavedTensors:
-    tensors = [*model.parameters(), *model.buffers()]
-    saved = _SavedTensors({_storage_key(t) for t in tensors}, {id(p) for p in model.parameters()})
+) -> SavedTensors:
+    saved = SavedTensors.beyond(model.parameters(), model.buffers())
     region: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if precision.autocast_dtype is not None:
         device_type = x.device.type if isinstance(x, Tensor) else "cpu"
         region = AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
     model.train()  # a training step: dropout active, BatchNorm on batch statistics
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), region:
+    with saved.counting(), region:
         loss_fn(model(x), y)
     return saved
 

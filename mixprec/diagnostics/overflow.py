@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from mixprec.autocast import iter_tensors, map_tensors
 from mixprec.errors import ConfigError
+from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
     "NonfiniteEvent",

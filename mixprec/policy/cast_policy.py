@@ -62,9 +62,9 @@ class Policy:
     """A named, immutable cast policy: one :class:`DeviceTable` per device type, plus module rules.
 
     ``fp32_modules`` holds class names (``"LayerNorm"``) or qualified names (``"torch.nn.LayerNorm"``);
-    modules of those classes run entirely in fp32 inside an autocast region. ``emulate_fp16`` lets devices
-    without fast fp16 GEMMs (``DeviceSpec.fast_fp16_gemm``) emulate them; set it False to get torch's own
-    fp16 kernels there. Derive variants with :meth:`with_action` (or its per-action spellings
+    modules of those classes run entirely in fp32 inside an autocast region. ``emulate_fp16`` lets mixprec
+    emulate half GEMMs where :mod:`mixprec.hardware` finds no fast kernels for them; set it False to get
+    torch's own kernels there. Derive variants with :meth:`with_action` (or its per-action spellings
     ``with_lower``, ``with_fp32``, ``with_promote``, ``with_banned``, ``with_native``) and the other
     ``with_*`` methods; they return new policies.
     """

@@ -19,18 +19,14 @@ class DeviceSpec:
 
     device_type: str
     autocast_dtypes: tuple[torch.dtype, ...]
-    # Whether fp16 GEMMs on this device type are at least as fast as fp32 ones, as a static fact; what
-    # mixprec actually does on this machine is mixprec.hardware's decision (emulation.emulates).
-    fast_fp16_gemm: bool
 
 
-# CPU: torch's fp16 GEMMs run at 0.3-57 GFLOP/s depending on operand layout against ~150 for fp32 and
-# ~600 for bf16 (AVX-512 BF16) on the reference machine, so fp16 GEMMs are emulated there.
-# CUDA: tensor cores run fp16 x fp16 with fp32 accumulation natively.
+# Whether half GEMMs run natively or emulated on this machine is mixprec.hardware's decision, per device
+# and dtype (emulation.emulates), not a static fact of the device type.
 DEVICES: Mapping[str, DeviceSpec] = types.MappingProxyType(
     {
-        "cpu": DeviceSpec("cpu", (torch.bfloat16, torch.float16), fast_fp16_gemm=False),
-        "cuda": DeviceSpec("cuda", (torch.float16, torch.bfloat16), fast_fp16_gemm=True),
+        "cpu": DeviceSpec("cpu", (torch.bfloat16, torch.float16)),
+        "cuda": DeviceSpec("cuda", (torch.float16, torch.bfloat16)),
     }
 )
 
