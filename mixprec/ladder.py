@@ -321,6 +321,8 @@ def run_rung(
                     opt_func=_sgd(settings.momentum), metrics=[accuracy], callbacks=probes, silent=True)
     for cb in callbacks_for(rung):
         learn.add_cb(cb)
+    if learn.device.type == "cuda":  # each rung's own peak, not the largest of the rungs so far
+        torch.cuda.reset_peak_memory_stats(learn.device)
     start = time.perf_counter()
     learn.fit(settings.epochs, settings.lr)
     seconds = time.perf_counter() - start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import importlib.util
@@ -95,6 +96,37 @@ def test_output_dtypes_match_torch_autocast_op_by_op(dtype: torch.dtype) -> None
         checked_lower += rule is not None and rule.action is P.Action.LOWER
     assert not mismatches
     assert checked_lower >= 15  # the GEMM family, which fp16 emulation reroutes, was really exercised
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_every_python_handler_matches_torch_autocast_op_by_op(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The layer normally handles only the ops whose action differs from torch's, so the test above meets
+    # the FP32 and PROMOTE handlers rarely. Told that torch's own table is empty, the layer takes every op
+    # of the table and must still give what torch.autocast gives.
+    from mixprec import cast_plan
+    from mixprec.policy import cast_policy
+
+    monkeypatch.setattr(cast_policy, "_torch_rules_for", lambda device_type, dtype: {})
+    monkeypatch.setattr(cast_plan, "_PLANS", {})
+    monkeypatch.setattr(cast_plan, "_REGIONS", {})
+    handled = collections.Counter()
+    mismatches = []
+    for label, fn, args, kwargs in _cpu_calls(dtype):
+        rule = P.TORCH.rule(fn, "cpu", dtype)
+        if rule is None or rule.is_deviation:
+            continue
+        with torch.autocast("cpu", dtype=dtype):
+            expected = _dtypes(fn(*args, **kwargs))
+        with autocast("cpu", dtype=dtype):
+            assert torch._C._len_torch_function_stack() == 1  # the Python layer runs this op
+            got = _dtypes(fn(*args, **kwargs))
+        if got != expected:
+            mismatches.append((label, expected, got))
+        handled[rule.action] += 1
+    assert not mismatches
+    assert min(handled[a] for a in (P.Action.LOWER, P.Action.FP32, P.Action.PROMOTE)) >= 2, handled
 
 
 def test_default_policy_adds_no_python_layer_for_bf16() -> None:
