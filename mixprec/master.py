@@ -103,16 +103,19 @@ class MasterWeights(torch.optim.Optimizer):
         compile_step: with ``master_grads=False``, run the update as one pass that torch.compile generates
             (master_kernel.py): the half gradient upcast, unscaled, Adam's update and the rounding into the
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
-            rounding order. Adam/AdamW without amsgrad.
+            rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
+            ``found_inf`` on the host: one device sync per step on CUDA, where the uncompiled steps have none.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
-            ``.grad`` (see Clipping). One extra pass per explicit unscale; callers that clip the masters
-            themselves (``mixprec.initialize``, the Learner) may pass False.
+            ``.grad`` (see Clipping). One extra pass per explicit unscale; callers whose users clip only
+            the masters may pass False (the Learner does; ``mixprec.initialize`` keeps it, so a clip of
+            ``model.parameters()`` works there too).
 
     The wrapper *is* a ``torch.optim.Optimizer`` (LR schedulers accept it) whose ``param_groups`` and
     ``state`` are the wrapped optimizer's. Build schedulers on the wrapper, step the wrapper, and save
     ``opt.state_dict()`` (the wrapper's: it holds the masters; the wrapped optimizer's warns).
 
-    Clipping: torch.amp's recipe works unchanged, ``scaler.unscale_(opt)`` then
+    Clipping: torch.amp's recipe works unchanged with ``mixprec.GradScaler`` (torch.amp's own scaler does
+    not know the masters and fails on this wrapper), ``scaler.unscale_(opt)`` then
     ``clip_grad_norm_(model.parameters(), max_norm)`` then ``scaler.step(opt)``: unscale_ fills the fp32
     master gradients and mirrors them, unscaled and rounded to the model's dtype, into the model's
     ``.grad``; ``step`` takes over any gradient edited there since (it watches each tensor's version
