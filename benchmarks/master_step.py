@@ -120,8 +120,8 @@ def main() -> None:
         "MasterWeights(AdamW, flat=True, master_grads=False)": _master_step(shapes, dev, True, False),
         "MasterWeights(AdamW, master_grads=False, compile_step=True)": _master_step(
             shapes, dev, False, False, compile_step=True),
-        "  the same, no scaler (bf16 needs none)": _master_step(
-            shapes, dev, False, False, compile_step=True, scaled=False),
+        "MasterWeights(AdamW, master_grads=False, compile_step=True), no scaler (bf16 needs none)":
+            _master_step(shapes, dev, False, False, compile_step=True, scaled=False),
     }
     ms = _round_robin(steps, args.repeats, dev)
     fused, foreach = ms["torch AdamW(fused=True), fp32 params"], ms["torch AdamW(foreach=True), fp32 params"]

@@ -19,18 +19,21 @@ smaller batch scaled up linearly (GEMM time is linear in the tokens); the table 
     python benchmarks/train_step.py                 # default run (< 10 min on 2 cores)
     python benchmarks/train_step.py --quick         # smoke run: MLP, eager, few steps
     python benchmarks/train_step.py --no-compile    # eager only
+    python benchmarks/train_step.py --workload mlp --batch 2048   # another batch size
+    python benchmarks/train_step.py --default-malloc   # without mixprec.host_memory.keep_freed_memory()
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +45,7 @@ from rich.table import Table
 import mixprec
 from mixprec import amp, hardware, models
 from mixprec.diagnostics.memory import SavedTensors
+from mixprec.host_memory import MallocTuning, keep_freed_memory
 from mixprec.low_precision import footprint
 from mixprec.region import STATE
 
@@ -84,6 +88,16 @@ class Workload:
     tokens_per_sample: int
     flops_per_token: float
     slow_batch_size: int  # batch for the torch configurations that have no fast kernels here
+
+
+def with_batch(workload: Workload, batch: int) -> Workload:
+    """The workload at another batch size (its name says which). A batch below the slow configurations' own
+    batch lowers that as well; each is timed at its own batch and scaled, as the table marks."""
+    if batch < 1:
+        raise SystemExit(f"--batch must be at least 1, got {batch}.")
+    name = re.sub(r", b\d+$", f", b{batch}", workload.name)
+    slow = min(workload.slow_batch_size, batch)
+    return replace(workload, name=name, batch_size=batch, slow_batch_size=slow)
 
 
 def _gpt_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="time only these configurations (repeatable; default: all)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 3)")
     parser.add_argument("--workload", choices=list(WORKLOADS), action="append", default=None)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size for every workload timed (default: GPT 16, MLP 512). The MLP's "
+                        "GEMMs run nearer the reference GEMM's rate at larger batches (RESULTS.md)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (default: mixprec.host_memory."
+                        "keep_freed_memory(), for every configuration alike: no page faults per step)")
     parser.add_argument("--profile", metavar="CONFIG", action="append", default=None,
                         help="instead of timing, print the cast share of a step of CONFIG (eager)")
     args = parser.parse_args(argv)
@@ -389,13 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if args.config is None or c.name in args.config]
     console = Console(width=max(Console().width, 150))
     console.print(f"hardware: {hardware.hardware_line()}")
+    malloc = MallocTuning(False, "default glibc malloc (--default-malloc)") if args.default_malloc else (
+        keep_freed_memory())
+    console.print(f"host allocator: {malloc.reason}")
     for dtype in hardware.HALF_DTYPES:
         d = hardware.half_arithmetic("cpu", dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
     gemm_rates = [hardware.gemm_gflops("cpu", torch.float32, GEMM_SIZE)]
     console.print(f"{steps} steps per config")
     for name in names:
-        workload = WORKLOADS[name]
+        workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)
         for config_name in args.profile or ():
             share, ms = cast_share(workload, config_name, steps)
             console.print(f"{workload.name}, {config_name}: casts {share:.1%} of a {ms:.0f} ms step")

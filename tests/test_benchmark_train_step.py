@@ -104,3 +104,15 @@ def test_a_configuration_that_fails_is_a_row_not_a_crash(
     assert results[("mixprec O1 bf16", False)].error.startswith("RuntimeError: this configuration")
     assert results[("fp32", False)].ms is not None
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_batch_sets_the_batch_that_runs_and_the_name_that_reports_it(bench: ModuleType) -> None:
+    mlp = bench.with_batch(bench.WORKLOADS["mlp"], 64)
+    assert (mlp.name, mlp.batch_size, mlp.slow_batch_size) == ("MLP 784-8192-10, b64", 64, 64)
+    gpt = bench.with_batch(bench.WORKLOADS["gpt"], 32)
+    assert gpt.name.endswith(", b32") and gpt.batch_size == 32
+    assert gpt.slow_batch_size == bench.WORKLOADS["gpt"].slow_batch_size  # 1: already below 32
+    runner = bench.make_runner(mlp, bench.CONFIGS[0], False, mlp.make().state_dict(), mlp.batch_size)
+    assert runner.x.shape[0] == 64
+    with pytest.raises(SystemExit, match="--batch must be at least 1"):
+        bench.with_batch(bench.WORKLOADS["mlp"], 0)
