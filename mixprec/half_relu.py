@@ -1,0 +1,69 @@
+"""ReLU of an emulated half activation, with a backward that ``torch.compile`` partitions well.
+
+Where mixprec emulates half GEMMs (:mod:`mixprec.hardware`), ``Linear -> ReLU -> Linear`` runs as: fp32
+GEMM, rounded to half; ReLU on the half tensor; fp32 upcast of the ReLU output for the next GEMM, which
+backward needs too. torch's ReLU backward (``threshold_backward``) reads the *half* ReLU output, so
+AOTAutograd's partitioner must keep that tensor or a mask made from it, on top of the fp32 upcast it keeps
+for the GEMM; it keeps the 1-byte mask. Inductor's vectorized bool store is slow on CPUs (compiled
+``x <= 0`` on 512x8192: 41 ms against 2.5 ms eager on a 2-core AVX2 EPYC), so the compiled emulated MLP
+step took 1.39x compiled fp32's time, where eager took 1.1x.
+
+Here the backward in compiled code builds its mask from the fp32 upcast of the saved output. That upcast
+is the one the next emulated GEMM made in forward (the compiler merges the two identical casts), which the
+partitioner keeps anyway: no mask is stored, and the mask is computed inside the fused backward kernel. The
+same compiled MLP step: 1.45x -> 1.10x compiled fp32 (benchmarks/RESULTS.md). Eager backward compares the
+half output itself (no upcast needed). Both give exactly torch's gradient: ``out <= 0`` and
+``out.float() <= 0`` agree for every value (the upcast is exact), and ``where(out <= 0, 0, grad)`` is
+``threshold_backward``'s rule, NaN passing its gradient through.
+
+In-place ReLU (``relu_``, ``F.relu(x, inplace=True)``) is left to torch: its output overwrites the input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["RELU_NAMES", "half_relu", "relu_handler"]
+
+# The Python-level names a torch-function mode sees for an out-of-place ReLU (F.relu, torch.relu,
+# Tensor.relu all report "relu"; F.relu's ``inplace`` comes as an argument).
+RELU_NAMES = frozenset({"relu"})
+
+
+class _HalfRelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(x)
+        ctx.save_for_backward(out)  # what torch's ReLU saves: the half output
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        # Compiled: the mask from the fp32 upcast the next emulated GEMM keeps (see the module docstring).
+        dead = out.float() <= 0 if torch.compiler.is_compiling() else out <= 0
+        return torch.where(dead, 0, grad)
+
+
+def half_relu(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
+    """ReLU through :class:`_HalfRelu` when the call is an out-of-place ReLU of one ``dtype`` tensor that
+    needs a gradient; None otherwise (the caller runs torch's own)."""
+    x = args[0] if args else kwargs.get("input")
+    inplace = kwargs.get("inplace", args[1] if len(args) > 1 else False)
+    plain = isinstance(x, torch.Tensor) and x.dtype is dtype and not inplace and x.requires_grad
+    if not plain or not torch.is_grad_enabled():
+        return None
+    return _HalfRelu.apply(x)
+
+
+def relu_handler(dtype: torch.dtype) -> Any:
+    """A torch-function handler ``(func, args, kwargs) -> result`` for the ReLU names: :func:`half_relu`,
+    else torch's own ``func``."""
+
+    def handle(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = half_relu(args, kwargs, dtype)
+        return func(*args, **kwargs) if out is None else out
+
+    return handle

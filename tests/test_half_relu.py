@@ -1,0 +1,106 @@
+"""mixprec.half_relu: ReLU of an emulated half activation gives torch's own output and gradient bit for
+bit, eager and compiled, and a compiled step no longer stores a bool mask for its backward."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.half_compute import half_compute
+from mixprec.half_relu import half_relu
+
+HALVES = (torch.float16, torch.bfloat16)
+SPECIAL = [0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"), float("nan"), 1e-8, -1e-8]
+
+
+def _input(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor(SPECIAL), torch.randn(64, generator=g)]).to(dtype)
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_output_and_gradient_equal_torch_relu_bit_for_bit(dtype: torch.dtype) -> None:
+    x, ref_x = _input(dtype), _input(dtype)
+    grad = torch.randn(x.shape).to(dtype)
+    out = half_relu((x,), {}, dtype)
+    assert out is not None and type(out.grad_fn).__name__ == "_HalfReluBackward"
+    ref = torch.relu(ref_x)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))  # bits: -0.0 and NaN included
+    assert torch.equal(x.grad.view(torch.int16), ref_x.grad.view(torch.int16))
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [
+    ((torch.ones(3, dtype=torch.bfloat16),), {}),  # no gradient needed: torch's own
+    ((torch.ones(3, requires_grad=True),), {}),  # fp32
+    ((torch.ones(3, dtype=torch.bfloat16, requires_grad=True),), {"inplace": True}),
+    ((torch.ones(3, dtype=torch.bfloat16, requires_grad=True), True), {}),
+])
+def test_what_it_leaves_to_torch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    assert half_relu(args, kwargs, torch.bfloat16) is None
+
+
+def _mlp(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_regions_route_relu_through_it_only_where_gemms_are_emulated(
+    dtype: torch.dtype, arithmetic: Callable[[str], None]
+) -> None:
+    x = torch.randn(4, 8)
+    for mode, expected in (("emulated", "_HalfReluBackward"), ("native", "ReluBackward0")):
+        arithmetic(mode)
+        with half_compute("cpu", dtype):  # an O2 / to_fp16 model
+            hidden = _mlp(dtype)[:2](x.to(dtype))
+        assert type(hidden.grad_fn).__name__ == expected, mode
+        with mixprec.autocast("cpu", dtype=dtype):  # O1: an fp32 model, its GEMMs lowered
+            hidden = torch.nn.Sequential(nn.Linear(8, 32), nn.ReLU())(x)
+        assert hidden.dtype is dtype and type(hidden.grad_fn).__name__ == expected, mode
+        with half_compute("cpu", dtype):
+            inplace = F.relu(_mlp(dtype)[0](x.to(dtype)), inplace=True)
+        assert type(inplace.grad_fn).__name__ != "_HalfReluBackward"
+
+
+def _saved_by_compiled_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """What the Inductor-compiled forward saves for backward, seen by a saved-tensors hook at run time (on
+    the second call: the first compiles)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with half_compute("cpu", torch.bfloat16):  # inside the compiled code, as initialize(O2) does
+            return model(x)
+
+    compiled = torch.compile(run)
+    compiled(x).float().sum().backward()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        compiled(x).float().sum().backward()
+    return saved
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_emulated_step_saves_no_mask_and_keeps_torchs_gradients(
+    arithmetic: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    arithmetic("emulated")
+    x = torch.randn(16, 8).bfloat16()
+    model = _mlp(torch.bfloat16)
+    saved = _saved_by_compiled_step(model, x)
+    assert saved and not any(t.dtype is torch.bool for t in saved), [t.dtype for t in saved]
+    # The reference: the same compiled step with torch's own ReLU (the region no longer routes it here)
+    reference = _mlp(torch.bfloat16)
+    monkeypatch.setattr(sys.modules["mixprec.half_compute"], "RELU_NAMES", frozenset())
+    torch._dynamo.reset()
+    old_saved = _saved_by_compiled_step(reference, x)
+    assert any(t.dtype is torch.bool for t in old_saved)  # what this module removes
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
