@@ -9,10 +9,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+# editable_mode=compat: the clone's root goes on the path (a .pth file), not an import hook. With the
+# hook, a script in the folder holding a clone named mixprec/ imported that folder as an empty namespace
+# package ("module 'mixprec' has no attribute 'GradScaler'"); a path entry lets the real package win.
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test]" --config-settings editable_mode=compat
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -326,7 +326,8 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
 
 def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: float) -> Table:
     table = Table(title=workload.name)
-    for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast", "tokens/s",
+    for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast",
+                   "tokens/s" if workload.tokens_per_sample > 1 else "samples/s",
                    "MFU", "bytes/param", "saved MiB", "steps", "note"):
         table.add_column(header, justify="left" if header in ("configuration", "mode", "note") else "right")
     torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}

@@ -60,7 +60,7 @@ from mixprec.cast_plan import plan, region_for
 from mixprec.errors import AutocastError, BannedOpError, PolicyError
 from mixprec.fp32_modules import ModuleRules, keep_fp32, release_fp32
 from mixprec.half_compute import half_compute
-from mixprec.half_relu import RELU_NAMES, relu_handler
+from mixprec.half_relu import RELU_NAMES, relu
 from mixprec.policy.cast_policy import Policy
 from mixprec.policy.devices import device_spec
 from mixprec.policy.names import PY_ALIASES
@@ -102,10 +102,13 @@ class _PolicyMode(RegionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = func_name(func)
-        if name in RELU_NAMES and self.region.emulate and is_current(self.region):  # see half_relu.py
-            return relu_handler(self.region.dtype)(func, args, kwargs)
         action = self.actions.get(name) if name is not None else None
-        if action is None or not is_current(self.region):
+        if not is_current(self.region):
+            return func(*args, **kwargs)
+        if action is None:  # a policy rule for relu wins; else an emulated region's ReLU (half_relu.py)
+            region = self.region
+            if name in RELU_NAMES and region.emulate:
+                return relu(func, args, kwargs, region.dtype, region.device_type)
             return func(*args, **kwargs)
         return HANDLERS[action](self.region, PY_ALIASES.get(name, name), func, args, kwargs)
 

@@ -27,7 +27,7 @@ import torch
 from mixprec.cast_handlers import eligible, run_emulated
 from mixprec.cast_plan import plan, region_for
 from mixprec.emulation import round_result
-from mixprec.half_relu import RELU_NAMES, relu_handler
+from mixprec.half_relu import RELU_NAMES, relu
 from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.rules import Action
@@ -62,10 +62,13 @@ class _HalfComputeMode(RegionMode):
             return func(*args, **kwargs)
         return handler(func, args, kwargs)
 
+    def _relu(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        return relu(func, args, kwargs, self.region.dtype, self.region.device_type)
+
     def _handler(self, name: str, args: Any, kwargs: Any) -> Callable[..., Any] | None:
         region = self.region
         if name in RELU_NAMES:  # emulated GEMMs only: see half_relu.py
-            return relu_handler(region.dtype) if self.gemms else None
+            return self._relu if self.gemms and not torch.is_autocast_enabled(region.device_type) else None
         loss = _FP32_OPS.get(name)
         if (loss is None and name not in self.gemms) or torch.is_autocast_enabled(region.device_type):
             return None

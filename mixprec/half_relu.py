@@ -5,13 +5,16 @@ GEMM, rounded to half; ReLU on the half tensor; fp32 upcast of the ReLU output f
 backward needs too. torch's ReLU backward (``threshold_backward``) reads the *half* ReLU output, so
 AOTAutograd's partitioner must keep that tensor or a mask made from it, on top of the fp32 upcast it keeps
 for the GEMM; it keeps the 1-byte mask. Inductor's vectorized bool store is slow on CPUs (compiled
-``x <= 0`` on 512x8192: 41 ms against 2.5 ms eager on a 2-core AVX2 EPYC), so the compiled emulated MLP
-step took 1.39x compiled fp32's time, where eager took 1.1x.
+``x <= 0`` on 512x8192: 41 ms against 2.5 ms eager on a 2-core AVX2 EPYC), so the compiled emulated
+784-8192-10 MLP step took 1.35-1.44x compiled fp32's time, where eager took about 1.1x.
 
 Here the backward in compiled code builds its mask from the fp32 upcast of the saved output. That upcast
 is the one the next emulated GEMM made in forward (the compiler merges the two identical casts), which the
 partitioner keeps anyway: no mask is stored, and the mask is computed inside the fused backward kernel. The
-same compiled MLP step: 1.45x -> 1.10x compiled fp32 (benchmarks/RESULTS.md). Eager backward compares the
+same compiled MLP step: 1.35-1.44x -> 1.09x compiled fp32, timed in one process with this routing off and on
+(benchmarks/RESULTS.md). That holds where the ReLU output goes straight into an emulated GEMM; with another
+op in between (Dropout), or no GEMM after it, there is no fp32 copy to share and a mask is still saved.
+Eager backward compares the
 half output itself (no upcast needed). Both give exactly torch's gradient: ``out <= 0`` and
 ``out.float() <= 0`` agree for every value (the upcast is exact), and ``where(out <= 0, 0, grad)`` is
 ``threshold_backward``'s rule, NaN passing its gradient through.
@@ -25,7 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["RELU_NAMES", "half_relu", "relu_handler"]
+from mixprec.cast_handlers import eligible
+
+__all__ = ["RELU_NAMES", "half_relu", "relu"]
 
 # The Python-level names a torch-function mode sees for an out-of-place ReLU (F.relu, torch.relu,
 # Tensor.relu all report "relu"; F.relu's ``inplace`` comes as an argument).
@@ -47,23 +52,23 @@ class _HalfRelu(torch.autograd.Function):
         return torch.where(dead, 0, grad)
 
 
-def half_relu(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
-    """ReLU through :class:`_HalfRelu` when the call is an out-of-place ReLU of one ``dtype`` tensor that
-    needs a gradient; None otherwise (the caller runs torch's own)."""
+def half_relu(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str
+) -> torch.Tensor | None:
+    """ReLU through :class:`_HalfRelu` when the call is an out-of-place ReLU that needs a gradient, of one
+    ``dtype`` tensor on the region's device; None otherwise (the caller runs torch's own)."""
     x = args[0] if args else kwargs.get("input")
     inplace = kwargs.get("inplace", args[1] if len(args) > 1 else False)
-    plain = isinstance(x, torch.Tensor) and x.dtype is dtype and not inplace and x.requires_grad
-    if not plain or not torch.is_grad_enabled():
+    if not (isinstance(x, torch.Tensor) and x.dtype is dtype and eligible(x, device_type)):
+        return None
+    if inplace or not (x.requires_grad and torch.is_grad_enabled()):
         return None
     return _HalfRelu.apply(x)
 
 
-def relu_handler(dtype: torch.dtype) -> Any:
-    """A torch-function handler ``(func, args, kwargs) -> result`` for the ReLU names: :func:`half_relu`,
-    else torch's own ``func``."""
-
-    def handle(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = half_relu(args, kwargs, dtype)
-        return func(*args, **kwargs) if out is None else out
-
-    return handle
+def relu(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str
+) -> Any:
+    """What a region's torch-function mode returns for a ReLU name: :func:`half_relu`, else ``func``."""
+    out = half_relu(args, kwargs, dtype, device_type)
+    return func(*args, **kwargs) if out is None else out

@@ -15,10 +15,12 @@ fp32 clone             32.3 ms                 6.1 ms
 
 Mixed precision makes more such tensors than fp32 (the half copy and the fp32 upcast of each activation), so
 it pays this toll more often. :func:`keep_freed_memory` raises glibc's mmap and trim thresholds with
-``mallopt``: large blocks then come from the heap and stay there after ``free``, and the next step reuses
-them. This is what a caching allocator does on CUDA, and what PyTorch's CPU tuning guide gets by preloading
-jemalloc or tcmalloc; ``mallopt`` needs no extra library. The price: the process keeps its peak host memory
-(its RSS no longer shrinks after a large step).
+``mallopt``: large blocks then come from the main heap and stay there after ``free``, and the next step
+reuses them. (Threads other than the main one allocate from glibc's per-thread heaps, capped at 64 MiB:
+their larger tensors are still mapped afresh. torch's intra-op threads compute; the tensors of a training
+step are allocated by the thread that runs it.) This is what a caching allocator does on CUDA, and what
+PyTorch's CPU tuning guide gets by preloading jemalloc or tcmalloc; ``mallopt`` needs no extra library.
+The price: the process keeps its peak host memory (its RSS no longer shrinks after a large step).
 
 Process-wide and opt-in: mixprec never calls it on import. ``benchmarks/train_step.py`` calls it for every
 configuration alike (``--default-malloc`` times without it).
@@ -36,9 +38,11 @@ __all__ = ["MallocTuning", "keep_freed_memory"]
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# 1 GiB: above any single activation of the models mixprec's benchmarks and demo train; glibc accepts it on
-# 64-bit builds. The trim threshold at the largest int keeps freed heap memory for good.
+# 1 GiB: above any single activation of the models mixprec's benchmarks and demo train. Recent glibc accepts
+# it (2.36 here); mallopt(3) documents 32 MiB as the 64-bit maximum and older glibc refuses more, so a
+# refusal falls back to that. The trim threshold at the largest int keeps freed heap memory for good.
 DEFAULT_MMAP_THRESHOLD = 1 << 30
+_DOCUMENTED_MAX = 32 << 20
 _KEEP_ALL = 2**31 - 1
 
 
@@ -54,17 +58,22 @@ def keep_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> MallocTun
     """Make glibc malloc serve blocks up to ``mmap_threshold`` bytes from its heap and keep freed memory (see
     the module docstring). Returns what was done; on a C library other than glibc (macOS, musl) nothing is
     changed and the reason says so."""
-    if not (isinstance(mmap_threshold, int) and 0 < mmap_threshold <= _KEEP_ALL):
+    valid = isinstance(mmap_threshold, int) and not isinstance(mmap_threshold, bool)
+    if not (valid and 0 < mmap_threshold <= _KEEP_ALL):
         raise ValueError(f"mmap_threshold must be an int in (0, 2**31 - 1] bytes, got {mmap_threshold!r}; "
                          "e.g. 1 << 30.")
     libc = _glibc()
     if libc is None:
         return MallocTuning(False, f"not glibc ({sys.platform}): host allocator left as it is")
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-    ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_ALL) == 1
-    if not ok:
-        return MallocTuning(False, "glibc refused mallopt (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD): left as is")
-    return MallocTuning(True, f"glibc malloc keeps freed memory (mmap threshold {mmap_threshold >> 20} MiB)")
+    accepted = next((t for t in (mmap_threshold, min(mmap_threshold, _DOCUMENTED_MAX))
+                     if libc.mallopt(_M_MMAP_THRESHOLD, t) == 1), None)
+    if accepted is None:
+        return MallocTuning(False, "glibc refused mallopt(M_MMAP_THRESHOLD): host allocator left as it is")
+    threshold = f"mmap threshold {accepted / 2**20:g} MiB"
+    if libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_ALL) != 1:
+        return MallocTuning(False, f"glibc took the {threshold} but refused M_TRIM_THRESHOLD: freed memory "
+                            "at the heap's top is still returned")
+    return MallocTuning(True, f"glibc malloc keeps freed memory ({threshold})")
 
 
 def _glibc() -> ctypes.CDLL | None:

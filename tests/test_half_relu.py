@@ -30,7 +30,7 @@ def _input(dtype: torch.dtype) -> torch.Tensor:
 def test_output_and_gradient_equal_torch_relu_bit_for_bit(dtype: torch.dtype) -> None:
     x, ref_x = _input(dtype), _input(dtype)
     grad = torch.randn(x.shape).to(dtype)
-    out = half_relu((x,), {}, dtype)
+    out = half_relu((x,), {}, dtype, "cpu")
     assert out is not None and type(out.grad_fn).__name__ == "_HalfReluBackward"
     ref = torch.relu(ref_x)
     out.backward(grad)
@@ -39,14 +39,37 @@ def test_output_and_gradient_equal_torch_relu_bit_for_bit(dtype: torch.dtype) ->
     assert torch.equal(x.grad.view(torch.int16), ref_x.grad.view(torch.int16))
 
 
+def _half(**kw: Any) -> torch.Tensor:
+    return torch.ones(3, dtype=torch.bfloat16, **kw)
+
+
 @pytest.mark.parametrize(("args", "kwargs"), [
-    ((torch.ones(3, dtype=torch.bfloat16),), {}),  # no gradient needed: torch's own
+    ((_half(),), {}),  # no gradient needed
     ((torch.ones(3, requires_grad=True),), {}),  # fp32
-    ((torch.ones(3, dtype=torch.bfloat16, requires_grad=True),), {"inplace": True}),
-    ((torch.ones(3, dtype=torch.bfloat16, requires_grad=True), True), {}),
+    ((_half(requires_grad=True),), {"inplace": True}),  # F.relu passes inplace as a keyword
+    ((_half(device="meta", requires_grad=True),), {}),  # not the region's device
 ])
 def test_what_it_leaves_to_torch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    assert half_relu(args, kwargs, torch.bfloat16) is None
+    assert half_relu(args, kwargs, torch.bfloat16, "cpu") is None
+
+
+def test_no_gradient_mode_leaves_it_to_torch() -> None:
+    x = _half(requires_grad=True)
+    with torch.no_grad():
+        assert half_relu((x,), {}, torch.bfloat16, "cpu") is None
+    with torch.inference_mode():
+        assert half_relu((x,), {}, torch.bfloat16, "cpu") is None
+    assert half_relu((), {"input": x}, torch.bfloat16, "cpu") is not None  # torch.relu(input=x)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_policy_rule_for_relu_wins(arithmetic: Callable[[str], None]) -> None:
+    arithmetic("emulated")
+    mixprec.policy.register_float_function(F, "relu")
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        out = F.relu(x)
+    assert out.dtype is torch.float32  # the registered rule, not this module's bf16 ReLU
 
 
 def _mlp(dtype: torch.dtype) -> nn.Module:
