@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         d = hardware.half_arithmetic("cpu", dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
     gemm_rates = [hardware.gemm_gflops("cpu", torch.float32, GEMM_SIZE)]
-    console.print(f"{steps} steps per config")
+    console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
         workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)
         for config_name in args.profile or ():
