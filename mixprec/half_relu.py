@@ -14,10 +14,10 @@ partitioner keeps anyway: no mask is stored, and the mask is computed inside the
 same compiled MLP step: 1.35-1.44x -> 1.09x compiled fp32, timed in one process with this routing off and on
 (benchmarks/RESULTS.md). That holds where the ReLU output goes straight into an emulated GEMM; with another
 op in between (Dropout), or no GEMM after it, there is no fp32 copy to share and a mask is still saved.
-Eager backward compares the
-half output itself (no upcast needed). Both give exactly torch's gradient: ``out <= 0`` and
-``out.float() <= 0`` agree for every value (the upcast is exact), and ``where(out <= 0, 0, grad)`` is
-``threshold_backward``'s rule, NaN passing its gradient through.
+Eager backward is torch's own
+kernel (``threshold_backward``) on the half output. Compiled, ``where(out.float() <= 0, 0, grad)`` gives
+the same gradient: ``out <= 0`` and ``out.float() <= 0`` agree for every value (the upcast is exact), and
+zero where ``out <= 0``, else ``grad``, is ``threshold_backward``'s rule, NaN passing its gradient through.
 
 In-place ReLU (``relu_``, ``F.relu(x, inplace=True)``) is left to torch: its output overwrites the input.
 """
@@ -47,9 +47,11 @@ class _HalfRelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (out,) = ctx.saved_tensors
-        # Compiled: the mask from the fp32 upcast the next emulated GEMM keeps (see the module docstring).
-        dead = out.float() <= 0 if torch.compiler.is_compiling() else out <= 0
-        return torch.where(dead, 0, grad)
+        if not torch.compiler.is_compiling():
+            return torch.ops.aten.threshold_backward(grad, out, 0)  # torch's own ReLU backward kernel
+        # Compiled: the mask from the fp32 upcast the next emulated GEMM keeps (see the module docstring);
+        # threshold_backward's rule, written out so that its comparison can read the fp32 copy.
+        return torch.where(out.float() <= 0, 0, grad)
 
 
 def half_relu(

@@ -39,6 +39,17 @@ def test_output_and_gradient_equal_torch_relu_bit_for_bit(dtype: torch.dtype) ->
     assert torch.equal(x.grad.view(torch.int16), ref_x.grad.view(torch.int16))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("dtype", HALVES)
+def test_the_compiled_backward_equals_torchs_bit_for_bit(dtype: torch.dtype) -> None:
+    # The compiled branch builds its mask from out.float(): ±0, ±inf, NaN and tiny values included.
+    x, ref_x = _input(dtype), _input(dtype)
+    grad = torch.randn(x.shape).to(dtype)
+    torch.compile(lambda t: half_relu((t,), {}, dtype, "cpu"), fullgraph=True)(x).backward(grad)
+    torch.relu(ref_x).backward(grad)
+    assert torch.equal(x.grad.view(torch.int16), ref_x.grad.view(torch.int16))
+
+
 def _half(**kw: Any) -> torch.Tensor:
     return torch.ones(3, dtype=torch.bfloat16, **kw)
 
