@@ -30,6 +30,7 @@ from mixprec.emulation import round_result
 from mixprec.half_relu import RELU_NAMES, relu
 from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
+from mixprec.policy.registry import registry_version
 from mixprec.policy.rules import Action
 from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES
 from mixprec.region import STATE, Region, RegionMode, call_without_autocast, compiled_mode, func_name
@@ -97,7 +98,7 @@ def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: An
 _MODES: dict[tuple[int, str], tuple[object, _HalfComputeMode]] = {}
 
 
-def _mode(device_type: str, dtype: torch.dtype) -> _HalfComputeMode:
+def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     # The same cached plan as autocast(device, dtype): honours emulate_fp16 and the user's
     # register_half_function registrations, and costs a dict lookup per forward.
     made = plan(DEFAULT_POLICY, device_type, dtype)
@@ -128,7 +129,9 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
 
     def __enter__(self) -> half_compute:
         if torch.compiler.is_compiling():
-            mode = compiled_mode(_mode, self.device_type, self.dtype)
+            # registry_version(): read in the traced code, so a register_* call after compiling is a guard
+            # failure (a retrace with the new plan), as in autocast's compiled regions.
+            mode = compiled_mode(_mode, self.device_type, self.dtype, registry_version())
         else:
             mode = _mode(self.device_type, self.dtype)
         mode.__enter__()

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mixprec.policy
 from mixprec.diagnostics import CastTrace
 from mixprec.half_compute import half_compute
 
@@ -83,3 +84,27 @@ def test_ops_without_half_inputs_and_explicit_dtypes_pass_through() -> None:
         assert F.softmax(x32, -1).dtype == torch.float32
         assert x16.sum(dtype=torch.float16).dtype == torch.float16  # the caller chose the dtype
     assert {r.inputs[0] for r in trace.ops if r.op == "sum"} == {"fp16"}
+
+
+@pytest.mark.usefixtures("fresh_dynamo", "clean_registry")
+def test_a_registration_after_compiling_reaches_a_compiled_half_model(
+    arithmetic: Callable[[str], None]
+) -> None:
+    # The compiled region looks its mode up by a key that includes the registry version: a new
+    # register_half_function makes the compiled code retrace with the new plan instead of keeping the old one.
+    arithmetic("emulated")
+    model = nn.Linear(8, 8).bfloat16()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with half_compute("cpu", torch.bfloat16):
+            return model(x).cumsum(0)
+
+    compiled = torch.compile(run)
+    x = torch.randn(4, 8).bfloat16()
+    compiled(x)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # no registration: no retrace
+    mixprec.policy.register_half_function(torch, "cumsum")
+    compiled(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
