@@ -103,14 +103,14 @@ class _PolicyMode(RegionMode):
         kwargs = kwargs or {}
         name = func_name(func)
         action = self.actions.get(name) if name is not None else None
-        if not is_current(self.region):
+        # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py.
+        half_relu = action is None and self.region.emulate and name in RELU_NAMES
+        if (action is None and not half_relu) or not is_current(self.region):  # most ops: one dict lookup
             return func(*args, **kwargs)
-        if action is None:  # a policy rule for relu wins; else an emulated region's ReLU (half_relu.py)
-            region = self.region
-            if name in RELU_NAMES and region.emulate:
-                return relu(func, args, kwargs, region.dtype, region.device_type)
-            return func(*args, **kwargs)
-        return HANDLERS[action](self.region, PY_ALIASES.get(name, name), func, args, kwargs)
+        region = self.region
+        if half_relu:
+            return relu(func, args, kwargs, region.dtype, region.device_type)
+        return HANDLERS[action](region, PY_ALIASES.get(name, name), func, args, kwargs)
 
 
 # One mode per cached region: entering the same region every step reuses it, so a compiled model run

@@ -11,13 +11,15 @@ for the GEMM; it keeps the 1-byte mask. Inductor's vectorized bool store is slow
 Here the backward in compiled code builds its mask from the fp32 upcast of the saved output. That upcast
 is the one the next emulated GEMM made in forward (the compiler merges the two identical casts), which the
 partitioner keeps anyway: no mask is stored, and the mask is computed inside the fused backward kernel. The
-same compiled MLP step: 1.35-1.44x -> 1.09x compiled fp32, timed in one process with this routing off and on
-(benchmarks/RESULTS.md). That holds where the ReLU output goes straight into an emulated GEMM; with another
-op in between (Dropout), or no GEMM after it, there is no fp32 copy to share and a mask is still saved.
-Eager backward is torch's own
-kernel (``threshold_backward``) on the half output. Compiled, ``where(out.float() <= 0, 0, grad)`` gives
-the same gradient: ``out <= 0`` and ``out.float() <= 0`` agree for every value (the upcast is exact), and
-zero where ``out <= 0``, else ``grad``, is ``threshold_backward``'s rule, NaN passing its gradient through.
+same compiled MLP step on that CPU: 1.35-1.44x -> 1.09x compiled fp32, timed in one process with this
+routing off and on (benchmarks/RESULTS.md). That holds where the ReLU output goes straight into an
+emulated GEMM; with another op in between (Dropout), or no GEMM after it, there is no fp32 copy to share and
+a mask is still saved.
+
+Eager backward is torch's own kernel (``threshold_backward``) on the half output. Compiled,
+``where(out.float() <= 0, 0, grad)`` gives the same gradient: ``out <= 0`` and ``out.float() <= 0`` agree
+for every value (the upcast is exact), and zero where ``out <= 0``, else ``grad``, is
+``threshold_backward``'s rule, NaN passing its gradient through.
 
 In-place ReLU (``relu_``, ``F.relu(x, inplace=True)``) is left to torch: its output overwrites the input.
 """

@@ -7,8 +7,8 @@ The autograd functions here run the same fp32 op but save a half activation itse
 in backward (exact), so saved activations take what native half kernels take, and often nothing extra,
 since the op that made the activation (a ReLU, say) saves it too. A parameter's fp32 copy is saved as
 before: it is made once per region (the cast cache) and not again in backward. The price is that upcast
-in backward: measured 1.03-1.10x the step time of an O2 CNN, within noise for MLPs and a GPT
-(benchmarks/RESULTS.md).
+in backward: measured 1.03-1.10x the step time of an O2 CNN, within noise for MLPs and a GPT, on a 2-core
+AVX2-only EPYC (benchmarks/RESULTS.md).
 
 Covered: ``F.linear``; plain matrix products (mm, bmm, matmul of equal batch shapes); ``F.conv1d/2d/3d``
 with numeric padding. Other call forms (broadcasting matmul, ``out=``, ``padding="same"``) return None and

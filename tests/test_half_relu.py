@@ -138,3 +138,19 @@ def test_a_compiled_emulated_step_saves_no_mask_and_keeps_torchs_gradients(
     assert any(t.dtype is torch.bool for t in old_saved)  # what this module removes
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_o1_relu_output_matches_torch_autocast(dtype: torch.dtype, arithmetic: Callable[[str], None]) -> None:
+    # The drop-in contract: under mixprec.autocast the routed ReLU gives what torch.autocast gives for the
+    # same fp32 model (dtype; values within the half rounding of the GEMM before it).
+    arithmetic("emulated")
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(8, 32), nn.ReLU()), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=dtype):
+        reference = net(x)
+    with mixprec.autocast("cpu", dtype=dtype):
+        ours = net(x)
+    assert type(ours.grad_fn).__name__ == "_HalfReluBackward"
+    assert ours.dtype is reference.dtype
+    torch.testing.assert_close(ours.float(), reference.float(), rtol=2 ** -7, atol=1e-3)
