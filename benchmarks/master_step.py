@@ -4,6 +4,8 @@ in fp32, fused (``fused=True``, the best torch offers) and foreach, timed side b
 What each moves per parameter (bytes, read + written):
   torch fused fp32     weight 4+4, grad 4, two moments 8+8                                   = 28, one pass
   torch foreach fp32   the same data, ~10 passes over memory
+  torch fused + scaler torch.amp's fp16 recipe: the fused step, after torch's GradScaler checks the fp32
+                       grads for inf/NaN (writing them back: 4+4)
   MasterWeights        bf16 grad -> fp32 master grad (2+4), fused kernel (28), master -> bf16 weight (4+2)
                        = 40, three passes; plus the scaler's inf check of the fp32 grads (4)
   master_grads=False   per 256K-element chunk: bf16 grad read (2), upcast into a 1 MiB scratch,
@@ -11,7 +13,8 @@ What each moves per parameter (bytes, read + written):
                        = ~30, one pass over memory; plus the scaler's inf check of the bf16 grads (2)
   compile_step=True    one compiled loop: bf16 grad (2), master, moments (12 + 12), bf16 weight (2)
                        = 28, one pass; plus the scaler's inf check (2) when a scaler is used
-The target: the master step no slower than torch's fused fp32 AdamW (ratio <= 1.0).
+The target: the master step no slower than torch's fused fp32 AdamW (ratio <= 1.0). Rows behind a
+GradScaler are also compared with torch's fused step behind torch's own GradScaler ("same scaling").
 
 Configurations are timed round-robin (one step of each in turn, ``--repeats`` rounds): load drift on a
 shared machine hits all of them alike. Medians.
@@ -55,9 +58,21 @@ def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str) -> l
     return params
 
 
-def _torch_step(shapes: list[tuple[int, ...]], device: str, **impl: bool) -> Step:
+def _torch_step(shapes: list[tuple[int, ...]], device: str, scaled: bool = False, **impl: bool) -> Step:
+    """torch's AdamW on fp32 parameters; with ``scaled``, stepped by torch.amp's own GradScaler, as in
+    torch.amp's fp16 recipe (the scaler checks the fp32 gradients for inf/NaN, the fused kernel unscales)."""
     opt = torch.optim.AdamW(_params(shapes, torch.float32, device), lr=1e-3, **impl)
-    return lambda: opt.step()  # the gradients stay: every step reads the same ones
+    if not scaled:
+        return lambda: opt.step()  # the gradients stay: every step reads the same ones
+    scaler = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
+    dummy = torch.ones((), requires_grad=True, device=device)
+
+    def step() -> None:
+        scaler.scale(dummy).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
 
 
 def _master_step(
@@ -66,7 +81,7 @@ def _master_step(
 ) -> Step:
     """What a training step does after backward: scaler checks/unscales, fused update, copy back. Without
     ``scaled``, the update alone: what bf16 O2 runs when no loss scaling (and no inf check) is used."""
-    half = _params(shapes, torch.bfloat16, device)
+    half = _params(shapes, torch.bfloat16, device)  # the model's parameters (bf16 here, fp16 steps alike)
     opt = MasterWeights(
         torch.optim.AdamW(half, lr=1e-3), flat=flat, master_grads=master_grads, compile_step=compile_step
     )
@@ -114,29 +129,42 @@ def main() -> None:
     steps = {
         "torch AdamW(fused=True), fp32 params": _torch_step(shapes, dev, fused=True),
         "torch AdamW(foreach=True), fp32 params": _torch_step(shapes, dev, foreach=True),
-        "MasterWeights(AdamW), bf16 + GradScaler": _master_step(shapes, dev, False, True),
-        "MasterWeights(AdamW, flat=True)": _master_step(shapes, dev, True, True),
-        "MasterWeights(AdamW, master_grads=False)": _master_step(shapes, dev, False, False),
-        "MasterWeights(AdamW, flat=True, master_grads=False)": _master_step(shapes, dev, True, False),
-        "MasterWeights(AdamW, master_grads=False, compile_step=True)": _master_step(
+        "torch AdamW(fused=True), fp32 params + torch GradScaler": _torch_step(shapes, dev, True, fused=True),
+        "MasterWeights(AdamW) + GradScaler": _master_step(shapes, dev, False, True),
+        "MasterWeights(AdamW, flat=True) + GradScaler": _master_step(shapes, dev, True, True),
+        "MasterWeights(AdamW, master_grads=False) + GradScaler": _master_step(shapes, dev, False, False),
+        "MasterWeights(AdamW, flat=True, master_grads=False) + GradScaler": _master_step(
+            shapes, dev, True, False),
+        "MasterWeights(AdamW, master_grads=False, compile_step=True) + GradScaler": _master_step(
             shapes, dev, False, False, compile_step=True),
         "MasterWeights(AdamW, master_grads=False, compile_step=True), no scaler (bf16 needs none)":
             _master_step(shapes, dev, False, False, compile_step=True, scaled=False),
     }
     ms = _round_robin(steps, args.repeats, dev)
     fused, foreach = ms["torch AdamW(fused=True), fp32 params"], ms["torch AdamW(foreach=True), fp32 params"]
+    fused_scaled = ms["torch AdamW(fused=True), fp32 params + torch GradScaler"]
+    # like for like: a step behind a scaler against torch's fused step behind torch's scaler
+    alike = {label: t / (fused if _unscaled(label) else fused_scaled) for label, t in ms.items()}
     table = Table(title=f"One AdamW step over {n / 1e6:.1f}M parameters on {dev} (median of {args.repeats}, "
                   "round-robin)")
-    for column in ("step", "ms", "vs fused fp32", "vs foreach fp32"):
+    for column in ("step", "ms", "vs fused fp32", "vs fused fp32, same scaling", "vs foreach fp32"):
         table.add_column(column, justify="left" if column == "step" else "right")
     for label, t in ms.items():
-        table.add_row(label, f"{t:.1f}", f"{t / fused:.2f}x", f"{t / foreach:.2f}x")
-    console = Console()
+        table.add_row(label, f"{t:.1f}", f"{t / fused:.2f}x", f"{alike[label]:.2f}x", f"{t / foreach:.2f}x")
+    console = Console(width=160)  # wide enough for the labels when printed to a file
     console.print(hardware_line())
     console.print(table)
     best = min(t for label, t in ms.items() if label.startswith("MasterWeights")) / fused
     verdict = "meets" if best <= 1.0 else "MISSES"
     print(f"best master step / torch fused fp32 AdamW = {best:.2f}: {verdict} the target <= 1.0")
+    ours = [r for label, r in alike.items() if label.startswith("MasterWeights") and not _unscaled(label)]
+    scaled = min(ours)
+    print(f"best master step + GradScaler / torch fused fp32 AdamW + torch's GradScaler = {scaled:.2f}")
+
+
+def _unscaled(label: str) -> bool:
+    """Rows stepped without a GradScaler: every row with one says so in its label."""
+    return "GradScaler" not in label
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def _pair(kind: str, **settings: object) -> tuple[torch.optim.Optimizer, MasterW
 
 @pytest.mark.parametrize(
     ("kind", "settings"),
-    [("adamw", {"weight_decay": 0.1}), ("adam", {"weight_decay": 0.05, "maximize": True})],
+    # one per decay kind: decoupled, L2 (its own write order), none
+    [("adamw", {"weight_decay": 0.1}), ("adam", {"weight_decay": 0.05, "maximize": True}), ("adam", {})],
 )
 def test_the_compiled_step_is_torch_adam_on_fp32_masters(kind: str, settings: dict) -> None:
     reference, ours, half = _pair(kind, **settings)
