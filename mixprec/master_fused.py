@@ -89,6 +89,7 @@ class FusedMasterStep:
             check_compilable(optimizer)
         self.optimizer = optimizer
         self.compiled = compiled
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # moment views of the last compiled step
 
     def _units(self, group: dict[str, Any], masters: GroupMasters) -> Iterator[_Unit]:
         state, amsgrad = self.optimizer.state, bool(group["amsgrad"])
@@ -141,16 +142,29 @@ class FusedMasterStep:
     def _step_compiled(self, groups: list[GroupMasters], grad_scale: Any, found_inf: Any) -> None:
         if found_inf is not None and found_inf.item():
             return  # skipped: masters, moments and step counts untouched, as torch's fused Adam leaves them
+        views: dict[tuple[int, int, int], torch.Tensor] = {}
         units = [
-            KernelUnit(u.param, u.grad, _moment(u, "exp_avg"), _moment(u, "exp_avg_sq"), u.model,
-                       u.state["step"], k)
+            KernelUnit(u.param, u.grad, self._moment_view(u, "exp_avg", views),
+                       self._moment_view(u, "exp_avg_sq", views), u.model, u.state["step"], k)
             for k, (group, masters) in enumerate(zip(self.optimizer.param_groups, groups, strict=True))
             for u in self._units(group, masters)
         ]
+        self._views = views  # this step's only: moments that load_state_dict replaced are let go
         steps = list({id(u.step): u.step for u in units}.values())
         if steps:
             torch._foreach_add_(steps, 1)  # once per tensor: flat-buffer members share their buffer's step
         adam_pass(units, self.optimizer.param_groups, grad_scale)
+
+    def _moment_view(self, u: _Unit, key: str, views: dict[tuple[int, int, int], torch.Tensor]
+                     ) -> torch.Tensor:
+        """``_moment(u, key)``, the same view object as last step when its moment tensor is the same: a dict
+        lookup instead of two tensor ops per moment. The view keeps its moment alive, so an id seen here
+        cannot be a new tensor's."""
+        moment = u.state[key]
+        k = (id(moment), u.offset, u.param.numel())
+        view = self._views.get(k)
+        views[k] = _moment(u, key) if view is None else view
+        return views[k]
 
     def _update(
         self, group: dict[str, Any], chunk: list[_Unit], grad_scale: Any, found_inf: Any,

@@ -22,6 +22,7 @@ does (one compile per distinct set). The skip of an overflowing step is decided 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,24 +57,19 @@ def check_compilable(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-# The per-tensor scalars the pass reads, computed before it in fp64 (torch computes them in Python floats,
-# i.e. doubles, and hands them to its kernels as fp32 scalars). Computed outside the compiled loop because
-# Inductor would re-evaluate loop-invariant scalar math (two pow() in double) for every 8 elements.
+# The per-tensor scalars the pass reads, computed before it in double precision as torch's Adam computes
+# them (Python floats) and handed to the pass as fp32 scalars, as torch hands them to its kernels. Computed
+# outside the compiled loop because Inductor would re-evaluate loop-invariant scalar math (two pow() in
+# double) for every 8 elements.
 COEFFICIENTS = ("step_size", "bias_correction2_sqrt", "decay", "weight_decay", "one_minus_beta1", "beta2",
                 "one_minus_beta2", "eps")
 
 
-def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
-    """One row of COEFFICIENTS per unit (fp32), from its group's settings and its own step count."""
-    device = units[0].param.device
-    rows = [[_value(g["lr"]), *map(float, g["betas"]), g["eps"], g["weight_decay"]] for g in groups]
-    lr, beta1, beta2, eps, wd = torch.tensor(rows, dtype=torch.float64, device=device)[
-        torch.tensor([u.group for u in units], device=device)
-    ].unbind(1)
-    step = torch.stack([u.step for u in units]).to(torch.float64)
+def _columns(lr: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, step: Any, sqrt: Any) -> list[Any]:
+    """COEFFICIENTS from the settings and the step count: Python floats or fp64 tensors alike."""
     columns = {
         "step_size": lr / (1 - beta1**step),  # lr over the first moment's bias correction
-        "bias_correction2_sqrt": (1 - beta2**step).sqrt(),
+        "bias_correction2_sqrt": sqrt(1 - beta2**step),
         "decay": 1 - lr * wd,  # AdamW's decoupled decay factor
         "weight_decay": wd,
         "one_minus_beta1": 1 - beta1,
@@ -81,7 +77,35 @@ def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) 
         "one_minus_beta2": 1 - beta2,
         "eps": eps,
     }
-    return torch.stack([columns[name] for name in COEFFICIENTS], 1).to(torch.float32)
+    return [columns[name] for name in COEFFICIENTS]
+
+
+def _settings(group: dict[str, Any]) -> list[float]:
+    """lr, beta1, beta2, eps, weight_decay: _columns' leading arguments."""
+    beta1, beta2 = map(float, group["betas"])
+    return [_value(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"])]
+
+
+def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """One row of COEFFICIENTS per unit (fp32), from its group's settings and its own step count."""
+    if units[0].param.device.type != "cpu":
+        return coefficients_on_device(units, groups)
+    # On the CPU reading a step count costs ~1 us and Python floats beat ~15 tiny tensor ops (~0.4 ms a
+    # step right after the pass has streamed the model through the caches). Units that share a group
+    # and a step count share a row's arithmetic.
+    settings = [_settings(g) for g in groups]
+    keys = [(u.group, u.step.item()) for u in units]
+    rows = {key: _columns(*settings[key[0]], key[1], math.sqrt) for key in set(keys)}
+    return torch.tensor([rows[key] for key in keys], dtype=torch.float32)
+
+
+def coefficients_on_device(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """:func:`coefficients` as fp64 tensor ops on the units' device: reads no step count back (no sync)."""
+    device = units[0].param.device
+    table = torch.tensor([_settings(g) for g in groups], dtype=torch.float64, device=device)
+    per_unit = table[torch.tensor([u.group for u in units], device=device)].unbind(1)
+    step = torch.stack([u.step for u in units]).to(torch.float64)
+    return torch.stack(_columns(*per_unit, step, torch.sqrt), 1).to(torch.float32)
 
 
 def _value(lr: float | torch.Tensor) -> float:

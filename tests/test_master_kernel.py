@@ -9,12 +9,15 @@ wrong bias correction, decay or unscale is off by > 1e-4). Few tests: each compi
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
 
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
+from mixprec.master_kernel import COEFFICIENTS, KernelUnit, coefficients, coefficients_on_device
 from mixprec.scaler import GradScaler
 
 SHAPES = [(64, 48), (48,), (5, 64)]
@@ -101,3 +104,43 @@ def test_what_the_compiled_step_does_not_implement_is_refused(build: object, nee
     params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
     with pytest.raises(ConfigError, match=needle):
         build(params)  # type: ignore[operator]
+
+
+def test_the_cpu_coefficients_equal_the_device_path_that_reads_no_step_count() -> None:
+    # Python doubles on the CPU, fp64 tensor ops elsewhere (no sync): the same rows, to one fp32 rounding
+    # (the two pow() implementations may differ in the last bit of a double).
+    groups = [
+        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+        {"lr": torch.tensor(3e-4), "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+    ]
+    zeros = [torch.zeros(2) for _ in range(4)]  # param, grad, moments: unread here
+    group_and_step = [(0, 1), (1, 1), (0, 7), (1, 1000), (0, 7)]
+    units = [KernelUnit(*zeros, None, torch.tensor(float(s)), g) for g, s in group_and_step]
+    fast = coefficients(units, groups)
+    assert fast.dtype == torch.float32 and fast.shape == (5, len(COEFFICIENTS))
+    torch.testing.assert_close(fast, coefficients_on_device(units, groups), rtol=2**-23, atol=0)
+    step_size = fast[:, COEFFICIENTS.index("step_size")]
+    assert step_size[0].item() == pytest.approx(1e-3 / (1 - 0.9), rel=1e-7)  # torch's first-step size
+    assert torch.equal(fast[2], fast[4])  # same group and step: same row
+
+
+def test_a_loaded_state_dict_is_what_the_next_compiled_step_updates() -> None:
+    # The step reuses its moment views between steps; after load_state_dict (new moment tensors) it must
+    # update the loaded ones: redoing steps from a saved state gives the same masters as the first time.
+    _, ours, half = _pair("adamw", weight_decay=0.1)
+
+    def run(steps: range) -> None:
+        for step in steps:
+            for p, g in zip(half, _grads(step, torch.bfloat16), strict=True):
+                p.grad = g
+            ours.step()
+
+    run(range(2))
+    saved = copy.deepcopy(ours.state_dict())
+    run(range(2, 4))
+    first = [m.clone() for m in ours.master_views()]
+    ours.load_state_dict(saved)
+    run(range(2, 4))
+    for want, got in zip(first, ours.master_views(), strict=True):
+        assert torch.equal(got, want)
+    assert [float(s["step"]) for s in ours.state.values()] == [4.0] * len(SHAPES)
