@@ -119,10 +119,14 @@ def _round_robin(steps: dict[str, Step], repeats: int, device: str) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--params", type=float, default=13e6, help="number of parameters (>= 10M)")
+    parser.add_argument("--params", type=float, default=13e6,
+                        help="number of parameters, >= 10M; rounded up to whole blocks of 9.4M")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    if args.params < 10e6:
+        parser.error(f"--params {args.params:g}: at least 10e6, so that the tensors do not fit in the caches "
+                     "and the step is timed against memory, as training a real model is.")
     shapes = _shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes)
     dev = args.device

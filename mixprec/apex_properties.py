@@ -21,7 +21,7 @@ combination does nothing useful we say so with a warning.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -183,9 +183,16 @@ def banner(recipe: Recipe, verbosity: int) -> list[str]:
         return []
     props = Properties.of(recipe).as_dict()
     heading = f"Selected optimization level {recipe.name}: {recipe.description}"
+    # mixprec's own master-step options, said only when set: an apex user's output stays apex's
+    extras = [f"{k}={getattr(recipe, k)}" for k in ("master_grads", "compile_step")
+              if getattr(recipe, k) != _DEFAULTS[k]]
+    tail = ["mixprec master step: " + ", ".join(extras)] if extras else []
     if verbosity == 1:
-        return [heading + " (" + ", ".join(f"{k}={v}" for k, v in props.items()) + ")"]
-    return [heading, *(f"{k:<22} : {v}" for k, v in props.items())]
+        return [heading + " (" + ", ".join(f"{k}={v}" for k, v in props.items()) + ")", *tail]
+    return [heading, *(f"{k:<22} : {v}" for k, v in props.items()), *tail]
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Recipe)}  # what banner() leaves unsaid
 
 
 # apex's table, level by level (fp16): the recipes of mixprec.recipe.OPT_LEVELS in apex's names.

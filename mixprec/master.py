@@ -399,6 +399,8 @@ class MasterWeights(torch.optim.Optimizer):
         chosen = [(g.get("fused"), g.get("foreach")) for g in self.optimizer.param_groups]
         with self._guard.own():
             self.optimizer.load_state_dict(inner_state)
+        if self._fused_step is not None:
+            self._fused_step.forget_views()  # let the replaced moments go now
         for group, (fused, foreach) in zip(self.optimizer.param_groups, chosen, strict=True):
             group["fused"], group["foreach"] = fused, foreach
         if masters is None:

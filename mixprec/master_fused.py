@@ -89,7 +89,7 @@ class FusedMasterStep:
             check_compilable(optimizer)
         self.optimizer = optimizer
         self.compiled = compiled
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}  # moment views of the last compiled step
+        self._views: dict[tuple[int, ...], _View] = {}  # the moment views of the last compiled step
 
     def _units(self, group: dict[str, Any], masters: GroupMasters) -> Iterator[_Unit]:
         state, amsgrad = self.optimizer.state, bool(group["amsgrad"])
@@ -142,7 +142,7 @@ class FusedMasterStep:
     def _step_compiled(self, groups: list[GroupMasters], grad_scale: Any, found_inf: Any) -> None:
         if found_inf is not None and found_inf.item():
             return  # skipped: masters, moments and step counts untouched, as torch's fused Adam leaves them
-        views: dict[tuple[int, int, int], torch.Tensor] = {}
+        views: dict[tuple[int, ...], _View] = {}
         units = [
             KernelUnit(u.param, u.grad, self._moment_view(u, "exp_avg", views),
                        self._moment_view(u, "exp_avg_sq", views), u.model, u.state["step"], k)
@@ -155,16 +155,20 @@ class FusedMasterStep:
             torch._foreach_add_(steps, 1)  # once per tensor: flat-buffer members share their buffer's step
         adam_pass(units, self.optimizer.param_groups, grad_scale)
 
-    def _moment_view(self, u: _Unit, key: str, views: dict[tuple[int, int, int], torch.Tensor]
-                     ) -> torch.Tensor:
-        """``_moment(u, key)``, the same view object as last step when its moment tensor is the same: a dict
-        lookup instead of two tensor ops per moment. The view keeps its moment alive, so an id seen here
-        cannot be a new tensor's."""
+    def _moment_view(self, u: _Unit, key: str, views: dict[tuple[int, ...], _View]) -> torch.Tensor:
+        """``_moment(u, key)``, the same view object as last step while its moment is the same tensor over
+        the same memory: a dict lookup instead of two tensor ops per moment. The entry holds the moment
+        itself, so its id cannot pass to a new tensor; ``.data =`` or ``.set_()`` change its data_ptr."""
         moment = u.state[key]
-        k = (id(moment), u.offset, u.param.numel())
-        view = self._views.get(k)
-        views[k] = _moment(u, key) if view is None else view
-        return views[k]
+        k = (id(moment), moment.data_ptr(), u.offset, u.param.numel())
+        entry = self._views.get(k)
+        views[k] = entry if entry is not None else _View(moment, _moment(u, key))
+        return views[k].view
+
+    def forget_views(self) -> None:
+        """Drop the cached moment views (MasterWeights.load_state_dict: the replaced moments are freed now,
+        not after the next step)."""
+        self._views = {}
 
     def _update(
         self, group: dict[str, Any], chunk: list[_Unit], grad_scale: Any, found_inf: Any,
@@ -201,6 +205,14 @@ class FusedMasterStep:
         )
         if half:  # round to nearest into the model while the chunk is in cache
             torch._foreach_copy_([u.model for u in half], [u.param for u in half])  # type: ignore[misc]
+
+
+@dataclass
+class _View:
+    """A cached view of an optimizer moment, with the moment it was taken of."""
+
+    moment: torch.Tensor
+    view: torch.Tensor
 
 
 def _slice(u: _Unit, start: int, n: int) -> _Unit:

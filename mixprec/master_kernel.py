@@ -6,9 +6,9 @@ element passes through three kernels (about 1.9x torch's fused fp32 AdamW on the
 benchmarks/master_step.py). Here the whole update is one loop that torch.compile (Inductor) generates:
 per element it reads the half gradient, the fp32 master and the two fp32 moments, and writes the master,
 the moments and the half weight -- 28 bytes, what torch's fused fp32 AdamW moves -- with the upcast, the
-unscale and the rounding in registers. It runs at 1.04-1.06x torch's fused fp32 AdamW on the 2-core AVX2
-EPYC at 18.9M parameters (benchmarks/master_step.py; RESULTS.md says where the rest goes: mostly per-step
-overhead, not bytes).
+unscale and the rounding in registers. AdamW, and Adam without weight decay, run at 1.04-1.06x torch's
+fused fp32 AdamW on the 2-core AVX2 EPYC at 18.9M parameters (benchmarks/master_step.py; RESULTS.md says
+where the rest goes: mostly per-step overhead, not bytes); Adam's L2 decay runs a narrower loop (below).
 
 The arithmetic is torch.optim.Adam's (``_single_tensor_adam``), written once below; the scalars (bias
 corrections, step size) in fp64 as torch computes them in Python, the elementwise part in fp32. It equals
@@ -60,7 +60,7 @@ def check_compilable(optimizer: torch.optim.Optimizer) -> None:
 # The per-tensor scalars the pass reads, computed before it in double precision as torch's Adam computes
 # them (Python floats) and handed to the pass as fp32 scalars, as torch hands them to its kernels. Computed
 # outside the compiled loop because Inductor would re-evaluate loop-invariant scalar math (two pow() in
-# double) for every 8 elements.
+# double) for every vector of elements.
 COEFFICIENTS = ("step_size", "bias_correction2_sqrt", "decay", "weight_decay", "one_minus_beta1", "beta2",
                 "one_minus_beta2", "eps")
 
@@ -94,9 +94,10 @@ def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) 
     # step right after the pass has streamed the model through the caches). Units that share a group
     # and a step count share a row's arithmetic.
     settings = [_settings(g) for g in groups]
-    keys = [(u.group, u.step.item()) for u in units]
+    steps = {id(u.step): u.step.item() for u in units}  # flat-buffer members share one step tensor
+    keys = [(u.group, steps[id(u.step)]) for u in units]
     rows = {key: _columns(*settings[key[0]], key[1], math.sqrt) for key in set(keys)}
-    return torch.tensor([rows[key] for key in keys], dtype=torch.float32)
+    return torch.tensor([rows[key] for key in keys], dtype=torch.float32, device=units[0].param.device)
 
 
 def coefficients_on_device(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
@@ -140,40 +141,31 @@ def _adam_pass(
         if maximize[k]:
             grad = -grad
         if decay[k] == "l2":
-            _l2_update(p, grad + wd * p, m, v, model, coef[i])
-            continue
+            grad = grad + wd * p
         weight = p * decay_factor if decay[k] == "decoupled" else p
         exp_avg = torch.lerp(m, grad, one_minus_beta1)
         exp_avg_sq = v * beta2 + grad * grad * one_minus_beta2
         new = weight - step_size * (exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps))  # addcdiv's
-        # One _foreach_copy_ writes every result. Inductor stores it straight into the targets and
-        # recomputes each value inside its own write-back, so every loop touches the half gradient and is
-        # vectorized at the half type's full width (separate in-place ops leave fp32-only copy loops that
-        # halve it: ~10% of the step on the AVX2 EPYC). The recomputation reads the targets, so each is
-        # written only after everything that reads its old value: the model (reads p, m, v), then p
-        # (reads p, m, v), then m and v (read themselves). tests/test_master_kernel.py would see a wrong
-        # order as a step off by ~lr.
-        if model is not None:
-            targets.append(model)  # round to nearest into the model
-            values.append(new)
-        targets += [p, m, v]
-        values += [new, exp_avg, exp_avg_sq]
+        # the model (rounded to nearest), then p, m, v: each written after everything that reads its old value
+        writes = [(model, new)] if model is not None else []
+        writes += [(p, new), (m, exp_avg), (v, exp_avg_sq)]
+        # On the CPU one _foreach_copy_ writes every result. Inductor stores it straight into the targets
+        # and recomputes each value inside its own write-back, so every loop touches the half gradient and
+        # is vectorized at the half type's full width (separate copies leave fp32-only copy loops that
+        # halve it: ~8% of the step on the AVX2 EPYC). As the recomputation reads the targets, the order
+        # above matters (the model and p read p, m, v; m and v read themselves); Inductor's C++ backend
+        # keeps it, and tests/test_master_kernel.py sees a wrong one as a step off by ~lr. Separate copies
+        # where the order can be lost (Inductor then buffers each value before writing it back): Adam's L2
+        # decay (p reads m and v, which read p: no order is safe) and GPUs, where Inductor packs a
+        # _foreach_copy_ into one kernel whose parts run concurrently. A constant of the trace either way.
+        if decay[k] == "l2" or not p.is_cpu:
+            for target, value in writes:
+                target.copy_(value)
+        else:
+            targets += [t for t, _ in writes]
+            values += [value for _, value in writes]
     if targets:
         torch._foreach_copy_(targets, values)
-
-
-def _l2_update(
-    p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, model: torch.Tensor | None,
-    coef: torch.Tensor,
-) -> None:
-    """Adam's L2 decay: every moment reads p and p reads every moment, so no write order of the one-copy
-    form above is safe; in-place ops make Inductor keep each value in a buffer (narrower loops, right)."""
-    step_size, bias_correction2_sqrt, _, _, one_minus_beta1, beta2, one_minus_beta2, eps = coef.unbind()
-    m.lerp_(grad, one_minus_beta1)
-    v.copy_(v * beta2 + grad * grad * one_minus_beta2)
-    p.sub_(step_size * (m / (v.sqrt() / bias_correction2_sqrt + eps)))  # addcdiv's order
-    if model is not None:
-        model.copy_(p)  # round to nearest into the model, from the value still in registers
 
 
 # Compiled once per distinct set of tensors; dynamic=False: the shapes are fixed for a model's life.

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec import amp
 from mixprec.master import MasterWeights
 
 pytestmark = pytest.mark.usefixtures("fresh_amp_state")
@@ -87,3 +88,21 @@ def test_o1_accepts_what_apex_accepted() -> None:
 def test_bad_keep_batchnorm_value_names_apexs_choices() -> None:
     with pytest.raises(mixprec.ConfigError, match="the string 'True' or 'False'"):
         _init("O2", keep_batchnorm_fp32="yes")
+
+
+@pytest.mark.parametrize("verbosity", [1, 2])
+def test_the_banner_is_apexs_unless_mixprecs_master_step_options_are_set(
+    verbosity: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def banner(**options: object) -> list[str]:
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters())
+        mixprec.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=verbosity, **options)
+        amp.reset()  # initialize() keeps process-wide state: a second call needs a reset
+        return capsys.readouterr().out.splitlines()
+
+    plain = banner()
+    assert plain[0].startswith("Selected optimization level O2") and "mixprec" not in "".join(plain)
+    extended = banner(master_grads=False, compile_step=True)
+    assert extended[:-1] == plain  # apex's lines, unchanged
+    assert extended[-1] == "mixprec master step: master_grads=False, compile_step=True"

@@ -144,3 +144,48 @@ def test_a_loaded_state_dict_is_what_the_next_compiled_step_updates() -> None:
     for want, got in zip(first, ours.master_views(), strict=True):
         assert torch.equal(got, want)
     assert [float(s["step"]) for s in ours.state.values()] == [4.0] * len(SHAPES)
+
+
+def test_a_moment_moved_to_new_memory_under_the_same_tensor_is_the_one_updated() -> None:
+    # `state["exp_avg"].data = ...` (how state is often moved between devices) keeps the tensor and changes
+    # its memory: the step must update the new memory, as torch's AdamW does.
+    reference, ours, half = _pair("adamw", weight_decay=0.1)
+    for step in range(4):
+        grads = _grads(step, torch.bfloat16)
+        for p, q, g in zip(reference.param_groups[0]["params"], half, grads, strict=True):
+            p.grad, q.grad = g.float(), g
+        reference.step()
+        ours.step()
+        if step == 1:
+            for state in ours.state.values():
+                state["exp_avg"].data = state["exp_avg"].data.clone()
+                state["exp_avg_sq"].set_(state["exp_avg_sq"].clone())
+    for want, got in zip(reference.state.values(), ours.state.values(), strict=True):
+        torch.testing.assert_close(got["exp_avg"], want["exp_avg"], rtol=0, atol=TOL)
+    for want, got in zip(reference.param_groups[0]["params"], ours.master_views(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize(("kind", "decay"), [("adamw", 0.1), ("adam", 0.05)])
+def test_flat_masters_and_groups_of_other_decay_equal_the_uncompiled_step(kind: str, decay: float) -> None:
+    # Reference: the same wrapper without compile_step (torch's fused kernel, chunk by chunk). One flat
+    # buffer per group, so units of a graph are slices of one tensor; a group without decay beside one
+    # with it puts both write paths of the pass (one copy, separate copies for L2) in one graph.
+    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+    g = torch.Generator().manual_seed(1)
+    fp32 = [torch.randn(s, generator=g) for s in SHAPES * 2]
+    runs = []
+    for compiled in (False, True):
+        half = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in fp32]
+        groups = [{"params": half[:3], "weight_decay": decay}, {"params": half[3:], "weight_decay": 0.0}]
+        opt = MasterWeights(cls(groups, lr=1e-2), flat=True, master_grads=False, compile_step=compiled,
+                            initial=dict(zip(half, fp32, strict=True)))
+        for step in range(3):
+            for p, grad in zip(half, _grads(step, torch.bfloat16) * 2, strict=True):
+                p.grad = grad
+            opt.step()
+        runs.append((list(opt.master_views()), half))
+    (want, _), (got, half) = runs
+    for w, m, model in zip(want, got, half, strict=True):
+        torch.testing.assert_close(m, w, rtol=0, atol=TOL)
+        assert torch.equal(model.detach(), m.to(torch.bfloat16))
