@@ -6,7 +6,7 @@ element passes through three kernels (about 1.9x torch's fused fp32 AdamW on the
 benchmarks/master_step.py). Here the whole update is one loop that torch.compile (Inductor) generates:
 per element it reads the half gradient, the fp32 master and the two fp32 moments, and writes the master,
 the moments and the half weight -- 28 bytes, what torch's fused fp32 AdamW moves -- with the upcast, the
-unscale and the rounding in registers. AdamW, and Adam without weight decay, run at 1.04-1.06x torch's
+unscale and the rounding in registers. AdamW, and Adam without weight decay, run at 1.04-1.10x torch's
 fused fp32 AdamW on the 2-core AVX2 EPYC at 18.9M parameters (benchmarks/master_step.py; RESULTS.md says
 where the rest goes: mostly per-step overhead, not bytes); Adam's L2 decay runs a narrower loop (below).
 
