@@ -8,9 +8,10 @@ to compile shows the reason in its row; the run goes on).
 
 Configurations are timed round-robin in one process (one step of each in turn), so load drift on a shared
 machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.autocast of the same dtype,
-tokens (samples) per second, MFU (the FLOPs a step must compute, against the best fp32 GEMM rate measured
-throughout the same run), bytes per parameter held by parameters, gradients, master weights and
-optimizer state after a step, and the MiB autograd saves for backward in one eager forward.
+tokens (samples) per second, MFU (the FLOPs a step must compute, against the best GEMM rate measured
+throughout the same run in the dtype the step computes in: a native half dtype's own, else fp32's),
+bytes per parameter held by parameters, gradients, master weights and optimizer state after a step,
+and the MiB autograd saves for backward in one eager forward.
 
 Where :mod:`mixprec.hardware` says a half dtype has no fast kernels here (an AVX2-only CPU: torch's bf16
 GEMMs ~90x slower than fp32), torch.autocast of that dtype is timed with fewer steps and, for the GPT, on a
@@ -32,7 +33,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from rich.table import Table
 import mixprec
 from mixprec import amp, hardware, models
 from mixprec.diagnostics.memory import SavedTensors
+from mixprec.formats import dtype_label
 from mixprec.host_memory import MallocTuning, keep_freed_memory
 from mixprec.low_precision import footprint
 from mixprec.region import STATE
@@ -269,9 +271,10 @@ class Result:
 
 def time_workload(
     workload: Workload, configs: list[Config], modes: tuple[bool, ...], steps: int, slow_steps: int,
-    console: Console, gemm_rates: list[float],
+    console: Console, gemm_rates: dict[torch.dtype, list[float]],
 ) -> dict[tuple[str, bool], Result]:
-    """Median step times, round-robin; each round also times one reference GEMM into ``gemm_rates``."""
+    """Median step times, round-robin; each round also times one reference GEMM per MFU dtype of
+    ``configs`` (:func:`mfu_dtype`) into ``gemm_rates``."""
     torch.manual_seed(0)
     state = workload.make().state_dict()
     runners: dict[tuple[str, bool], Runner] = {}
@@ -290,7 +293,8 @@ def time_workload(
                 results[key] = _failed(key, batch, err, console)
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
     for i in range(max(steps, slow_steps) + 2):  # the first steps warm up: allocation, compilation
-        gemm_rates.append(hardware.gemm_gflops("cpu", torch.float32, GEMM_SIZE, repeats=1))
+        for dtype in {mfu_dtype(c) for c in configs}:
+            gemm_rates.setdefault(dtype, []).append(reference_gemm(dtype, repeats=1))
         for key, runner in list(runners.items()):
             warmup = 2 if key[1] else 1
             if i >= warmup + (slow_steps if is_slow(runner.config) else steps):
@@ -324,11 +328,14 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
 # ---- the table ------------------------------------------------------------------------------------------
 
 
-def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: float) -> Table:
+def report(
+    workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: Mapping[torch.dtype, float]
+) -> Table:
+    """The table; ``gemm_gflops`` holds the MFU reference rate of each dtype in :func:`mfu_dtype`."""
     table = Table(title=workload.name)
     for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast",
                    "tokens/s" if workload.tokens_per_sample > 1 else "samples/s",
-                   "MFU", "bytes/param", "saved MiB", "steps", "note"):
+                   "MFU", "MFU of", "bytes/param", "saved MiB", "steps", "note"):
         table.add_column(header, justify="left" if header in ("configuration", "mode", "note") else "right")
     torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}
     tokens = workload.batch_size * workload.tokens_per_sample
@@ -337,17 +344,19 @@ def report(workload: Workload, results: dict[tuple[str, bool], Result], gemm_gfl
         mode = "compiled" if compiled else "eager"
         if r.ms is None:
             outcome = "skipped" if r.error.startswith("skipped") else "failed"
-            table.add_row(name, mode, outcome, *[""] * 7, r.error.removeprefix("skipped: "))
+            table.add_row(name, mode, outcome, *[""] * 8, r.error.removeprefix("skipped: "))
             continue
         config = next(c for c in CONFIGS if c.name == name)
         base = results.get(("fp32", compiled))
         ref = results.get((torch_of.get(config.dtype, ""), compiled))
         flops = workload.flops_per_token * tokens
         approx = "≈" if r.batch != workload.batch_size else ""
+        reference = mfu_dtype(config)
         table.add_row(
             name, mode, f"{approx}{r.ms:.1f}",
             _ratio(r, base), _ratio(r, ref) if config.kind != "fp32" else "",
-            f"{tokens / (r.ms / 1e3):,.0f}", f"{flops / (r.ms / 1e3) / (gemm_gflops * 1e9):.0%}",
+            f"{tokens / (r.ms / 1e3):,.0f}", f"{flops / (r.ms / 1e3) / (gemm_gflops[reference] * 1e9):.0%}",
+            dtype_label(reference),
             f"{r.bytes_per_param:.1f}" if r.bytes_per_param else "",
             f"{r.saved_mib:.0f}" if r.saved_mib and not approx else "",  # weight copies do not scale
             str(r.steps),
@@ -382,7 +391,29 @@ def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float,
     return casts / total, total / steps / 1e3
 
 
-GEMM_SIZE = 1024  # the MFU reference: a square fp32 GEMM as large as the MLP's, timed throughout this run
+# ---- the MFU reference: the GEMM rate of the arithmetic a configuration computes in ----------------------
+
+
+def mfu_dtype(config: Config) -> torch.dtype:
+    """The dtype whose GEMM rate a configuration's MFU is measured against: its half dtype where this
+    machine runs that natively (bf16 on AMX: ~6x fp32's rate, so against fp32 such a step showed 200%),
+    else fp32 (fp32 itself, and emulated half, which computes with fp32 kernels; torch.autocast of a dtype
+    without fast kernels is held to what the machine could do, fp32's rate)."""
+    if config.dtype in hardware.HALF_DTYPES and not hardware.half_arithmetic("cpu", config.dtype).emulated:
+        return config.dtype
+    return torch.float32
+
+
+# Square GEMMs timed throughout the run. fp32: as large as the MLP's GEMMs, and at full rate at that size.
+# Native half: 2048, since AMX bf16 reads ~1500 GFLOP/s at 1024^3 (too little work per call) but ~2500 at
+# 2048^3 and at the GPT's and MLP's own shapes; a low reference would inflate every MFU against it.
+REFERENCE_SIZE: dict[torch.dtype, int] = {torch.float32: 1024, torch.float16: 2048, torch.bfloat16: 2048}
+
+
+def reference_gemm(dtype: torch.dtype, repeats: int = 3) -> float:
+    return hardware.gemm_gflops("cpu", dtype, REFERENCE_SIZE[dtype], repeats=repeats)
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in hardware.HALF_DTYPES:
         d = hardware.half_arithmetic("cpu", dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
-    gemm_rates = [hardware.gemm_gflops("cpu", torch.float32, GEMM_SIZE)]
+    gemm_rates = {dtype: [reference_gemm(dtype)] for dtype in {mfu_dtype(c) for c in configs}}
     console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
         workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)
@@ -427,11 +458,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         console.print(f"timing {workload.name} ...")
         results = time_workload(workload, configs, modes, steps, slow_steps, console, gemm_rates)
-        # The machine's best fp32 GEMM rate seen in this run (once at start, once per round): a single
+        # The machine's best GEMM rate per dtype seen in this run (once at start, once per round): a single
         # timing under a passing load reads low and inflates every MFU.
-        gflops = max(gemm_rates)
-        console.print(f"fp32 GEMM {GEMM_SIZE}^3: {gflops:.1f} GFLOP/s, best of {len(gemm_rates)} "
-                      f"(median {statistics.median(gemm_rates):.1f}): the MFU reference")
+        gflops = {dtype: max(rates) for dtype, rates in gemm_rates.items()}
+        for dtype, rates in gemm_rates.items():
+            name, n = dtype_label(dtype), REFERENCE_SIZE[dtype]
+            console.print(f"{name} GEMM {n}^3: {gflops[dtype]:.1f} GFLOP/s, best of {len(rates)} "
+                          f"(median {statistics.median(rates):.1f}): the MFU reference of {name}")
         console.print(report(workload, results, gflops))
     return 0
 

@@ -47,9 +47,11 @@ def test_a_run_reports_measured_rows_and_skips_what_has_no_fast_kernels(
     monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=emulated")  # torch.autocast bf16 is "slow"
     names = ("fp32", "torch.autocast bf16", "mixprec O2 bf16")
     configs = [c for c in bench.CONFIGS if c.name in names]
-    rates: list[float] = []
+    rates: dict[torch.dtype, list[float]] = {}
     results = bench.time_workload(_tiny(bench), configs, (False, True), 1, 1, Console(quiet=True), rates)
-    assert rates and all(r > 0 for r in rates)  # one reference GEMM per round
+    # emulated bf16 computes with fp32 kernels: fp32's rate is the only reference, timed every round
+    assert list(rates) == [torch.float32] and len(rates[torch.float32]) == 3
+    assert all(r > 0 for r in rates[torch.float32])
     for name in ("fp32", "mixprec O2 bf16"):  # compiled rows run too
         assert results[(name, True)].ms is not None, results[(name, True)].error
     skipped = results[("torch.autocast bf16", True)]
@@ -62,11 +64,31 @@ def test_a_run_reports_measured_rows_and_skips_what_has_no_fast_kernels(
     assert results[("mixprec O2 bf16", False)].bytes_per_param == pytest.approx(20, abs=0.1)
     # Half activations take half the bytes of fp32's (here: the input and the ReLU output are saved)
     assert results[("mixprec O2 bf16", False)].saved_mib < results[("fp32", False)].saved_mib
-    table = bench.report(_tiny(bench), results, max(rates))
+    table = bench.report(_tiny(bench), results, {torch.float32: max(rates[torch.float32])})
     console = Console(width=250, record=True)
     console.print(table)
     text = console.export_text()
     assert "skipped" in text and "failed" not in text
+
+
+def test_mfu_is_measured_against_the_rate_of_the_arithmetic_a_step_computes_in(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    by_name = {c.name: c for c in bench.CONFIGS}
+    monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+    assert bench.mfu_dtype(by_name["fp32"]) is torch.float32
+    assert bench.mfu_dtype(by_name["mixprec O2 bf16"]) is torch.bfloat16  # native: bf16's own rate
+    assert bench.mfu_dtype(by_name["torch.autocast bf16"]) is torch.bfloat16
+    assert bench.mfu_dtype(by_name["mixprec O1 fp16"]) is torch.float32  # emulated: fp32 kernels
+    assert bench.mfu_dtype(by_name["torch.autocast fp16 + GradScaler"]) is torch.float32
+    # The table divides by the reference of each row's dtype: same time, 4x the rate, a quarter the MFU
+    results = {(name, False): bench.Result(10.0, 1, 8, 16.0) for name in ("fp32", "mixprec O2 bf16")}
+    console = Console(width=250, record=True)
+    console.print(bench.report(_tiny(bench), results, {torch.float32: 1.0, torch.bfloat16: 4.0}))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    flops = bench.mlp_flops_per_sample(16, 32, 4) * 8 / 1e-2 / 1e9  # GFLOP/s of a 10 ms step
+    assert f"{flops / 1.0:.0%}" in rows["fp32"] and "fp32" in rows["fp32"].split("│")[8]
+    assert f"{flops / 4.0:.0%}" in rows["mixprec O2 bf16"] and "bf16" in rows["mixprec O2 bf16"].split("│")[8]
 
 
 def test_the_mlp_flop_count_is_what_a_step_computes(bench: ModuleType) -> None:
@@ -99,7 +121,7 @@ def test_a_configuration_that_fails_is_a_row_not_a_crash(
 
     monkeypatch.setitem(bench._STEPS, "O1", broken)
     configs = [c for c in bench.CONFIGS if c.name in ("fp32", "mixprec O1 bf16")]
-    results = bench.time_workload(_tiny(bench), configs, (False,), 1, 1, Console(quiet=True), [])
+    results = bench.time_workload(_tiny(bench), configs, (False,), 1, 1, Console(quiet=True), {})
     assert results[("mixprec O1 bf16", False)].ms is None
     assert results[("mixprec O1 bf16", False)].error.startswith("RuntimeError: this configuration")
     assert results[("fp32", False)].ms is not None
