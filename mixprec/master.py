@@ -48,6 +48,7 @@ from mixprec.errors import ConfigError, ParameterMismatchError
 # re-exported: they lived here before mixprec.half_model
 from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
 from mixprec.master_fused import FusedMasterStep
+from mixprec.master_kernel import record_non_finite_
 from mixprec.master_state import InnerOptimizerGuard, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
@@ -104,7 +105,9 @@ class MasterWeights(torch.optim.Optimizer):
             (master_kernel.py): the half gradient upcast, unscaled, Adam's update and the rounding into the
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
             rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
-            ``found_inf`` on the host: one device sync per step on CUDA, where the uncompiled steps have none.
+            ``found_inf`` on the host: one device sync per step on CUDA, where the uncompiled steps have none;
+            the scaler finds inf/NaN in the half gradients with a compiled read-only reduction
+            (:attr:`non_finite_check`).
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
             ``.grad`` (see Clipping). One extra pass per explicit unscale; callers whose users clip only
             the masters may pass False (the Learner does; ``mixprec.initialize`` keeps it, so a clip of
@@ -288,6 +291,13 @@ class MasterWeights(torch.optim.Optimizer):
         if self._fused_step is None:
             return [p for g in self.param_groups for p in g["params"]]
         return [*self.model_params(), *self._fp32_params()]
+
+    @property
+    def non_finite_check(self) -> Callable[[list[torch.Tensor], torch.Tensor], None] | None:
+        """How a GradScaler should look for inf/NaN in the half gradients before this optimizer's step
+        unscales them itself: the compiled read-only check with ``compile_step=True`` (the user chose
+        torch.compile for the step; master_kernel.record_non_finite_), else None (torch's own op)."""
+        return record_non_finite_ if self._fused_step is not None and self._fused_step.compiled else None
 
     @property
     def keeps_master_grads(self) -> bool:

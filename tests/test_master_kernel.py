@@ -17,7 +17,13 @@ import torch._dynamo
 
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
-from mixprec.master_kernel import COEFFICIENTS, KernelUnit, coefficients, coefficients_on_device
+from mixprec.master_kernel import (
+    COEFFICIENTS,
+    KernelUnit,
+    coefficients,
+    coefficients_on_device,
+    record_non_finite_,
+)
 from mixprec.scaler import GradScaler
 
 SHAPES = [(64, 48), (48,), (5, 64)]
@@ -90,6 +96,50 @@ def test_with_a_scaler_it_unscales_skips_overflows_and_does_not_recompile_for_a_
     for want, got in zip(reference.param_groups[0]["params"], ours.master_views(), strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
     assert [float(s["step"]) for s in ours.state.values()] == [3.0] * len(SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_read_only_inf_check_records_what_torchs_check_records(dtype: torch.dtype) -> None:
+    # Reference: torch's own check at scale 1, on copies. Each case keeps the same shapes (one compile).
+    cases = {"finite": None, "nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+    for bad in cases.values():
+        for already in (0.0, 1.0):
+            grads = _grads(0, dtype)
+            if bad is not None:
+                grads[1][7] = bad
+            want = torch.tensor(already)
+            torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], want, torch.ones(()))
+            versions = [g._version for g in grads]
+            got = torch.tensor(already)
+            record_non_finite_(grads, got)
+            assert float(got) == float(want) == (1.0 if bad is not None or already else 0.0)
+            assert [g._version for g in grads] == versions  # read only: no gradient written
+
+
+def test_a_scaler_checks_the_compiled_steps_half_gradients_with_the_read_only_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch_check = torch._amp_foreach_non_finite_check_and_unscale_
+    checked: list[torch.dtype] = []
+
+    def recording(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        checked.extend(g.dtype for g in grads)
+        torch_check(grads, found, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", recording)
+    _, ours, half = _pair("adamw")
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    for step in range(2):
+        for p, g in zip(half, _grads(step, torch.bfloat16), strict=True):
+            p.grad = g
+        if step == 1:
+            half[0].grad[3, 3] = float("nan")  # found by the read-only check: the step is skipped
+        scaler.scale(torch.ones((), requires_grad=True)).backward()
+        scaler.step(ours)
+        scaler.update()
+    assert torch.bfloat16 not in checked  # the half gradients never went through torch's check
+    assert [float(s["step"]) for s in ours.state.values()] == [1.0] * len(SHAPES)  # stepped, then skipped
+    assert scaler.get_scale() == 2.0**9  # the NaN backed the scale off
 
 
 @pytest.mark.parametrize(
