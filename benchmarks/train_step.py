@@ -3,8 +3,9 @@
 Workloads: a GPT-style decoder (d 512, 4 layers, 8 heads, T 128, vocab 4096, batch 16, tied embedding) and
 the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512). Configurations: fp32; torch.autocast bf16;
 torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16, bf16), O2 fp16 and O2 bf16
-(``mixprec.initialize`` + ``scale_loss``); each eager and ``torch.compile``-d (a configuration that fails
-to compile shows the reason in its row; the run goes on).
+(``mixprec.initialize`` + ``scale_loss``; O2 bf16 also at 16 bytes per parameter), and fastai's
+``Learner(...).to_bf16()``; each eager and ``torch.compile``-d (a configuration that fails to compile shows
+the reason in its row; the run goes on).
 
 Configurations are timed round-robin in one process (one step of each in turn), so load drift on a shared
 machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.autocast of the same dtype,
@@ -42,12 +43,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
+from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
 from mixprec import amp, hardware, models
+from mixprec.callbacks import Callback
+from mixprec.data import DataBunch
 from mixprec.diagnostics.memory import SavedTensors
 from mixprec.formats import dtype_label
 from mixprec.host_memory import MallocTuning, keep_freed_memory
+from mixprec.learner import Learner
 from mixprec.low_precision import footprint
 from mixprec.region import STATE
 
@@ -143,6 +148,8 @@ CONFIGS = (
     # 16 bytes per parameter: no fp32 master gradients, the master step one compiled pass (master_kernel.py)
     Config("mixprec O2 bf16, 16 B/param", torch.bfloat16, "O2",
            (("master_grads", False), ("compile_step", True))),
+    # fastai's interface: Learner(...).to_bf16() (a bf16 model, fp32 masters, no loss scale: no inf check)
+    Config("mixprec Learner.to_bf16()", torch.bfloat16, "learner"),
 )
 
 
@@ -159,6 +166,7 @@ class Runner:
     step: Callable[[], None] = field(init=False)
     amp_state: object = None  # mixprec.initialize's process-wide state for this runner (see _swap_in)
     error: str = ""
+    bytes_per_param: float | None = None  # counted during the step (the Learner frees its gradients after)
 
     def __post_init__(self) -> None:
         forward = torch.compile(self.model) if self.compiled else self.model
@@ -209,11 +217,45 @@ def _mixprec_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[
     return step
 
 
+class _BytesAtStepEnd(Callback):
+    """The Learner frees the gradients right after its step (fastai's zero_grad): count the bytes per
+    parameter before that, as the other configurations are counted, gradients included."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def on_step_end(self) -> None:
+        self.runner.bytes_per_param = footprint(self.runner.opt).per_param
+
+
+def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """One batch of ``Learner.fit`` at a time, callbacks and all, so the Learner joins the round-robin: the
+    fit's set-up (on_train_begin: the MixedPrecision callback makes the model bf16 and wraps the optimizer
+    in MasterWeights) once, then the loop body ``_train_batch`` per step."""
+    loader = DataLoader(TensorDataset(r.x, r.y), batch_size=len(r.x))  # never iterated: one fixed batch
+    data = DataBunch(loader, loader, n_classes=2, input_shape=tuple(r.x.shape[1:]), name="benchmark")
+    opt = r.opt  # opt_func may return its own optimizer: the runner's fused AdamW, as for every configuration
+    learn = Learner(data, forward, loss_func=_loss, opt_func=lambda params, lr: opt, silent=True,
+                    callbacks=[_BytesAtStepEnd(r)]).to_bf16()
+    learn.opt = learn._make_optimizer(lr=opt.param_groups[0]["lr"])
+    learn.n_epochs, learn.n_steps = 1, 2**31
+    learn._event("on_train_begin")
+    learn.model.train()
+    learn.training = True
+    r.opt = learn._optimizer  # the MasterWeights wrapper: bytes/param counts its masters
+
+    def step() -> None:
+        learn._train_batch(r.x, r.y)
+
+    return step
+
+
 _STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[[], None]]] = {
     "fp32": _fp32_step,
     "torch": _torch_step,
     "O1": _mixprec_step,
     "O2": _mixprec_step,
+    "learner": _learner_step,
 }
 
 
@@ -309,8 +351,9 @@ def time_workload(
                 times[key].append(seconds)
     for key, runner in runners.items():
         scale = workload.batch_size / runner.x.shape[0]  # slow configs: smaller batch, scaled linearly
+        per_param = runner.bytes_per_param or footprint(runner.opt).per_param
         results[key] = Result(statistics.median(times[key]) * 1e3 * scale, len(times[key]),
-                              runner.x.shape[0], footprint(runner.opt).per_param, saved_mib=saved_mib(runner))
+                              runner.x.shape[0], per_param, saved_mib=saved_mib(runner))
     return results
 
 

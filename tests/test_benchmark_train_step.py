@@ -71,6 +71,17 @@ def test_a_run_reports_measured_rows_and_skips_what_has_no_fast_kernels(
     assert "skipped" in text and "failed" not in text
 
 
+def test_the_learner_runs_one_batch_at_a_time_and_counts_its_gradients(bench: ModuleType) -> None:
+    configs = [c for c in bench.CONFIGS if c.name in ("fp32", "mixprec Learner.to_bf16()")]
+    results = bench.time_workload(_tiny(bench), configs, (False,), 2, 1, Console(quiet=True), {})
+    learner = results[("mixprec Learner.to_bf16()", False)]
+    assert learner.ms is not None and learner.steps == 2, learner.error
+    # bf16 weights 2 + bf16 grads 2 + fp32 masters 4 + their grads 4 + Adam 8, counted before the
+    # Learner's zero_grad frees the gradients (after it: 14)
+    assert learner.bytes_per_param == pytest.approx(20, abs=0.1)
+    assert learner.saved_mib < results[("fp32", False)].saved_mib  # the model really ran in bf16
+
+
 def test_mfu_is_measured_against_the_rate_of_the_arithmetic_a_step_computes_in(
     bench: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
