@@ -76,6 +76,7 @@ class _AmpState:
     scalers: list[GradScaler]
     models: list[HalfModel]
     pending: dict[int, _PendingStep] = field(default_factory=dict)
+    replaced: set[int] = field(default_factory=set)  # ids of the optimizers O2 wrapped (kept alive inside)
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -172,7 +173,9 @@ def initialize(
             "mixprec.amp.state_dict()/loss_scaler() now refer to this call's.",
             stacklevel=2,
         )
-    _STATE = _AmpState(recipe, device_type, scalers, halves)
+    given, _ = _as_list(optimizers)
+    _STATE = _AmpState(recipe, device_type, scalers, halves,
+                       replaced={id(g) for g, o in zip(given, opt_list, strict=True) if g is not o})
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
@@ -268,7 +271,18 @@ def _patch_step(opt: Any, state: _AmpState) -> None:
     """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded."""
     setattr(opt, _OPT_STATE_ATTR, state)
     opt._mixprec_plain_step = opt.step
-    opt.step = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
+    bound = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
+    if not getattr(opt.step, "_wrapped_by_lr_sched", False):
+        opt.step = bound
+        return
+    # An LR scheduler built before initialize wrapped step to record that it ran. The plain step still
+    # runs that wrapper, so say so: without the mark torch warns at the first scheduler.step() that
+    # "optimizer.step() has been overridden after learning rate scheduler initialization".
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return bound(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = step
 
 
 def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
@@ -286,6 +300,32 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
     pending.stepped = True
     # The scaler's one skip decision: on the device for fused optimizers, else one read (as apex).
     return step_unless_inf(_inner(opt), combined_found_inf(pending.found_infs), plain, *args, **kwargs)
+
+
+def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
+    """Each optimizer must be one initialize returned: only those skip an overflowing step, and under O2
+    initialize returns a new object (MasterWeights around the one it was given)."""
+    level = state.recipe.name
+    for i, opt in enumerate(opts):
+        if getattr(opt, _OPT_STATE_ATTR, None) is not None:
+            continue
+        name = type(opt).__name__
+        if id(opt) in state.replaced:
+            raise ConfigError(
+                f"scale_loss got optimizers[{i}], the {name} passed to mixprec.initialize. At {level} "
+                "initialize returned a new optimizer (MasterWeights around it, holding the fp32 masters): "
+                "that is the one to use.",
+                f"keep what initialize returns: model, opt = mixprec.initialize(model, opt, {level!r}), then "
+                "scale_loss(loss, opt) and opt.step().",
+            )
+        masters = " and, with the model's weights in half precision, no fp32 masters" if (
+            state.recipe.uses_masters) else ""
+        raise ConfigError(
+            f"scale_loss got optimizers[{i}], an optimizer ({name}) that mixprec.initialize did not return "
+            f"(built after it?): its step would not be skipped on an overflow{masters}.",
+            "build the optimizer over the fp32 model before initialize and pass it in: "
+            f"model, opt = mixprec.initialize(model, opt, {level!r}).",
+        )
 
 
 def _state_of(opts: list[Any]) -> _AmpState:
@@ -322,6 +362,7 @@ def scale_loss(
         )
     opts, _ = _as_list(optimizers)
     state = _state_of(opts)
+    _check_from_initialize(opts, state)
     if not 0 <= loss_id < len(state.scalers):
         raise ConfigError(
             f"loss_id {loss_id} is out of range: initialize was called with num_losses={len(state.scalers)}.",

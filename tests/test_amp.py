@@ -516,3 +516,53 @@ def test_cast_model_outputs_casts_the_outputs_at_any_level(level: str) -> None:
     regardless of opt_level."""
     model = mixprec.initialize(_net(), opt_level=level, cast_model_outputs=torch.float16, verbosity=0)
     assert model(torch.randn(4, 10)).dtype == torch.float16
+
+
+def test_scale_loss_refuses_the_optimizer_o2_replaced_and_names_the_one_to_use() -> None:
+    model = _net()
+    given = torch.optim.AdamW(model.parameters())
+    model, returned = mixprec.initialize(model, given, "O2", verbosity=0)
+    assert isinstance(returned, MasterWeights) and returned is not given
+    x, y = next(_batches(1))
+    with pytest.raises(ConfigError, match="returned a new optimizer") as err:
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), given) as scaled:
+            scaled.backward()
+    assert "opt = mixprec.initialize(model, opt, 'O2')" in err.value.fix
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), returned) as scaled:  # the right one
+        scaled.backward()
+    returned.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_scale_loss_refuses_an_optimizer_built_after_initialize(level: str) -> None:
+    # Such an optimizer's step is not routed through the overflow flags (and under O2 it would step the
+    # half weights with no masters): before, O2 failed in the scaler with "wrap the optimizer in
+    # MasterWeights" and O1 trained without ever skipping.
+    model = _net()
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, verbosity=0)
+    later = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(_batches(1))
+    with pytest.raises(ConfigError, match="did not return"):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x).float(), y), later) as scaled:
+            scaled.backward()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_scheduler_built_before_initialize_keeps_working_without_torchs_overridden_warning(
+    level: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    # torch.amp's recipe builds the scheduler first; torch warns if optimizer.step was replaced after the
+    # scheduler wrapped it, which initialize does (it routes step through the overflow flags).
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = mixprec.initialize(model, opt, level, loss_scale=1.0, verbosity=0)
+    for x, y in _batches(2):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)
+            or "overridden" in str(w.message)] == []
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # the scheduler drives the optimizer
