@@ -12,7 +12,9 @@ machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.au
 tokens (samples) per second, MFU (the FLOPs a step must compute, against the best GEMM rate measured
 throughout the same run in the dtype the step computes in: a native half dtype's own, else fp32's),
 bytes per parameter held by parameters, gradients, master weights and optimizer state after a step,
-and the MiB autograd saves for backward in one eager forward.
+the MiB autograd saves for backward in one eager forward, and the minor page faults per timed step (a row
+that faults pays for fresh pages, not for its arithmetic: with many configurations in one process the heap
+cannot always reuse freed blocks for a large tensor).
 
 Where :mod:`mixprec.hardware` says a half dtype has no fast kernels here (an AVX2-only CPU: torch's bf16
 GEMMs ~90x slower than fp32), torch.autocast of that dtype is timed with fewer steps and, for the GPT, on a
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import re
 import statistics
 import sys
@@ -61,6 +64,10 @@ from mixprec.region import STATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt_learner import GPT, GPTConfig  # noqa: E402  (the examples folder is not a package)
+
+HAS_RUSAGE = importlib.util.find_spec("resource") is not None  # Unix only
+if HAS_RUSAGE:
+    import resource
 
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 
@@ -309,6 +316,7 @@ class Result:
     bytes_per_param: float | None
     error: str = ""
     saved_mib: float | None = None
+    faults: float | None = None  # median minor page faults per timed step (None: not measurable here)
 
 
 def time_workload(
@@ -334,6 +342,7 @@ def time_workload(
             except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
                 results[key] = _failed(key, batch, err, console)
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
+    faults: dict[tuple[str, bool], list[int]] = {key: [] for key in runners}
     for i in range(max(steps, slow_steps) + 2):  # the first steps warm up: allocation, compilation
         for dtype in {mfu_dtype(c) for c in configs}:
             gemm_rates.setdefault(dtype, []).append(reference_gemm(dtype, repeats=1))
@@ -342,19 +351,30 @@ def time_workload(
             if i >= warmup + (slow_steps if is_slow(runner.config) else steps):
                 continue
             try:
+                before = page_faults()
                 seconds = runner.timed_step()
+                faulted = page_faults() - before
             except Exception as err:  # noqa: BLE001
                 results[key] = _failed(key, runner.x.shape[0], err, console)
                 del runners[key]
                 continue
             if i >= warmup:
                 times[key].append(seconds)
+                faults[key].append(faulted)
     for key, runner in runners.items():
         scale = workload.batch_size / runner.x.shape[0]  # slow configs: smaller batch, scaled linearly
         per_param = runner.bytes_per_param or footprint(runner.opt).per_param
         results[key] = Result(statistics.median(times[key]) * 1e3 * scale, len(times[key]),
-                              runner.x.shape[0], per_param, saved_mib=saved_mib(runner))
+                              runner.x.shape[0], per_param, saved_mib=saved_mib(runner),
+                              faults=statistics.median(faults[key]) if HAS_RUSAGE else None)
     return results
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far. A step that faults (fresh pages for a large tensor: the
+    heap could not reuse freed memory, e.g. fragmented by the other configurations' tensors) pays ~1 us
+    per 4 KiB page: the column shows which rows carry that cost."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if HAS_RUSAGE else 0
 
 
 def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console) -> Result:
@@ -378,7 +398,7 @@ def report(
     table = Table(title=workload.name)
     for header in ("configuration", "mode", "ms/step", "vs fp32", "vs torch.autocast",
                    "tokens/s" if workload.tokens_per_sample > 1 else "samples/s",
-                   "MFU", "MFU of", "bytes/param", "saved MiB", "steps", "note"):
+                   "MFU", "MFU of", "bytes/param", "saved MiB", "faults/step", "steps", "note"):
         table.add_column(header, justify="left" if header in ("configuration", "mode", "note") else "right")
     torch_of = {c.dtype: c.name for c in CONFIGS if c.kind == "torch"}
     tokens = workload.batch_size * workload.tokens_per_sample
@@ -387,7 +407,7 @@ def report(
         mode = "compiled" if compiled else "eager"
         if r.ms is None:
             outcome = "skipped" if r.error.startswith("skipped") else "failed"
-            table.add_row(name, mode, outcome, *[""] * 8, r.error.removeprefix("skipped: "))
+            table.add_row(name, mode, outcome, *[""] * 9, r.error.removeprefix("skipped: "))
             continue
         config = next(c for c in CONFIGS if c.name == name)
         base = results.get(("fp32", compiled))
@@ -402,6 +422,7 @@ def report(
             dtype_label(reference),
             f"{r.bytes_per_param:.1f}" if r.bytes_per_param else "",
             f"{r.saved_mib:.0f}" if r.saved_mib and not approx else "",  # weight copies do not scale
+            "" if r.faults is None else f"{r.faults:,.0f}",
             str(r.steps),
             f"≈: timed at batch {r.batch}, scaled to {workload.batch_size}" if approx else "",
         )
@@ -482,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workload or (["mlp"] if args.quick else list(WORKLOADS))
     modes = (False,) if args.no_compile or args.quick else (True,) if args.compiled_only else (False, True)
     configs = [c for c in CONFIGS if args.config is None or c.name in args.config]
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 180))
     console.print(f"hardware: {hardware.hardware_line()}")
     malloc = MallocTuning(False, "default glibc malloc (--default-malloc)") if args.default_malloc else (
         keep_freed_memory())
