@@ -232,7 +232,8 @@ class _BytesAtStepEnd(Callback):
         self.runner = runner
 
     def on_step_end(self) -> None:
-        self.runner.bytes_per_param = footprint(self.runner.opt).per_param
+        if self.runner.bytes_per_param is None:  # once: the layout does not change from step to step
+            self.runner.bytes_per_param = footprint(self.runner.opt).per_param
 
 
 def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
@@ -526,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         # timing under a passing load reads low and inflates every MFU.
         gflops = {dtype: max(rates) for dtype, rates in gemm_rates.items()}
         for dtype, rates in gemm_rates.items():
-            name, n = dtype_label(dtype), REFERENCE_SIZE[dtype]
-            console.print(f"{name} GEMM {n}^3: {gflops[dtype]:.1f} GFLOP/s, best of {len(rates)} "
-                          f"(median {statistics.median(rates):.1f}): the MFU reference of {name}")
+            label, n = dtype_label(dtype), REFERENCE_SIZE[dtype]
+            console.print(f"{label} GEMM {n}^3: {gflops[dtype]:.1f} GFLOP/s, best of {len(rates)} "
+                          f"(median {statistics.median(rates):.1f}): the MFU reference of {label}")
         console.print(report(workload, results, gflops))
     return 0
 

@@ -76,11 +76,12 @@ class _AmpState:
     scalers: list[GradScaler]
     models: list[HalfModel]
     pending: dict[int, _PendingStep] = field(default_factory=dict)
-    replaced: set[int] = field(default_factory=set)  # ids of the optimizers O2 wrapped (kept alive inside)
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
 _OPT_STATE_ATTR = "_mixprec_amp"
+_DISABLED_ATTR = "_mixprec_amp_disabled"  # on the optimizers of an initialize(..., enabled=False)
+_REPLACED_ATTR = "_mixprec_replaced_at"  # on an optimizer initialize wrapped in MasterWeights: the opt level
 
 
 def _state() -> _AmpState:
@@ -137,6 +138,8 @@ def initialize(
     1 one line, 2 apex's property list."""
     global _STATE
     if not enabled:
+        for opt in _as_list(optimizers)[0]:
+            setattr(opt, _DISABLED_ATTR, True)  # scale_loss passes its loss through, as apex's does
         return models if optimizers is None else (models, optimizers)
     recipe = apply_overrides(
         Recipe.from_opt_level(opt_level, dtype),
@@ -173,9 +176,10 @@ def initialize(
             "mixprec.amp.state_dict()/loss_scaler() now refer to this call's.",
             stacklevel=2,
         )
-    given, _ = _as_list(optimizers)
-    _STATE = _AmpState(recipe, device_type, scalers, halves,
-                       replaced={id(g) for g, o in zip(given, opt_list, strict=True) if g is not o})
+    for given, returned in zip(_as_list(optimizers)[0], opt_list, strict=True):
+        if given is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
+            setattr(given, _REPLACED_ATTR, recipe.name)
+    _STATE = _AmpState(recipe, device_type, scalers, halves)
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
@@ -271,18 +275,19 @@ def _patch_step(opt: Any, state: _AmpState) -> None:
     """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded."""
     setattr(opt, _OPT_STATE_ATTR, state)
     opt._mixprec_plain_step = opt.step
-    bound = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
     if not getattr(opt.step, "_wrapped_by_lr_sched", False):
-        opt.step = bound
+        opt.step = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
         return
-    # An LR scheduler built before initialize wrapped step to record that it ran. The plain step still
-    # runs that wrapper, so say so: without the mark torch warns at the first scheduler.step() that
-    # "optimizer.step() has been overridden after learning rate scheduler initialization".
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return bound(*args, **kwargs)
+    # An LR scheduler built before initialize wrapped step to record that it ran. The plain step we call
+    # is that wrapper, so carry its mark: without it torch warns at the first scheduler.step() that
+    # "optimizer.step() has been overridden after learning rate scheduler initialization". (A skipped
+    # first step does not run the wrapper, so torch's "lr_scheduler.step() before optimizer.step()" warning
+    # then comes, as it does under torch.amp.) A method still: a bound method reads its function's mark.
+    def marked_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _amp_step(self, *args, **kwargs)
 
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = step
+    marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = types.MethodType(marked_step, opt)
 
 
 def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
@@ -310,13 +315,15 @@ def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
         if getattr(opt, _OPT_STATE_ATTR, None) is not None:
             continue
         name = type(opt).__name__
-        if id(opt) in state.replaced:
+        replaced_at = getattr(_inner(opt), _REPLACED_ATTR, None)
+        if replaced_at is not None:
             raise ConfigError(
-                f"scale_loss got optimizers[{i}], the {name} passed to mixprec.initialize. At {level} "
+                f"scale_loss got optimizers[{i}], the {name} passed to mixprec.initialize. At {replaced_at} "
                 "initialize returned a new optimizer (MasterWeights around it, holding the fp32 masters): "
                 "that is the one to use.",
-                f"keep what initialize returns: model, opt = mixprec.initialize(model, opt, {level!r}), then "
-                "scale_loss(loss, opt) and opt.step().",
+                "keep what initialize returns: model, opt = mixprec.initialize(model, opt, "
+                f"{replaced_at!r}), then scale_loss(loss, opt) and opt.step() (wrap an optimizer in LARC "
+                "before initialize, not after).",
             )
         masters = " and, with the model's weights in half precision, no fp32 masters" if (
             state.recipe.uses_masters) else ""
@@ -361,6 +368,9 @@ def scale_loss(
             "reduce it first: loss.mean() (or loss.sum()).",
         )
     opts, _ = _as_list(optimizers)
+    if opts and all(getattr(opt, _DISABLED_ATTR, False) for opt in opts):
+        yield loss  # initialize(..., enabled=False): apex's scale_loss passes the loss through
+        return
     state = _state_of(opts)
     _check_from_initialize(opts, state)
     if not 0 <= loss_id < len(state.scalers):

@@ -106,8 +106,9 @@ class MasterWeights(torch.optim.Optimizer):
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
             rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
             ``found_inf`` on the host: one device sync per step on CUDA, where the uncompiled steps have none;
-            the scaler finds inf/NaN in the half gradients with a compiled read-only reduction
-            (:attr:`non_finite_check`).
+            when ``scaler.step`` only checks the half gradients (no ``unscale_`` before it), it does so with
+            a compiled read-only reduction (:attr:`non_finite_check`); an explicit ``unscale_`` (and so
+            ``scale_loss`` and the Learner, which unscale on their own) uses torch's op.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
             ``.grad`` (see Clipping). One extra pass per explicit unscale; callers whose users clip only
             the masters may pass False (the Learner does; ``mixprec.initialize`` keeps it, so a clip of
@@ -340,6 +341,11 @@ class MasterWeights(torch.optim.Optimizer):
         scaling = {a: getattr(self, a) for a in ("grad_scale", "found_inf") if hasattr(self, a)}
         if self._fused_step is not None:
             self._fused_step.step(self._groups, scaling.get("grad_scale"), scaling.get("found_inf"))
+            # The wrapped optimizer's step() is not called, so an LR scheduler built on it (before the
+            # wrapping) would not see it run and warn "lr_scheduler.step() before optimizer.step()": record
+            # the call as the scheduler's wrapper around that method does.
+            if getattr(self.optimizer.step, "_wrapped_by_lr_sched", False):
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
         else:
             self._step_inner(scaling)
         self._grads_copied = False

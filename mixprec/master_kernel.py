@@ -176,7 +176,12 @@ _compiled_pass = torch.compile(_adam_pass, dynamic=False)
 def adam_pass(
     units: list[KernelUnit], groups: list[dict[str, Any]], grad_scale: torch.Tensor | None
 ) -> None:
-    """Update ``units`` (their steps already counted) by Adam/AdamW with ``groups``' settings, one pass."""
+    """Update ``units`` (their steps already counted) by Adam/AdamW with ``groups``' settings, one pass.
+
+    One compiled function serves every MasterWeights in the process: each distinct set of tensors (another
+    model, or parameters that got no gradient this step) compiles once more (seconds). Past Dynamo's
+    recompile limit (``torch._dynamo.config.recompile_limit``, 8) it warns and runs the same arithmetic
+    eagerly: correct, but several passes over memory instead of one."""
     if not units:
         return
     _compiled_pass(
@@ -209,6 +214,6 @@ def record_non_finite_(grads: Sequence[torch.Tensor], found: torch.Tensor) -> No
     makes before a step that unscales by itself (this one). That op's bf16 loop is slow on the CPU: 9.5 ms
     for 18.9M bf16 gradients on an AMX Xeon, where it takes 3.4 ms for twice the bytes of fp32 ones
     (benchmarks/master_step.py). Here one compiled reduction reads each half gradient once. Compiled once
-    per distinct set of gradients, like the step itself.
+    per distinct set of gradients, like the step itself (see adam_pass on recompiles).
     """
     _compiled_record_non_finite(list(grads), found)

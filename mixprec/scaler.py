@@ -355,7 +355,9 @@ class GradScaler:
                 found = per_device_found.setdefault(device, found_inf.to(device, copy=True))
                 dev_inv_scale = inv_scale.to(device)
                 for dtype, grads in per_dtype.items():
-                    if checker is not None and dtype in (torch.float16, torch.bfloat16):
+                    # plain tensors only: torch's op also all-reduces the flag of sharded (DTensor) grads
+                    plain = all(type(g) is torch.Tensor for g in grads)
+                    if checker is not None and plain and dtype in (torch.float16, torch.bfloat16):
                         checker(grads, found)
                         continue
                     # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.

@@ -566,3 +566,54 @@ def test_a_scheduler_built_before_initialize_keeps_working_without_torchs_overri
     assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)
             or "overridden" in str(w.message)] == []
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)  # the scheduler drives the optimizer
+
+
+def test_scale_loss_passes_the_loss_through_when_initialize_was_disabled() -> None:
+    # apex: with enabled=False, scale_loss yields the loss itself and backward is the plain one.
+    other = _net()
+    mixprec.initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), "O2", verbosity=0)  # earlier
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, "O2", enabled=False)
+    x, y = next(_batches(1))
+    loss = nn.functional.cross_entropy(model(x), y)
+    with mixprec.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+        scaled.backward()
+    reference = _net()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, ref.grad)
+
+
+def test_the_replaced_optimizer_is_named_after_a_second_initialize() -> None:
+    first = _net()
+    given = torch.optim.AdamW(first.parameters())
+    first, _ = mixprec.initialize(first, given, "O2", verbosity=0)
+    second = _net()
+    with pytest.warns(UserWarning, match="initialize was called again"):
+        mixprec.initialize(second, torch.optim.AdamW(second.parameters()), "O2", verbosity=0)
+    x, y = next(_batches(1))
+    with pytest.raises(ConfigError, match="returned a new optimizer"):
+        with mixprec.scale_loss(nn.functional.cross_entropy(first(x), y), given) as scaled:
+            scaled.backward()
+
+
+def test_a_scheduler_built_before_initialize_sees_the_fused_master_step(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # O2 bf16 with master_grads=False steps the masters without calling the wrapped AdamW's step(): the
+    # scheduler built on that AdamW must still learn that a step ran, or torch warns that
+    # lr_scheduler.step() came before optimizer.step().
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, master_grads=False, verbosity=0)
+    for x, y in _batches(2):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)

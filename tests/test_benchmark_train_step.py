@@ -4,6 +4,7 @@ configuration that cannot run fast here is skipped, not failed), and its counts 
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -93,14 +94,28 @@ def test_mfu_is_measured_against_the_rate_of_the_arithmetic_a_step_computes_in(
     assert bench.mfu_dtype(by_name["torch.autocast bf16"]) is torch.bfloat16
     assert bench.mfu_dtype(by_name["mixprec O1 fp16"]) is torch.float32  # emulated: fp32 kernels
     assert bench.mfu_dtype(by_name["torch.autocast fp16 + GradScaler"]) is torch.float32
-    # The table divides by the reference of each row's dtype: same time, 4x the rate, a quarter the MFU
+    # The table divides by the reference of each row's dtype: the same 10 ms step against fp32's rate and
+    # against a rate 4x higher (bf16's) gives MFUs 4x apart.
+    flops = bench.mlp_flops_per_sample(16, 32, 4) * 8 / 1e-2 / 1e9  # GFLOP/s of a 10 ms step at batch 8
+    rates = {torch.float32: flops / 0.8, torch.bfloat16: 4 * flops / 0.8}  # -> 80% and 20%
     results = {(name, False): bench.Result(10.0, 1, 8, 16.0) for name in ("fp32", "mixprec O2 bf16")}
     console = Console(width=250, record=True)
-    console.print(bench.report(_tiny(bench), results, {torch.float32: 1.0, torch.bfloat16: 4.0}))
-    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
-    flops = bench.mlp_flops_per_sample(16, 32, 4) * 8 / 1e-2 / 1e9  # GFLOP/s of a 10 ms step
-    assert f"{flops / 1.0:.0%}" in rows["fp32"] and "fp32" in rows["fp32"].split("│")[8]
-    assert f"{flops / 4.0:.0%}" in rows["mixprec O2 bf16"] and "bf16" in rows["mixprec O2 bf16"].split("│")[8]
+    console.print(bench.report(_tiny(bench), results, rates))
+    lines = [line for line in console.export_text().splitlines() if "│" in line]
+    cells = {row[0]: row for row in ([c.strip() for c in line.split("│")[1:-1]] for line in lines)}
+    assert cells["fp32"][6:8] == ["80%", "fp32"]
+    assert cells["mixprec O2 bf16"][6:8] == ["20%", "bf16"]
+
+
+def test_page_faults_counts_the_fresh_pages_a_step_touches(bench: ModuleType) -> None:
+    if not bench.HAS_RUSAGE:
+        pytest.skip("getrusage is Unix-only")
+    pages = 2048  # 8 MiB of anonymous memory: every page is new to the process when first written
+    before = bench.page_faults()
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as fresh:
+        for i in range(pages):
+            fresh[i * mmap.PAGESIZE] = 1
+    assert bench.page_faults() - before >= pages * 0.9  # the kernel may map a few pages ahead
 
 
 def test_the_mlp_flop_count_is_what_a_step_computes(bench: ModuleType) -> None:
