@@ -239,3 +239,32 @@ def test_flat_masters_and_groups_of_other_decay_equal_the_uncompiled_step(kind: 
     for w, m, model in zip(want, got, half, strict=True):
         torch.testing.assert_close(m, w, rtol=0, atol=TOL)
         assert torch.equal(model.detach(), m.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_what_the_compiled_step_keeps_between_steps_follows_new_gradients_and_new_groups(flat: bool) -> None:
+    # The compiled step keeps its per-tensor views from step to step (master_fused._Slot). Reference: the
+    # same wrapper without compile_step. Step 0: one parameter has no gradient (no state, no update);
+    # step 1: it has one (its state appears); step 2: a param group added after two steps joins.
+    g = torch.Generator().manual_seed(2)
+    fp32 = [torch.randn(s, generator=g) for s in SHAPES * 2]
+    runs = []
+    for compiled in (False, True):
+        half = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in fp32]
+        initial = dict(zip(half, fp32, strict=True))
+        opt = MasterWeights(torch.optim.AdamW(half[:3], lr=1e-2, weight_decay=0.1), flat=flat,
+                            master_grads=False, compile_step=compiled, initial=initial)
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": half[3:], "weight_decay": 0.0})
+            live = half if step >= 2 else half[:3]
+            for i, (p, grad) in enumerate(zip(live, _grads(step, torch.bfloat16) * 2, strict=False)):
+                p.grad = None if (step == 0 and i == 1) else grad
+            opt.step()
+        runs.append(([m.detach().clone() for m in opt.master_views()], half, opt))
+    (want, _, ref), (got, half, ours) = runs
+    for w, m, model in zip(want, got, half, strict=True):
+        torch.testing.assert_close(m, w, rtol=0, atol=TOL)
+        assert torch.equal(model.detach(), m.to(torch.bfloat16))
+    steps = sorted(float(s["step"]) for s in ours.state.values())
+    assert steps == sorted(float(s["step"]) for s in ref.state.values())
