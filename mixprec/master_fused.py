@@ -144,8 +144,12 @@ class FusedMasterStep:
         if found_inf is not None and found_inf.item():
             return  # skipped: masters, moments and step counts untouched, as torch's fused Adam leaves them
         state = self.optimizer.state
+        slots = self._slots_for(groups)
+        if any(slot.moved() for slot in slots):  # a parameter's memory was replaced (`.data =`)
+            self.forget_views()
+            slots = self._slots_for(groups)
         units = []
-        for slot in self._slots_for(groups):
+        for slot in slots:
             grad = slot.source.grad
             if grad is None:
                 continue  # torch.optim's rule: no gradient, no step (no decay, no moment update)
@@ -225,6 +229,14 @@ class _Slot:
     offset: int  # where `param` starts in that state
     group: int
     _cache: tuple[Any, ...] = ()  # (exp_avg, exp_avg_sq, their data_ptrs, their views)
+    _source_ptr: int = -1
+
+    def __post_init__(self) -> None:
+        self._source_ptr = self.source.data_ptr()
+
+    def moved(self) -> bool:
+        """Whether the parameter now lives in other memory than the aliases were made of."""
+        return self.source.data_ptr() != self._source_ptr
 
     def moments(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -268,3 +268,21 @@ def test_what_the_compiled_step_keeps_between_steps_follows_new_gradients_and_ne
         assert torch.equal(model.detach(), m.to(torch.bfloat16))
     steps = sorted(float(s["step"]) for s in ours.state.values())
     assert steps == sorted(float(s["step"]) for s in ref.state.values())
+
+
+def test_a_model_parameter_given_new_memory_between_steps_is_the_one_updated() -> None:
+    # `p.data = ...` (as some wrappers do) moves a parameter: the kept aliases must follow it.
+    reference, ours, half = _pair("adamw", weight_decay=0.1)
+    for step in range(3):
+        grads = _grads(step, torch.bfloat16)
+        for p, g in zip(reference.param_groups[0]["params"], grads, strict=True):
+            p.grad = g.float()
+        for p, g in zip(half, grads, strict=True):
+            p.grad = g
+        if step == 2:
+            half[0].data = half[0].data.clone()  # same values, new memory
+        reference.step()
+        ours.step()
+    for want, got, model in zip(reference.param_groups[0]["params"], ours.master_views(), half, strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
+        assert torch.equal(model.detach(), got.to(torch.bfloat16))  # the moved parameter too
