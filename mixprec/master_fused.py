@@ -152,6 +152,7 @@ class FusedMasterStep:
         for slot in slots:
             grad = slot.source.grad
             if grad is None:
+                slot.release()  # its moments may be freed (a frozen parameter's state deleted, a new state)
                 continue  # torch.optim's rule: no gradient, no step (no decay, no moment update)
             owned = _adam_state(state[slot.owner], slot.owner, False)  # one lookup: tensors hash in Python
             units.append(KernelUnit(slot.param, grad.reshape(-1), *slot.moments(owned), slot.model,
@@ -177,6 +178,15 @@ class FusedMasterStep:
         """Drop the cached slots and their moment views (MasterWeights.load_state_dict: the replaced
         moments are freed now, not after the next step)."""
         self._slots, self._slots_key = [], ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The slots alias this process's memory: a copy or a load rebuilds them on its first step.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_slots", "_slots_key", "_views")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.pop("_views", None)  # pickled before the slots (2026-11-25): their moment-view cache
+        self.forget_views()
 
     def _update(
         self, group: dict[str, Any], chunk: list[_Unit], grad_scale: Any, found_inf: Any,
@@ -228,15 +238,20 @@ class _Slot:
     owner: torch.Tensor  # the tensor the optimizer keeps state for: the flat buffer, or the master
     offset: int  # where `param` starts in that state
     group: int
+    master: torch.Tensor  # the tensor `param` aliases (the master, or the fp32 parameter itself)
     _cache: tuple[Any, ...] = ()  # (exp_avg, exp_avg_sq, their data_ptrs, their views)
-    _source_ptr: int = -1
+    _ptrs: tuple[int, int] = (-1, -1)
 
     def __post_init__(self) -> None:
-        self._source_ptr = self.source.data_ptr()
+        self._ptrs = (self.source.data_ptr(), self.master.data_ptr())
 
     def moved(self) -> bool:
-        """Whether the parameter now lives in other memory than the aliases were made of."""
-        return self.source.data_ptr() != self._source_ptr
+        """Whether the parameter or its master now lives in other memory than the aliases were made of."""
+        return (self.source.data_ptr(), self.master.data_ptr()) != self._ptrs
+
+    def release(self) -> None:
+        """Let go of the moment views (and so of the moments): the next step with a gradient re-takes them."""
+        self._cache = ()
 
     def moments(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -254,10 +269,10 @@ def _slots(group: dict[str, Any], masters: GroupMasters, k: int) -> Iterator[_Sl
     for view, p, in_flat in zip(masters.views, masters.model, masters.in_flat, strict=True):
         owner = masters.flat if in_flat else view
         offset = view.storage_offset() if in_flat else 0
-        yield _Slot(p, _alias(view), _alias(p), owner, offset, k)  # type: ignore[arg-type]
+        yield _Slot(p, _alias(view), _alias(p), owner, offset, k, view)  # type: ignore[arg-type]
     for p in group["params"]:  # fp32 parameters are their own masters (BatchNorm under O2)
         if id(p) not in shadowed:
-            yield _Slot(p, _alias(p), None, p, 0, k)
+            yield _Slot(p, _alias(p), None, p, 0, k, p)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ wrong bias correction, decay or unscale is off by > 1e-4). Few tests: each compi
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch._dynamo
 
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
+from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import (
     COEFFICIENTS,
     KernelUnit,
@@ -286,3 +289,61 @@ def test_a_model_parameter_given_new_memory_between_steps_is_the_one_updated() -
     for want, got, model in zip(reference.param_groups[0]["params"], ours.master_views(), half, strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
         assert torch.equal(model.detach(), got.to(torch.bfloat16))  # the moved parameter too
+
+
+def test_a_master_given_new_memory_between_steps_is_the_one_updated() -> None:
+    # Reference: the uncompiled step, from the same start and with the same edit of the master.
+    g = torch.Generator().manual_seed(3)
+    fp32 = [torch.randn(s, generator=g) for s in SHAPES]
+    runs = []
+    for compiled in (False, True):
+        half = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in fp32]
+        opt = MasterWeights(torch.optim.AdamW(half, lr=1e-2), master_grads=False, compile_step=compiled,
+                            initial=dict(zip(half, fp32, strict=True)))
+        for step in range(3):
+            for p, grad in zip(half, _grads(step, torch.bfloat16), strict=True):
+                p.grad = grad
+            if step == 2:
+                master = next(iter(opt.master_views()))
+                master.data = master.data.clone() + 1  # new memory, new values
+            opt.step()
+        runs.append([m.detach().clone() for m in opt.master_views()])
+    for want, got in zip(*runs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+def test_the_moments_of_a_parameter_without_gradients_are_not_kept_alive() -> None:
+    # Fine-tuning: freeze a parameter and drop its optimizer state; the step must not hold its moments.
+    _, ours, half = _pair("adamw")
+    for p, grad in zip(half, _grads(0, torch.bfloat16), strict=True):
+        p.grad = grad
+    ours.step()
+    frozen = next(iter(ours.master_views()))
+    moments = [weakref.ref(ours.state[frozen][k]) for k in ("exp_avg", "exp_avg_sq")]
+    del ours.state[frozen]
+    half[0].grad = None
+    for step in (1, 2):
+        for p, grad in zip(half[1:], _grads(step, torch.bfloat16)[1:], strict=True):
+            p.grad = grad
+        ours.step()
+    gc.collect()
+    assert [m() is None for m in moments] == [True, True]
+
+
+def test_a_step_pickled_before_the_kept_slots_still_steps() -> None:
+    # A MasterWeights saved (torch.save/pickle) by the version that cached moment views in `_views`.
+    reference, ours, half = _pair("adamw", weight_decay=0.1)
+    old_state = {k: v for k, v in ours._fused_step.__getstate__().items()}
+    old_state["_views"] = {}
+    revived = FusedMasterStep.__new__(FusedMasterStep)
+    revived.__setstate__(old_state)
+    ours._fused_step = revived
+    grads = _grads(0, torch.bfloat16)
+    for p, g in zip(reference.param_groups[0]["params"], grads, strict=True):
+        p.grad = g.float()
+    for p, g in zip(half, grads, strict=True):
+        p.grad = g
+    reference.step()
+    ours.step()
+    for want, got in zip(reference.param_groups[0]["params"], ours.master_views(), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
