@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import re
 import statistics
 import sys
@@ -65,9 +64,11 @@ from mixprec.region import STATE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt_learner import GPT, GPTConfig  # noqa: E402  (the examples folder is not a package)
 
-HAS_RUSAGE = importlib.util.find_spec("resource") is not None  # Unix only
-if HAS_RUSAGE:
-    import resource
+try:
+    import resource  # Unix only: page-fault counts
+except ImportError:
+    resource = None  # type: ignore[assignment]
+HAS_RUSAGE = resource is not None
 
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 
@@ -242,15 +243,13 @@ def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[
     in MasterWeights) once, then the loop body ``_train_batch`` per step."""
     loader = DataLoader(TensorDataset(r.x, r.y), batch_size=len(r.x))  # never iterated: one fixed batch
     data = DataBunch(loader, loader, n_classes=2, input_shape=tuple(r.x.shape[1:]), name="benchmark")
-    opt = r.opt  # opt_func may return its own optimizer: the runner's fused AdamW, as for every configuration
-    learn = Learner(data, forward, loss_func=_loss, opt_func=lambda params, lr: opt, silent=True,
-                    callbacks=[_BytesAtStepEnd(r)]).to_bf16()
-    learn.opt = learn._make_optimizer(lr=opt.param_groups[0]["lr"])
+    learn = Learner(data, forward, loss_func=_loss, silent=True, callbacks=[_BytesAtStepEnd(r)]).to_bf16()
+    learn.opt = r.opt  # what fit's opt_func would build: the runner's fused AdamW, as for every configuration
     learn.n_epochs, learn.n_steps = 1, 2**31
     learn._event("on_train_begin")
     learn.model.train()
     learn.training = True
-    r.opt = learn._optimizer  # the MasterWeights wrapper: bytes/param counts its masters
+    r.opt = learn.opt  # now the MasterWeights wrapper: bytes/param counts its masters
 
     def step() -> None:
         learn._train_batch(r.x, r.y)
@@ -344,8 +343,9 @@ def time_workload(
                 results[key] = _failed(key, batch, err, console)
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
     faults: dict[tuple[str, bool], list[int]] = {key: [] for key in runners}
+    references = reference_dtypes(configs)
     for i in range(max(steps, slow_steps) + 2):  # the first steps warm up: allocation, compilation
-        for dtype in {mfu_dtype(c) for c in configs}:
+        for dtype in references:
             gemm_rates.setdefault(dtype, []).append(reference_gemm(dtype, repeats=1))
         for key, runner in list(runners.items()):
             warmup = 2 if key[1] else 1
@@ -475,9 +475,14 @@ def mfu_dtype(config: Config) -> torch.dtype:
 REFERENCE_SIZE: dict[torch.dtype, int] = {torch.float32: 1024, torch.float16: 2048, torch.bfloat16: 2048}
 
 
+def reference_dtypes(configs: list[Config]) -> tuple[torch.dtype, ...]:
+    """The MFU references ``configs`` need, each once, in the configurations' order (a set's order varied
+    from run to run in the printed reference lines)."""
+    return tuple(dict.fromkeys(mfu_dtype(c) for c in configs))
+
+
 def reference_gemm(dtype: torch.dtype, repeats: int = 3) -> float:
     return hardware.gemm_gflops("cpu", dtype, REFERENCE_SIZE[dtype], repeats=repeats)
-
 
 
 
@@ -512,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in hardware.HALF_DTYPES:
         d = hardware.half_arithmetic("cpu", dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
-    gemm_rates = {dtype: [reference_gemm(dtype)] for dtype in {mfu_dtype(c) for c in configs}}
+    gemm_rates = {dtype: [reference_gemm(dtype)] for dtype in reference_dtypes(configs)}
     console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
         workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)

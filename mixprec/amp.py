@@ -156,6 +156,7 @@ def initialize(
     recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
+    given = opt_list
     _check_models_and_optimizers(model_list, opt_list)
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
@@ -176,9 +177,9 @@ def initialize(
             "mixprec.amp.state_dict()/loss_scaler() now refer to this call's.",
             stacklevel=2,
         )
-    for given, returned in zip(_as_list(optimizers)[0], opt_list, strict=True):
-        if given is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
-            setattr(given, _REPLACED_ATTR, recipe.name)
+    for mine, returned in zip(given, opt_list, strict=True):
+        if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
+            setattr(mine, _REPLACED_ATTR, recipe.name)
     _STATE = _AmpState(recipe, device_type, scalers, halves)
     for opt in opt_list:
         _patch_step(opt, _STATE)
@@ -275,19 +276,19 @@ def _patch_step(opt: Any, state: _AmpState) -> None:
     """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded."""
     setattr(opt, _OPT_STATE_ATTR, state)
     opt._mixprec_plain_step = opt.step
-    if not getattr(opt.step, "_wrapped_by_lr_sched", False):
-        opt.step = types.MethodType(_amp_step, opt)  # bound, as torch's LR schedulers expect to wrap
-        return
-    # An LR scheduler built before initialize wrapped step to record that it ran. The plain step we call
-    # is that wrapper, so carry its mark: without it torch warns at the first scheduler.step() that
-    # "optimizer.step() has been overridden after learning rate scheduler initialization". (A skipped
-    # first step does not run the wrapper, so torch's "lr_scheduler.step() before optimizer.step()" warning
-    # then comes, as it does under torch.amp.) A method still: a bound method reads its function's mark.
-    def marked_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _amp_step(self, *args, **kwargs)
 
-    marked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = types.MethodType(marked_step, opt)
+    # An LR scheduler built before initialize wrapped step to record that it ran. The plain step we call is
+    # that wrapper, so carry its mark: without it torch warns at the first scheduler.step() that
+    # "optimizer.step() has been overridden after learning rate scheduler initialization". (A skipped first
+    # step does not run the wrapper, so torch's "lr_scheduler.step() before optimizer.step()" warning then
+    # comes, as it does under torch.amp.) Bound, as torch's schedulers expect to wrap; a bound method reads
+    # its function's mark.
+    if getattr(opt.step, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = types.MethodType(step, opt)
 
 
 def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:

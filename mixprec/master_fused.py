@@ -94,17 +94,11 @@ class FusedMasterStep:
 
     def _units(self, group: dict[str, Any], masters: GroupMasters) -> Iterator[_Unit]:
         state, amsgrad = self.optimizer.state, bool(group["amsgrad"])
-        shadowed = {id(t) for t in masters.shadow()}
-        for view, p, in_flat in zip(masters.views, masters.model, masters.in_flat, strict=True):
-            if p.grad is None:
+        for slot in _slots(group, masters, 0):
+            if slot.source.grad is None:
                 continue  # torch.optim's rule: no gradient, no step (no decay, no moment update)
-            owner = masters.flat if in_flat else view
-            offset = view.storage_offset() if in_flat else 0
-            s = _adam_state(state[owner], owner, amsgrad)  # type: ignore[index]
-            yield _Unit(view.view(-1), p.grad.reshape(-1), s, offset, p.view(-1))
-        for p in group["params"]:  # fp32 parameters are their own masters (BatchNorm under O2)
-            if id(p) not in shadowed and p.grad is not None:
-                yield _Unit(p.view(-1), p.grad.view(-1), _adam_state(state[p], p, amsgrad), 0, None)
+            s = _adam_state(state[slot.owner], slot.owner, amsgrad)
+            yield _Unit(slot.param, slot.source.grad.reshape(-1), s, slot.offset, slot.model)
 
     def _chunks(self, units: list[_Unit]) -> Iterator[list[_Unit]]:
         """Units cut at CHUNK elements and packed so that each chunk's half gradients fill one scratch."""
@@ -165,7 +159,7 @@ class FusedMasterStep:
     def _slots_for(self, groups: list[GroupMasters]) -> list[_Slot]:
         """One :class:`_Slot` per tensor the compiled step may update, built on the first step and again
         when the param groups change (add_param_group) or load_state_dict replaced the state: walking the
-        groups and flattening views every step cost ~0.3 ms at 60 tensors (RESULTS.md)."""
+        groups and flattening views every step cost ~0.16 ms at 60 tensors on the AMX Xeon (RESULTS.md)."""
         key = (id(groups), len(groups), *(len(g["params"]) for g in self.optimizer.param_groups))
         if key != self._slots_key:
             self._slots = [slot for k, (group, masters) in
@@ -258,13 +252,14 @@ class _Slot:
         c = self._cache
         if not c or c[0] is not m or c[1] is not v or c[2] != m.data_ptr() or c[3] != v.data_ptr():
             n = self.param.numel()
-            c = self._cache = (m, v, m.data_ptr(), v.data_ptr(), m.view(-1)[self.offset : self.offset + n],
-                               v.view(-1)[self.offset : self.offset + n])
+            c = self._cache = (m, v, m.data_ptr(), v.data_ptr(), _part(m, self.offset, n),
+                               _part(v, self.offset, n))
         return c[4], c[5]
 
 
 def _slots(group: dict[str, Any], masters: GroupMasters, k: int) -> Iterator[_Slot]:
-    """The slots of one param group, in FusedMasterStep._units' order (with or without a gradient now)."""
+    """Every tensor of one param group the step may update (with or without a gradient now): the half
+    parameters' masters in order, then the fp32 parameters that are their own masters."""
     shadowed = {id(t) for t in masters.shadow()}
     for view, p, in_flat in zip(masters.views, masters.model, masters.in_flat, strict=True):
         owner = masters.flat if in_flat else view
@@ -290,4 +285,9 @@ def _slice(u: _Unit, start: int, n: int) -> _Unit:
 
 
 def _moment(u: _Unit, key: str) -> torch.Tensor:
-    return u.state[key].view(-1)[u.offset : u.offset + u.param.numel()]
+    return _part(u.state[key], u.offset, u.param.numel())
+
+
+def _part(state_tensor: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """A tensor's share of an optimizer-state tensor (a flat buffer's state holds all its members)."""
+    return state_tensor.view(-1)[offset : offset + n]

@@ -44,6 +44,7 @@ from mixprec.errors import (
     PersistentOverflowError,
     ScalerStateError,
 )
+from mixprec.hardware import HALF_DTYPES
 from mixprec.scale_state import (
     DEFAULT_BACKOFF_FACTOR,
     DEFAULT_GROWTH_FACTOR,
@@ -356,8 +357,8 @@ class GradScaler:
                 dev_inv_scale = inv_scale.to(device)
                 for dtype, grads in per_dtype.items():
                     # plain tensors only: torch's op also all-reduces the flag of sharded (DTensor) grads
-                    plain = all(type(g) is torch.Tensor for g in grads)
-                    if checker is not None and plain and dtype in (torch.float16, torch.bfloat16):
+                    if checker is not None and dtype in HALF_DTYPES and all(type(g) is torch.Tensor
+                                                                            for g in grads):
                         checker(grads, found)
                         continue
                     # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.

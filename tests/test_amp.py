@@ -569,7 +569,8 @@ def test_a_scheduler_built_before_initialize_keeps_working_without_torchs_overri
 
 
 def test_scale_loss_passes_the_loss_through_when_initialize_was_disabled() -> None:
-    # apex: with enabled=False, scale_loss yields the loss itself and backward is the plain one.
+    # apex's documented enabled=False: "renders all Amp calls no-ops, so your script should run as if Amp
+    # were not present" (apex.amp.initialize): scale_loss yields the loss itself, backward is the plain one.
     other = _net()
     mixprec.initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), "O2", verbosity=0)  # earlier
     model = _net()
