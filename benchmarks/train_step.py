@@ -25,6 +25,7 @@ smaller batch scaled up linearly (GEMM time is linear in the tokens); the table 
     python benchmarks/train_step.py --no-compile    # eager only
     python benchmarks/train_step.py --workload mlp --batch 2048   # another batch size
     python benchmarks/train_step.py --default-malloc   # without mixprec.host_memory.keep_freed_memory()
+    python benchmarks/train_step.py --device cuda --steps 30   # on a GPU (every step synchronised)
 """
 
 from __future__ import annotations
@@ -180,11 +181,19 @@ class Runner:
         forward = torch.compile(self.model) if self.compiled else self.model
         self.step = _STEPS[self.config.kind](self, forward)
 
+    @property
+    def device_type(self) -> str:
+        return self.x.device.type
+
     def timed_step(self) -> float:
         if self.amp_state is not None:
             amp._STATE = self.amp_state  # type: ignore[assignment]
+        # On a GPU the step only queues kernels: wait for the queue before and after, so the time is the
+        # step's own (the previous configuration's kernels are done) and all of it.
+        hardware.synchronize(self.device_type)
         start = time.perf_counter()
         self.step()
+        hardware.synchronize(self.device_type)
         return time.perf_counter() - start
 
 
@@ -202,11 +211,12 @@ def _fp32_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], 
 
 
 def _torch_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    scaler = torch.amp.GradScaler("cpu", enabled=r.config.dtype is torch.float16)  # bf16 needs none
+    device_type = r.device_type
+    scaler = torch.amp.GradScaler(device_type, enabled=r.config.dtype is torch.float16)  # bf16 needs none
 
     def step() -> None:
         r.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=r.config.dtype):
+        with torch.autocast(device_type, dtype=r.config.dtype):
             loss = _loss(forward(r.x), r.y)
         scaler.scale(loss).backward()
         scaler.step(r.opt)
@@ -266,8 +276,10 @@ _STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[[], N
 }
 
 
-def make_runner(workload: Workload, config: Config, compiled: bool, state: dict, batch: int) -> Runner:
-    model = workload.make()
+def make_runner(
+    workload: Workload, config: Config, compiled: bool, state: dict, batch: int, device: str = "cpu"
+) -> Runner:
+    model = workload.make().to(device)
     model.load_state_dict(state)
     # fused: torch's fastest AdamW, for every configuration (MasterWeights picks it for O2's masters anyway)
     opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -281,7 +293,7 @@ def make_runner(workload: Workload, config: Config, compiled: bool, state: dict,
         # per configuration and swaps it in before each step.
         amp_state = amp._STATE
     x, y = workload.batch(batch)
-    return Runner(config, compiled, model, opt, x, y, amp_state=amp_state)
+    return Runner(config, compiled, model, opt, x.to(device), y.to(device), amp_state=amp_state)
 
 
 # ---- measurements ---------------------------------------------------------------------------------------
@@ -296,16 +308,16 @@ def saved_mib(runner: Runner) -> float | None:
     saved = SavedTensors.beyond(runner.model.parameters())
     if runner.amp_state is not None:
         amp._STATE = runner.amp_state  # type: ignore[assignment]
-    context = (torch.autocast("cpu", dtype=runner.config.dtype) if runner.config.kind == "torch"
+    context = (torch.autocast(runner.device_type, dtype=runner.config.dtype) if runner.config.kind == "torch"
                else contextlib.nullcontext())
     with saved.counting(), context:
         _loss(runner.model(runner.x), runner.y)
     return saved.total / 2**20
 
 
-def is_slow(config: Config) -> bool:
+def is_slow(config: Config, device: str = "cpu") -> bool:
     """torch.autocast of a dtype this machine has no fast kernels for (the ~90x case)."""
-    return config.kind == "torch" and hardware.half_arithmetic("cpu", config.dtype).emulated
+    return config.kind == "torch" and hardware.half_arithmetic(device, config.dtype).emulated
 
 
 @dataclass
@@ -321,7 +333,7 @@ class Result:
 
 def time_workload(
     workload: Workload, configs: list[Config], modes: tuple[bool, ...], steps: int, slow_steps: int,
-    console: Console, gemm_rates: dict[torch.dtype, list[float]],
+    console: Console, gemm_rates: dict[torch.dtype, list[float]], device: str = "cpu",
 ) -> dict[tuple[str, bool], Result]:
     """Median step times, round-robin; each round also times one reference GEMM per MFU dtype of
     ``configs`` (:func:`mfu_dtype`) into ``gemm_rates``."""
@@ -332,31 +344,32 @@ def time_workload(
     for config in configs:
         for compiled in modes:
             key = (config.name, compiled)
-            batch = workload.slow_batch_size if is_slow(config) else workload.batch_size
-            if compiled and is_slow(config):
+            slow = is_slow(config, device)
+            batch = workload.slow_batch_size if slow else workload.batch_size
+            if compiled and slow:
                 # Inductor calls the same slow half GEMM kernels: minutes of compile and steps to learn that
                 results[key] = Result(None, 0, batch, None, "skipped: no fast kernels here (see eager)")
                 continue
             try:
-                runners[key] = make_runner(workload, config, compiled, state, batch)
+                runners[key] = make_runner(workload, config, compiled, state, batch, device)
             except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
-                results[key] = _failed(key, batch, err, console)
+                results[key] = _failed(key, batch, err, console, device)
     times: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
     faults: dict[tuple[str, bool], list[int]] = {key: [] for key in runners}
-    references = reference_dtypes(configs)
+    references = reference_dtypes(configs, device)
     for i in range(max(steps, slow_steps) + 2):  # the first steps warm up: allocation, compilation
         for dtype in references:
-            gemm_rates.setdefault(dtype, []).append(reference_gemm(dtype, repeats=1))
+            gemm_rates.setdefault(dtype, []).append(reference_gemm(dtype, device, repeats=1))
         for key, runner in list(runners.items()):
             warmup = 2 if key[1] else 1
-            if i >= warmup + (slow_steps if is_slow(runner.config) else steps):
+            if i >= warmup + (slow_steps if is_slow(runner.config, device) else steps):
                 continue
             try:
                 before = page_faults()
                 seconds = runner.timed_step()
                 faulted = page_faults() - before
             except Exception as err:  # noqa: BLE001
-                results[key] = _failed(key, runner.x.shape[0], err, console)
+                results[key] = _failed(key, runner.x.shape[0], err, console, device)
                 del runners[key]
                 continue
             if i >= warmup:
@@ -378,11 +391,13 @@ def page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if HAS_RUSAGE else 0
 
 
-def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console) -> Result:
+def _failed(
+    key: tuple[str, bool], batch: int, err: Exception, console: Console, device: str = "cpu"
+) -> Result:
     # A step that raised inside a region left it entered: leave it, so the next configuration runs clean.
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
-    torch.set_autocast_enabled("cpu", False)
+    torch.set_autocast_enabled(device, False)
     STATE.regions.clear()
     reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:80]}"
     console.print(f"  {key[0]}{' compiled' if key[1] else ''}: failed ({reason})")
@@ -393,7 +408,8 @@ def _failed(key: tuple[str, bool], batch: int, err: Exception, console: Console)
 
 
 def report(
-    workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: Mapping[torch.dtype, float]
+    workload: Workload, results: dict[tuple[str, bool], Result], gemm_gflops: Mapping[torch.dtype, float],
+    device: str = "cpu",
 ) -> Table:
     """The table; ``gemm_gflops`` holds the MFU reference rate of each dtype in :func:`mfu_dtype`."""
     table = Table(title=workload.name)
@@ -415,7 +431,7 @@ def report(
         ref = results.get((torch_of.get(config.dtype, ""), compiled))
         flops = workload.flops_per_token * tokens
         approx = "≈" if r.batch != workload.batch_size else ""
-        reference = mfu_dtype(config)
+        reference = mfu_dtype(config, device)
         table.add_row(
             name, mode, f"{approx}{r.ms:.1f}",
             _ratio(r, base), _ratio(r, ref) if config.kind != "fp32" else "",
@@ -459,12 +475,12 @@ def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float,
 # ---- the MFU reference: the GEMM rate of the arithmetic a configuration computes in ----------------------
 
 
-def mfu_dtype(config: Config) -> torch.dtype:
+def mfu_dtype(config: Config, device: str = "cpu") -> torch.dtype:
     """The dtype whose GEMM rate a configuration's MFU is measured against: its half dtype where this
     machine runs that natively (bf16 on AMX: ~6x fp32's rate, so against fp32 such a step showed 200%),
     else fp32 (fp32 itself, and emulated half, which computes with fp32 kernels; torch.autocast of a dtype
     without fast kernels is held to what the machine could do, fp32's rate)."""
-    if config.dtype in hardware.HALF_DTYPES and not hardware.half_arithmetic("cpu", config.dtype).emulated:
+    if config.dtype in hardware.HALF_DTYPES and not hardware.half_arithmetic(device, config.dtype).emulated:
         return config.dtype
     return torch.float32
 
@@ -472,17 +488,21 @@ def mfu_dtype(config: Config) -> torch.dtype:
 # Square GEMMs timed throughout the run. fp32: as large as the MLP's GEMMs, and at full rate at that size.
 # Native half: 2048, since AMX bf16 reads ~1500 GFLOP/s at 1024^3 (too little work per call) but ~2500 at
 # 2048^3 and at the GPT's and MLP's own shapes; a low reference would inflate every MFU against it.
-REFERENCE_SIZE: dict[torch.dtype, int] = {torch.float32: 1024, torch.float16: 2048, torch.bfloat16: 2048}
+# A GPU needs 8192^3 to reach its peak (an H100's bf16 tensor cores: ~800 TFLOP/s there, well under at 2048).
+REFERENCE_SIZE: dict[str, dict[torch.dtype, int]] = {
+    "cpu": {torch.float32: 1024, torch.float16: 2048, torch.bfloat16: 2048},
+    "cuda": {torch.float32: 8192, torch.float16: 8192, torch.bfloat16: 8192},
+}
 
 
-def reference_dtypes(configs: list[Config]) -> tuple[torch.dtype, ...]:
+def reference_dtypes(configs: list[Config], device: str = "cpu") -> tuple[torch.dtype, ...]:
     """The MFU references ``configs`` need, each once, in the configurations' order (a set's order varied
     from run to run in the printed reference lines)."""
-    return tuple(dict.fromkeys(mfu_dtype(c) for c in configs))
+    return tuple(dict.fromkeys(mfu_dtype(c, device) for c in configs))
 
 
-def reference_gemm(dtype: torch.dtype, repeats: int = 3) -> float:
-    return hardware.gemm_gflops("cpu", dtype, REFERENCE_SIZE[dtype], repeats=repeats)
+def reference_gemm(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) -> float:
+    return hardware.gemm_gflops(device, dtype, REFERENCE_SIZE[device][dtype], repeats=repeats)
 
 
 
@@ -501,10 +521,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's malloc as it is (default: mixprec.host_memory."
                         "keep_freed_memory(), for every configuration alike: no page faults per step)")
+    parser.add_argument("--device", choices=list(REFERENCE_SIZE), default="cpu",
+                        help="where the models run (cuda: the first GPU; every step is synchronised)")
     parser.add_argument("--profile", metavar="CONFIG", action="append", default=None,
                         help="instead of timing, print the cast share of a step of CONFIG (eager)")
     args = parser.parse_args(argv)
-    steps = args.steps or (2 if args.quick else 3)  # 3: the GPT's fp32 step takes seconds on 2 cores
+    device = args.device
+    if args.profile and device != "cpu":
+        raise SystemExit("--profile measures the CPU time of casts: leave --device out with it.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is "
+                         "False): run on a machine with a GPU and CUDA torch, or leave --device out.")
+    # 3 on a CPU: the GPT's fp32 step takes seconds on 2 cores. A GPU step takes milliseconds: 30.
+    steps = args.steps or (2 if args.quick else 3 if device == "cpu" else 30)
     slow_steps = 1  # ~90x configurations: one timed step after the warm-up
     names = args.workload or (["mlp"] if args.quick else list(WORKLOADS))
     modes = (False,) if args.no_compile or args.quick else (True,) if args.compiled_only else (False, True)
@@ -515,9 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         keep_freed_memory())
     console.print(f"host allocator: {malloc.reason}")
     for dtype in hardware.HALF_DTYPES:
-        d = hardware.half_arithmetic("cpu", dtype)
+        d = hardware.half_arithmetic(device, dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
-    gemm_rates = {dtype: [reference_gemm(dtype)] for dtype in reference_dtypes(configs)}
+    gemm_rates = {dtype: [reference_gemm(dtype, device)] for dtype in reference_dtypes(configs, device)}
     console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
         workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)
@@ -527,15 +556,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             continue
         console.print(f"timing {workload.name} ...")
-        results = time_workload(workload, configs, modes, steps, slow_steps, console, gemm_rates)
+        results = time_workload(workload, configs, modes, steps, slow_steps, console, gemm_rates, device)
         # The machine's best GEMM rate per dtype seen in this run (once at start, once per round): a single
         # timing under a passing load reads low and inflates every MFU.
         gflops = {dtype: max(rates) for dtype, rates in gemm_rates.items()}
         for dtype, rates in gemm_rates.items():
-            label, n = dtype_label(dtype), REFERENCE_SIZE[dtype]
+            label, n = dtype_label(dtype), REFERENCE_SIZE[device][dtype]
             console.print(f"{label} GEMM {n}^3: {gflops[dtype]:.1f} GFLOP/s, best of {len(rates)} "
                           f"(median {statistics.median(rates):.1f}): the MFU reference of {label}")
-        console.print(report(workload, results, gflops))
+        console.print(report(workload, results, gflops, device))
     return 0
 
 

@@ -254,14 +254,13 @@ def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) 
     device = torch.device(device_type)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    sync = _SYNCS.get(device_type, _no_sync)
     torch.mm(a, b)  # warm-up: kernel selection, lazy initialisation
-    sync()
+    synchronize(device_type)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
-        sync()
+        synchronize(device_type)
         best = min(best, time.perf_counter() - start)
     return 2.0 * n**3 / best / 1e9
 
@@ -271,6 +270,12 @@ def _no_sync() -> None:
 
 
 _SYNCS: dict[str, Callable[[], None]] = {"cuda": lambda: torch.cuda.synchronize()}
+
+
+def synchronize(device_type: str) -> None:
+    """Wait until ``device_type`` has run every kernel queued so far (a no-op where calls are synchronous,
+    as on the CPU): a timer around queued GPU work otherwise measures the queueing only."""
+    _SYNCS.get(device_type, _no_sync)()
 
 
 # --------------------------------------------------------------------------------------------------------
