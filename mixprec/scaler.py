@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, MutableMapping
@@ -118,6 +119,34 @@ def _refresh_per_optimizer_state() -> _PerOptimizer:
 
 def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+# Where torch's fused unscale-and-check op has no kernel: its CUDA loop covers fp16, fp32 and fp64 only
+# (torch 2.4 to 2.13), so bf16 gradients there (a GradScaler over a bf16 model, O2 bf16 without fp32 master
+# gradients) raised NotImplementedError.
+NO_FUSED_UNSCALE: frozenset[tuple[str, torch.dtype]] = frozenset({("cuda", torch.bfloat16)})
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and set ``found`` (0-d fp32) to
+    1.0 if any holds an inf or NaN: torch's fused op, or where it has no kernel two foreach passes to the
+    same effect."""
+    if (grads[0].device.type, grads[0].dtype) not in NO_FUSED_UNSCALE:
+        # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+        return
+    # max |g| of each tensor: an inf stays inf and a NaN propagates through the max, so one stack of
+    # per-tensor peaks holds a non-finite value exactly when some gradient does (no model-sized temporary).
+    peaks = torch._foreach_norm(grads, ord=math.inf)
+    bad = (~torch.isfinite(torch.stack(peaks))).any().to(found.dtype)
+    found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
+    # Computed in fp32 (opmath) and rounded once to the gradient's dtype, as torch's fused op does; but on
+    # CUDA the kernel reads the fp32 inv_scale as a bf16 value first. That is exact for the power-of-two
+    # scales of dynamic scaling (2**16 at start, x2 and x0.5 steps): the same bits as the fused op. A scale
+    # that is no power of two (a user's init_scale=1000) is off by up to one bf16 rounding of 1/scale,
+    # 2**-9 relative, less than the rounding the bf16 gradient already carries. (Exact would need the
+    # scale on the host: a sync every step.)
+    torch._foreach_mul_(grads, inv_scale)
 
 
 class GradScaler:
@@ -361,8 +390,7 @@ class GradScaler:
                                                                             for g in grads):
                         checker(grads, found)
                         continue
-                    # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, dev_inv_scale)
+                    unscale_and_check_(grads, found, dev_inv_scale)
         if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
             if not per_device_found:  # no gradients here this step: still join the other ranks' all-reduce
                 per_device_found[found_inf.device] = torch.zeros_like(found_inf)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec import scaler as scaler_module
 from mixprec.errors import (
     ConfigError,
     DeviceMismatchError,
@@ -423,3 +424,54 @@ def test_stage_and_skipped_async_follow_the_protocol_without_syncing() -> None:
         assert scaler.stage(opt) is OptState.READY
         assert bool(scaler.skipped_async()) is poison == scaler.last_step_skipped
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("scale", [2.0**13, 3.0])
+def test_unscale_where_torch_has_no_fused_kernel_matches_its_arithmetic(
+    device: str, dtype: torch.dtype, poison: float | None, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two-pass unscale (torch's fused op has no bf16 CUDA kernel) against what the fused op computes:
+    each gradient times 1/scale in fp32, rounded once to its dtype, and the flag set by any inf/NaN. Bit
+    for bit at a power-of-two scale (dynamic scaling's); elsewhere CUDA's foreach kernel rounds 1/scale
+    to the gradient's dtype first: within one rounding of that dtype."""
+    monkeypatch.setattr(scaler_module, "NO_FUSED_UNSCALE", frozenset({(device, dtype)}))
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(n, generator=gen) * 1e3).to(device, dtype) for n in (7, 300, 4096)]
+    if poison is not None:
+        grads[1][123] = poison
+    inv_scale = torch.tensor(1 / scale, device=device)
+    # the reference: torch's op on fp32 copies (exact upcasts), then one rounding to the gradient's dtype
+    expected = [g.float() for g in grads]
+    expected_found = torch.zeros((), device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_found, inv_scale)
+    found = torch.zeros((), device=device)
+    scaler_module.unscale_and_check_(grads, found, inv_scale)
+    assert found.item() == expected_found.item() == (poison is not None)
+    one_rounding = 0.0 if scale == 2.0**13 else torch.finfo(dtype).eps
+    for got, ref in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, ref.to(dtype), rtol=one_rounding, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bf16_model_on_cuda_steps_and_skips() -> None:
+    """torch's fused unscale has no bf16 CUDA kernel (NotImplementedError in torch.amp.GradScaler); ours
+    steps a bf16 model and skips the step whose gradient is inf."""
+    model = _model("cuda").to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cuda", init_scale=2.0**8)
+    for poisoned in (False, True):
+        before = [p.detach().clone() for p in model.parameters()]
+        x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
+        scaler.scale(model(x).float().sum()).backward()
+        if poisoned:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        assert moved is not poisoned
+    assert scaler.get_scale() == 2.0**7  # halved once, for the inf
