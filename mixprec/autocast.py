@@ -129,6 +129,27 @@ def _mode_for(region: Region) -> _PolicyMode:
     return mode
 
 
+# Dynamo of torch 2.11 ran torch.amp._enter_autocast eagerly while tracing, then failed its check that tracing
+# leaves the global autocast state alone ("Global autocast(cuda)_enabled state changed while dynamo
+# tracing"); 2.13 traces it. Before 2.13 a region met in compiled code is entered and left eagerly instead
+# (_untraced: a graph break; the code inside the region is compiled under the region's autocast state).
+TRACEABLE_ENTER = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compiler.disable(method, recursive=True)
+
+
+@functools.cache
+def _warn_eager_region() -> None:
+    warnings.warn(
+        f"mixprec.autocast inside torch.compile needs torch 2.13 or newer to be traced; with torch "
+        f"{torch.__version__} the region is entered eagerly (a graph break) and the code inside it is "
+        "compiled on its own. Fix: upgrade torch, or enter mixprec.autocast outside the compiled function.",
+        stacklevel=3,
+    )
+
+
 def _mode_of(policy: Policy, device_type: str, dtype: torch.dtype, cache_enabled: bool, _: int) -> Any:
     """The mode of an enabled region (None: no Python layer), for compiled code (the last argument, the
     registry version, is there to be part of the key)."""
@@ -192,9 +213,10 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         policy: a :class:`~mixprec.policy.Policy`; None is ``mixprec.policy.DEFAULT_POLICY``. The user's
             global register_* registrations apply on top of it.
 
-    Works inside ``torch.compile`` (fullgraph): there the region enters torch's autocast through the
-    traceable ``torch.amp._enter_autocast`` and skips the thread-local stack and the cast cache, which
-    Dynamo cannot trace (the compiler deduplicates casts itself). ``Policy.fp32_modules`` needs global
+    Works inside ``torch.compile`` (fullgraph) with torch 2.13 or newer: there the region enters torch's
+    autocast through the traceable ``torch.amp._enter_autocast`` and skips the thread-local stack and the
+    cast cache, which Dynamo cannot trace (the compiler deduplicates casts itself). An older torch enters
+    the region eagerly (a graph break, with a warning) and compiles the code inside it on its own. ``Policy.fp32_modules`` needs global
     module hooks and is refused in compiled code: use :func:`keep_fp32`, or enter the region outside.
     """
 
@@ -232,7 +254,13 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
 
     def __enter__(self) -> autocast:
         if torch.compiler.is_compiling():
-            return self._enter_compiled()
+            if TRACEABLE_ENTER:
+                return self._enter_compiled()
+            _warn_eager_region()
+            return _untraced(self._enter_eager)()
+        return self._enter_eager()
+
+    def _enter_eager(self) -> autocast:
         torch_region = torch.autocast(
             self.device, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
         )
@@ -270,8 +298,14 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
 
     def __exit__(self, *exc: Any) -> None:
         if torch.compiler.is_compiling():
-            self._exit_compiled(*exc)
+            if TRACEABLE_ENTER:
+                self._exit_compiled(*exc)
+            else:
+                _untraced(self._exit_eager)(*exc)
             return
+        self._exit_eager(*exc)
+
+    def _exit_eager(self, *exc: Any) -> None:
         torch_region, region, mode, rules, tracing = self._frames.pop()
         try:
             if rules is not None:

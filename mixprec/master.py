@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,6 +83,15 @@ def _fused_capable(optimizer: torch.optim.Optimizer) -> bool:
         and not defaults.get("differentiable", False)
     )
 
+
+
+@dataclass
+class _Iteration:
+    """What MasterWeights has done in this iteration. A plain object, not attributes of the optimizer:
+    Dynamo of torch 2.11 failed to set an attribute of an Optimizer inside a compiled step ("Attempted
+    setattr on a user-defined object that does not have an AttributeMutation mutation_type")."""
+
+    grads_copied: bool = False  # the model's gradients are in the masters' (by the scaler, or clipping)
 
 class MasterWeights(torch.optim.Optimizer):
     """Keep fp32 master weights for a half-precision model and let ``optimizer`` update them.
@@ -162,7 +172,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._patch_step_function()
-        self._grads_copied = False
+        self._iteration = _Iteration()
         self._mirror = GradMirror()
         self._guard = InnerOptimizerGuard(optimizer, self._seed_from_model)
 
@@ -197,6 +207,8 @@ class MasterWeights(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "_grads_copied" in state:  # pickled before the flag moved into _Iteration
+            self._iteration = _Iteration(self.__dict__.pop("_grads_copied"))
         # The wrapped optimizer was rebuilt from its own three fields: give it back what we set on it.
         if any(g.get("fused") for g in self.optimizer.param_groups):
             self.optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
@@ -277,7 +289,7 @@ class MasterWeights(torch.optim.Optimizer):
                 torch._foreach_copy_(dst, src)
                 params = [p for p in g.model if p.grad is not None]
                 self._mirror.copied += zip(params, dst, src, strict=True)
-        self._grads_copied = True
+        self._iteration.grads_copied = True
 
     def grads_unscaled(self) -> None:
         """Called by ``GradScaler.unscale_`` once the master gradients hold their true values: mirror them
@@ -314,7 +326,7 @@ class MasterWeights(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients the step reads: the fp32 master gradients
         (norm and scaling in fp32). Call it where torch.amp clips: after ``scaler.unscale_(opt)``."""
-        if not self._grads_copied:
+        if not self._iteration.grads_copied:
             self.copy_grads_to_master()
         self._mirror.take_edits()
         return nn.utils.clip_grad_norm_(self.scaled_grad_params(), max_norm, norm_type, error_if_nonfinite)
@@ -334,8 +346,8 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self._grads_copied = False
-        if not self._grads_copied:
+            self._iteration.grads_copied = False
+        if not self._iteration.grads_copied:
             self.copy_grads_to_master()
         self._mirror.take_edits()
         scaling = {a: getattr(self, a) for a in ("grad_scale", "found_inf") if hasattr(self, a)}
@@ -348,7 +360,7 @@ class MasterWeights(torch.optim.Optimizer):
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
         else:
             self._step_inner(scaling)
-        self._grads_copied = False
+        self._iteration.grads_copied = False
         self._mirror.reset()  # holds the model's gradients: let zero_grad free them
         return loss
 
@@ -373,7 +385,7 @@ class MasterWeights(torch.optim.Optimizer):
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-        self._grads_copied = False
+        self._iteration.grads_copied = False
         self._mirror.reset()
 
     # ------------------------------------------------------------------ access

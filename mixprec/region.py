@@ -68,7 +68,8 @@ def _compiled_key(make: Callable[..., RegionMode | None], *args: Any) -> str:
 def compiled_mode(make: Callable[..., RegionMode | None], *args: Any) -> RegionMode | None:
     """``make(*args)`` -- the mode a region enters -- made once per distinct args, in compiled code.
 
-    ``args`` are strings, bools, ints, dtypes or long-lived objects (policies: keyed by identity).
+    ``args`` are strings, bools, ints or dtypes: torch.compile before torch 2.13 cannot hand it anything
+    else (a frozen dataclass raised while tracing), so a policy comes as its ``compile_key``.
     """
     return _COMPILED_MODES[_compiled_key(make, *args)]
 

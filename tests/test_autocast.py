@@ -19,6 +19,7 @@ from conftest import load_torch_autocast_lists
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec.errors
+from mixprec import hardware
 from mixprec import policy as P
 from mixprec.autocast import AutocastError, BannedOpError, autocast, keep_fp32, release_fp32
 from mixprec.region import STATE
@@ -517,7 +518,9 @@ def test_keep_fp32_rejects_non_modules() -> None:
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("dtype", HALF)
-def test_cuda_default_policy_is_torch_autocast(dtype: torch.dtype) -> None:
+def test_cuda_default_policy_is_torch_autocast(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the suite's CPU arithmetic (fp16 emulated) would apply to the GPU too: this tests what is detected
+    monkeypatch.delenv(hardware.ENV_VAR)
     lin, x = nn.Linear(8, 8).cuda(), torch.randn(4, 8, device="cuda")
     with contextlib.ExitStack() as stack:
         stack.enter_context(autocast("cuda", dtype))

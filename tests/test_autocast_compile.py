@@ -11,6 +11,7 @@ compared *bitwise* with compiled torch.autocast, and eager with eager. Elsewhere
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,10 @@ from mixprec import policy as P
 from mixprec.half_compute import half_compute
 
 FP16_ROUNDING = 2.0**-9
+# mixprec.autocast (the attribute) is the context manager; the engine module is reached through sys.modules
+A = importlib.import_module("mixprec.autocast")
+# Traced regions (fullgraph) need torch >= 2.13; before it a region is entered eagerly (tested below).
+TRACED = pytest.mark.skipif(not A.TRACEABLE_ENTER, reason=f"torch {torch.__version__} cannot trace it")
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -42,6 +47,7 @@ def _in_region(region: Callable[[], object], model: nn.Module) -> Callable[[torc
     return f
 
 
+@TRACED
 def test_compiled_function_entering_autocast_bf16_is_torch_compiled_autocast() -> None:
     model, x = _mlp(), torch.randn(4, 16)
     ours = _in_region(lambda: mixprec.autocast("cpu", torch.bfloat16), model)
@@ -51,6 +57,23 @@ def test_compiled_function_entering_autocast_bf16_is_torch_compiled_autocast() -
     assert torch.equal(ours(x), theirs(x))
 
 
+def test_a_torch_that_cannot_trace_the_region_enters_it_eagerly_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's Dynamo failed on entering the region ("Global autocast state changed while dynamo
+    tracing"): there the region is entered eagerly, with a warning, and gives the eager region's result."""
+    monkeypatch.setattr(A, "TRACEABLE_ENTER", False)
+    A._warn_eager_region.cache_clear()
+    model, x = _mlp(), torch.randn(4, 16)
+    f = _in_region(lambda: mixprec.autocast("cpu", torch.bfloat16, policy=P.APEX), model)
+    with pytest.warns(UserWarning, match="needs torch 2.13 or newer"):
+        compiled = torch.compile(f)(x)
+    torch.testing.assert_close(compiled, f(x), rtol=2.0**-8, atol=2.0**-8)  # inside compiled: one rounding
+    fp32 = F.log_softmax(model(x), -1)  # no region: the region must have been in force (bf16 GEMMs)
+    assert not torch.allclose(compiled, fp32, rtol=1e-5, atol=1e-5)
+    A._warn_eager_region.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("dtype", "policy", "rtol"),
     [
@@ -58,6 +81,7 @@ def test_compiled_function_entering_autocast_bf16_is_torch_compiled_autocast() -
         (torch.bfloat16, P.APEX, 2.0**-8),  # a Python layer (gelu, log_softmax fp32): one bf16 rounding
     ],
 )
+@TRACED
 def test_compiled_function_with_the_python_layer_matches_eager(
     dtype: torch.dtype, policy: P.Policy | None, rtol: float
 ) -> None:

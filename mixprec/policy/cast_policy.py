@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,6 +19,10 @@ from mixprec.policy.rules import Action, DeviceTable, OpRule, Source
 from mixprec.policy.tables import TORCH_TABLES
 
 __all__ = ["Policy"]
+
+# Policy.compile_key -> the policy, for as long as it lives (a weak map: policies made in a loop are freed).
+_BY_COMPILE_KEY: weakref.WeakValueDictionary[str, Policy] = weakref.WeakValueDictionary()
+_KEY_NUMBERS = itertools.count()
 
 
 def _module_key(module: type | str) -> str:
@@ -74,6 +80,8 @@ class Policy:
     fp32_modules: tuple[str, ...] = ()
     emulate_fp16: bool = True
     description: str = field(default="", compare=False)
+    # Names this policy in compiled code (see from_compile_key); unique per instance, set on creation.
+    compile_key: str = field(init=False, default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", tuple(self.tables))
@@ -81,6 +89,24 @@ class Policy:
         seen = [t.device_type for t in self.tables]
         if len(seen) != len(set(seen)):
             raise PolicyError(f"Policy {self.name!r} has two tables for one device ({seen})", "merge them")
+        self._register()
+
+    def _register(self) -> None:
+        key = f"{self.name}#{next(_KEY_NUMBERS)}"
+        object.__setattr__(self, "compile_key", key)
+        _BY_COMPILE_KEY[key] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (pickle, deepcopy) is another instance: it gets a key of its own."""
+        self.__dict__.update(state)
+        self._register()
+
+    @staticmethod
+    def from_compile_key(key: str) -> Policy:
+        """The live policy whose :attr:`compile_key` is ``key``. Compiled code names a policy by this string:
+        torch.compile before torch 2.13 cannot hand a frozen dataclass to a function it runs eagerly while
+        tracing ("can't reconstruct arbitrary frozen dataclass instances"), but it can hand a string."""
+        return _BY_COMPILE_KEY[key]
 
     # ---- queries -------------------------------------------------------------------------------------
 

@@ -37,6 +37,10 @@ def _torch_rules(action: Action, *ops: str) -> tuple[OpRule, ...]:
 # share a policy there. Kept in torch's order so a diff against a newer torch is easy to read.
 # --------------------------------------------------------------------------------------------------------
 
+# The torch release the tables were read from. Other releases list a few ops differently (torch 2.11's
+# CUDA list has _cudnn_rnn and lacks rms_norm); there torch's own autocast handles those ops as it does.
+TABLES_TORCH_VERSION = (2, 13)
+
 TORCH_CPU: tuple[OpRule, ...] = (
     *_torch_rules(
         Action.LOWER,
