@@ -19,6 +19,7 @@ import datetime
 import os
 import socket
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,19 @@ class DistInfo:
         return self.rank == 0
 
 
-def _device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+def _device(local_rank: int, local_world: int) -> torch.device:
+    """This process's own GPU where every process on this machine has one, else the CPU: NCCL refuses two
+    ranks on one GPU ("invalid usage"), so 2 processes on a 1-GPU machine train on the CPU with gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_world <= gpus:
+        return torch.device("cuda", local_rank)
+    if gpus:
+        warnings.warn(
+            f"{local_world} processes on this machine share {gpus} GPU(s): NCCL needs a GPU per process, so "
+            "the ranks train on the CPU with gloo. Fix: launch at most one process per GPU "
+            f"(torchrun --nproc_per_node {gpus}), or pass backend explicitly.",
+            stacklevel=3,
+        )
     return torch.device("cpu")
 
 
@@ -87,9 +98,11 @@ def setup(backend: str | None = None, timeout: float | datetime.timedelta | None
     raises, passed to ``init_process_group``; None keeps torch's default (30 minutes for gloo)."""
     wait = _timedelta(timeout)
     if not all(name in os.environ for name in _ENV):
-        return DistInfo(0, 1, 0, _device(0), None)
+        return DistInfo(0, 1, 0, _device(0, 1), None)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    device = _device(local_rank)
+    # torchrun and launch() say how many processes run here; without it, assume one node of WORLD_SIZE
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    device = _device(local_rank, local_world)
     backend = backend or BACKENDS[device.type]
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -124,9 +137,9 @@ def _worker(
 ) -> None:
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-        MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port),
     )  # fmt: skip
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() < nprocs:  # the ranks train on the CPU (see _device)
         # As torchrun does: N processes sharing the CPU cores would oversubscribe them with N x threads.
         torch.set_num_threads(1)
     info = setup(backend, timeout)

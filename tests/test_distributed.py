@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from conftest import EXAMPLES, example
 
+from mixprec import distributed
 from mixprec.distributed import DistInfo, free_port, launch
 from mixprec.errors import ConfigError, DistributedError
 
@@ -136,3 +138,24 @@ def test_a_stalled_rank_is_named_once_the_timeout_expires() -> None:
 def test_a_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="timeout must be > 0"):
         launch(stall_on_rank_1, 2, (0.0,), timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "processes", "expected", "warns"),
+    [
+        (0, 2, ["cpu", "cpu"], False),  # no GPU: gloo on the CPU, as always
+        (2, 2, ["cuda:0", "cuda:1"], False),  # a GPU per process: NCCL
+        (1, 2, ["cpu", "cpu"], True),  # NCCL refuses two ranks on one GPU ("invalid usage"): CPU, said
+    ],
+)
+def test_each_process_gets_a_gpu_of_its_own_or_the_cpu(
+    gpus: int, processes: int, expected: list[str], warns: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        devices = [str(distributed._device(rank, processes)) for rank in range(processes)]
+    assert devices == expected
+    assert bool(caught) is warns
+    assert all("one process per GPU" in str(w.message) for w in caught)
