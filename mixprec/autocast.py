@@ -216,8 +216,9 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
     Works inside ``torch.compile`` (fullgraph) with torch 2.13 or newer: there the region enters torch's
     autocast through the traceable ``torch.amp._enter_autocast`` and skips the thread-local stack and the
     cast cache, which Dynamo cannot trace (the compiler deduplicates casts itself). An older torch enters
-    the region eagerly (a graph break, with a warning) and compiles the code inside it on its own. ``Policy.fp32_modules`` needs global
-    module hooks and is refused in compiled code: use :func:`keep_fp32`, or enter the region outside.
+    the region eagerly (a graph break, with a warning) and compiles the code inside it on its own.
+    ``Policy.fp32_modules`` needs global module hooks and is refused in compiled code: use
+    :func:`keep_fp32`, or enter the region outside.
     """
 
     def __init__(
