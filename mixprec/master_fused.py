@@ -67,6 +67,11 @@ class _Unit:
     model: torch.Tensor | None  # the half model slice to round the result into, None for fp32 parameters
 
 
+# Device types where the compiled step reads found_inf on the host to skip an overflowing step (free there);
+# elsewhere the compiled pass takes the flag (a read would wait for the device every step).
+SKIP_ON_HOST: frozenset[str] = frozenset({"cpu"})
+
+
 def _adam_state(state: dict[str, Any], param: torch.Tensor, amsgrad: bool) -> dict[str, Any]:
     """torch's Adam state, created the way Adam(fused=True) creates it: a float32 step on the device."""
     if not state:
@@ -135,8 +140,12 @@ class FusedMasterStep:
                 torch._foreach_sub_(steps, [found_inf.to(s.device) for s in steps])
 
     def _step_compiled(self, groups: list[GroupMasters], grad_scale: Any, found_inf: Any) -> None:
-        if found_inf is not None and found_inf.item():
-            return  # skipped: masters, moments and step counts untouched, as torch's fused Adam leaves them
+        # Where reading the flag is free (the CPU) a skipped step returns here: masters, moments and step
+        # counts untouched, as torch's fused Adam leaves them. On a GPU the read would be a sync every step:
+        # the pass takes the flag instead and leaves every tensor as it was (master_kernel.py).
+        on_device = found_inf is not None and found_inf.device.type not in SKIP_ON_HOST
+        if found_inf is not None and not on_device and found_inf.item():
+            return
         state = self.optimizer.state
         slots = self._slots_for(groups)
         if any(slot.moved() for slot in slots):  # a parameter's memory was replaced (`.data =`)
@@ -154,7 +163,9 @@ class FusedMasterStep:
         steps = list({id(u.step): u.step for u in units}.values())
         if steps:
             torch._foreach_add_(steps, 1)  # once per tensor: flat-buffer members share their buffer's step
-        adam_pass(units, self.optimizer.param_groups, grad_scale)
+        adam_pass(units, self.optimizer.param_groups, grad_scale, found_inf if on_device else None)
+        if on_device and steps:  # a skipped step does not count (torch's fused Adam does the same)
+            torch._foreach_sub_(steps, [found_inf.to(s.device) for s in steps])
 
     def _slots_for(self, groups: list[GroupMasters]) -> list[_Slot]:
         """One :class:`_Slot` per tensor the compiled step may update, built on the first step and again

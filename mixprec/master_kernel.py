@@ -16,8 +16,10 @@ the fused kernel's result up to the order of fp32 operations (tests/test_master_
 fp32 ulps after several steps), not bit for bit.
 
 Hyperparameters enter as tensors, so an LR schedule does not recompile; the set of tensors with a gradient
-does (one compile per distinct set). The skip of an overflowing step is decided before the kernel from
-``found_inf`` (one read: free on the CPU, one sync on CUDA), which keeps the kernel a pure update.
+does (one compile per distinct set). The skip of an overflowing step is decided before the kernel on the
+CPU, where reading ``found_inf`` is free; on a GPU reading it would be a sync every step (the host could no
+longer queue work ahead of the device), so there the kernel takes the flag and writes back the old values
+when it is set, as torch's fused Adam does.
 """
 
 from __future__ import annotations
@@ -103,10 +105,20 @@ def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) 
 def coefficients_on_device(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:
     """:func:`coefficients` as fp64 tensor ops on the units' device: reads no step count back (no sync)."""
     device = units[0].param.device
-    table = torch.tensor([_settings(g) for g in groups], dtype=torch.float64, device=device)
-    per_unit = table[torch.tensor([u.group for u in units], device=device)].unbind(1)
+    table = _on_device([_settings(g) for g in groups], torch.float64, device)
+    per_unit = table[_on_device([u.group for u in units], torch.int64, device)].unbind(1)
     step = torch.stack([u.step for u in units]).to(torch.float64)
     return torch.stack(_columns(*per_unit, step, torch.sqrt), 1).to(torch.float32)
+
+
+def _on_device(rows: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``rows`` as a tensor on ``device``, queued rather than waited for: CUDA copies from pageable host
+    memory only once every kernel queued before has run (a sync per step); from pinned memory the copy is
+    queued like a kernel (torch's pinned allocator keeps the buffer until the copy has run)."""
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _value(lr: float | torch.Tensor) -> float:
@@ -129,7 +141,10 @@ def _adam_pass(
     decay: Sequence[str],
     maximize: Sequence[bool],
     grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
 ) -> None:
+    # found_inf given (a GPU): a skipped step writes every target's old value back, so nothing changes
+    keep_old = None if found_inf is None else found_inf > 0
     targets: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i, ((p, g, m, v), model, k) in enumerate(zip(units, models, which, strict=True)):
@@ -149,6 +164,8 @@ def _adam_pass(
         # the model (rounded to nearest), then p, m, v: each written after everything that reads its old value
         writes = [(model, new)] if model is not None else []
         writes += [(p, new), (m, exp_avg), (v, exp_avg_sq)]
+        if keep_old is not None:  # each target reads only itself more: the write order below still holds
+            writes = [(target, torch.where(keep_old, target, value)) for target, value in writes]
         # On the CPU one _foreach_copy_ writes every result. Inductor stores it straight into the targets
         # and recomputes each value inside its own write-back, so every loop touches the half gradient and
         # is vectorized at the half type's full width (separate copies leave fp32-only copy loops that
@@ -174,9 +191,11 @@ _compiled_pass = torch.compile(_adam_pass, dynamic=False)
 
 @torch.no_grad()
 def adam_pass(
-    units: list[KernelUnit], groups: list[dict[str, Any]], grad_scale: torch.Tensor | None
+    units: list[KernelUnit], groups: list[dict[str, Any]], grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
-    """Update ``units`` (their steps already counted) by Adam/AdamW with ``groups``' settings, one pass.
+    """Update ``units`` (their steps already counted) by Adam/AdamW with ``groups``' settings, one pass;
+    with ``found_inf`` (0-d, on the units' device) set, the pass leaves every tensor as it was.
 
     One compiled function serves every MasterWeights in the process: each distinct set of tensors (another
     model, or parameters that got no gradient this step) compiles once more (seconds). Past Dynamo's
@@ -192,6 +211,7 @@ def adam_pass(
         tuple(decay_kind(g) for g in groups),
         tuple(bool(g["maximize"]) for g in groups),
         None if grad_scale is None else grad_scale.to(units[0].param.device, torch.float32),
+        None if found_inf is None else found_inf.to(units[0].param.device, torch.float32),
     )
 
 

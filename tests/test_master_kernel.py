@@ -17,12 +17,14 @@ import pytest
 import torch
 import torch._dynamo
 
+from mixprec import master_fused
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
 from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import (
     COEFFICIENTS,
     KernelUnit,
+    adam_pass,
     coefficients,
     coefficients_on_device,
     record_non_finite_,
@@ -76,7 +78,21 @@ def test_the_compiled_step_is_torch_adam_on_fp32_masters(kind: str, settings: di
         torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-6, atol=1e-12)
 
 
-def test_with_a_scaler_it_unscales_skips_overflows_and_does_not_recompile_for_a_new_lr() -> None:
+@pytest.mark.parametrize("skip_in_kernel", [False, True])
+def test_with_a_scaler_it_unscales_skips_overflows_and_does_not_recompile_for_a_new_lr(
+    skip_in_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """skip_in_kernel: the GPU's way (reading found_inf there would sync every step), forced on the CPU:
+    the pass takes the flag and writes the old values back; the result must be the same."""
+    passed_flags: list[bool] = []
+    if skip_in_kernel:
+        monkeypatch.setattr(master_fused, "SKIP_ON_HOST", frozenset())
+
+        def spy(units: object, groups: object, grad_scale: object, found_inf: object = None) -> None:
+            passed_flags.append(found_inf is not None)
+            adam_pass(units, groups, grad_scale, found_inf)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(master_fused, "adam_pass", spy)
     reference, ours, half = _pair("adamw", weight_decay=0.1)
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     dummy = torch.ones((), requires_grad=True)  # scale() needs a tensor on the graph
@@ -99,6 +115,7 @@ def test_with_a_scaler_it_unscales_skips_overflows_and_does_not_recompile_for_a_
     for want, got in zip(reference.param_groups[0]["params"], ours.master_views(), strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
     assert [float(s["step"]) for s in ours.state.values()] == [3.0] * len(SHAPES)
+    assert passed_flags == ([True] * 4 if skip_in_kernel else [])  # the overflowing step ran the pass too
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
