@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import ApexPropertyError, ConfigError
-from mixprec.half_model import HALF_DTYPES
+from mixprec.hardware import HALF_DTYPES
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe, ScaleConfig
 from mixprec.recipe import OPT_LEVELS as _RECIPES
 

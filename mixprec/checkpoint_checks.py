@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from mixprec.errors import CheckpointError
+from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights
 from mixprec.scaler import OptState
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_LISTED = 3  # differences named in one message: enough to see the pattern, short enough to read
 
 

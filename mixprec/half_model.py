@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
+from mixprec.hardware import HALF_DTYPES
 from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ __all__ = [
     "prepare",
 ]
 
-# The dtypes that get an fp32 master. Everything else floating (fp32, fp64) is updated in place.
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+# The dtypes that get an fp32 master (hardware.HALF_DTYPES). Everything else floating (fp32, fp64) is
+# updated in place.
 
 # Kept fp32 when a model is cast to half (apex O2's keep_batchnorm_fp32).
 BATCHNORM = (nn.modules.batchnorm._BatchNorm,)

@@ -54,7 +54,8 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError, UnsupportedParameterError
-from mixprec.master import HALF_DTYPES, _views_like
+from mixprec.hardware import HALF_DTYPES
+from mixprec.master import _views_like
 
 __all__ = ["LowPrecisionOptimizer", "UpdateMode", "Footprint", "footprint", "stochastic_round"]
 

@@ -47,7 +47,8 @@ from torch import nn
 from mixprec.errors import ConfigError, ParameterMismatchError
 
 # re-exported: they lived here before mixprec.half_model
-from mixprec.half_model import BATCHNORM, HALF_DTYPES, Converted, fp32_originals, model_to_half
+from mixprec.half_model import BATCHNORM, Converted, fp32_originals, model_to_half
+from mixprec.hardware import HALF_DTYPES
 from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import record_non_finite_
 from mixprec.master_state import InnerOptimizerGuard, split_master_state, warn_reseeded

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import ConfigError
-from mixprec.half_model import HALF_DTYPES
+from mixprec.hardware import HALF_DTYPES
 from mixprec.scale_state import ScaleConfig  # the scaler's own record of its settings: one definition
 from mixprec.scaler import GradScaler
 

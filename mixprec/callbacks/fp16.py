@@ -21,7 +21,8 @@ from mixprec.apex_properties import Properties
 from mixprec.callbacks.clip import check_max_norm, clip_master_grads
 from mixprec.callbacks.core import Callback, positive_finite, positive_int, scaler_saw_step
 from mixprec.errors import ConfigError
-from mixprec.half_model import HALF_DTYPES, HalfModel, model_to_float, model_to_half, prepare
+from mixprec.half_model import HalfModel, model_to_float, model_to_half, prepare
+from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads

@@ -48,8 +48,9 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
+from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
-from mixprec.master import BATCHNORM, HALF_DTYPES, MasterWeights
+from mixprec.master import BATCHNORM, MasterWeights
 from mixprec.recipe import RECIPES, Recipe, get_recipe
 
 if TYPE_CHECKING:
