@@ -150,10 +150,11 @@ def _warn_eager_region() -> None:
     )
 
 
-def _mode_of(policy: Policy, device_type: str, dtype: torch.dtype, cache_enabled: bool, _: int) -> Any:
-    """The mode of an enabled region (None: no Python layer), for compiled code (the last argument, the
-    registry version, is there to be part of the key)."""
-    made = plan(policy, device_type, dtype)
+def _mode_of(policy_key: str, device_type: str, dtype: torch.dtype, cache_enabled: bool, _: int) -> Any:
+    """The mode of an enabled region (None: no Python layer), for compiled code: the policy comes by its
+    compile_key (never reused, where an id() of a freed policy could name a new one); the last argument,
+    the registry version, is there to be part of the key."""
+    made = plan(Policy.from_compile_key(policy_key), device_type, dtype)
     if made.policy.fp32_modules:
         raise AutocastError(
             f"policy {made.policy.name!r} has fp32_modules, which need global module hooks that "
@@ -287,7 +288,8 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         policy = self.policy if self.policy is not None else DEFAULT_POLICY
         # Reading the registry version here makes it a guard: a new registration recompiles.
         mode = compiled_mode(
-            _mode_of, policy, self.device, self.fast_dtype, self._cache_enabled, registry_version()
+            _mode_of, policy.compile_key, self.device, self.fast_dtype, self._cache_enabled,
+            registry_version(),
         )
         torch_region = torch.amp._enter_autocast(
             self.device, self.fast_dtype, self._enabled, self._cache_enabled

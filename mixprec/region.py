@@ -58,7 +58,10 @@ _COMPILED_MODES: dict[str, RegionMode | None] = {}
 
 @torch.compiler.assume_constant_result
 def _compiled_key(make: Callable[..., RegionMode | None], *args: Any) -> str:
-    parts = (str(a) if isinstance(a, (str, bool, int, torch.dtype)) else f"id{id(a)}" for a in args)
+    if not all(isinstance(a, (str, bool, int, torch.dtype)) for a in args):
+        # an id() would outlive its object and name the next one at that address
+        raise TypeError(f"compiled_mode takes strings, bools, ints and dtypes, got {args!r}")
+    parts = (str(a) for a in args)
     key = f"{make.__module__}.{make.__qualname__}(" + ", ".join(parts) + ")"
     if key not in _COMPILED_MODES:
         _COMPILED_MODES[key] = make(*args)

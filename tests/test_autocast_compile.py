@@ -153,3 +153,16 @@ def test_half_compute_compiles_with_its_fp32_loss() -> None:
     compiled = torch.compile(loss_fn, fullgraph=True)(x)
     assert compiled.dtype == eager.dtype == torch.float32
     torch.testing.assert_close(compiled, eager, rtol=FP16_ROUNDING, atol=FP16_ROUNDING)
+
+
+@TRACED
+def test_compiled_code_names_the_policy_by_its_compile_key() -> None:
+    """Keyed by id(), the mode of a freed policy was found again for a new policy at the same address (a
+    derived policy's gelu-in-fp32 ran in bf16); a compile key is never reused."""
+    region_module = importlib.import_module("mixprec.region")
+    policy = P.TORCH.with_fp32("gelu")
+    f = _in_region(lambda: mixprec.autocast("cpu", torch.bfloat16, policy=policy), nn.Sequential(nn.GELU()))
+    torch.compile(f, fullgraph=True)(torch.randn(4, 16))
+    assert any(policy.compile_key in key for key in region_module._COMPILED_MODES)
+    with pytest.raises(TypeError, match="strings, bools, ints and dtypes"):
+        region_module.compiled_mode(lambda *_: None, policy)
