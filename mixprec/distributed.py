@@ -62,20 +62,25 @@ class DistInfo:
         return self.rank == 0
 
 
-def _device(local_rank: int, local_world: int) -> torch.device:
-    """This process's own GPU where every process on this machine has one, else the CPU: NCCL refuses two
-    ranks on one GPU ("invalid usage"), so 2 processes on a 1-GPU machine train on the CPU with gloo."""
+def _device(local_rank: int, local_world: int | None, backend: str | None) -> torch.device:
+    """This process's GPU (``local_rank`` modulo the GPUs it sees), or the CPU.
+
+    ``local_world`` is set by torchrun and :func:`launch`, whose processes on one machine all see the same
+    GPUs: more processes than GPUs would put two ranks on one GPU, which NCCL refuses ("invalid usage").
+    There, unless a backend was asked for, the ranks train on the CPU with gloo, and a warning says so.
+    Without it (srun, mpirun: often one GPU made visible per process) every process takes a GPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if local_world <= gpus:
-        return torch.device("cuda", local_rank)
-    if gpus:
+    if not gpus:
+        return torch.device("cpu")
+    if local_world is not None and local_world > gpus and backend is None:
         warnings.warn(
-            f"{local_world} processes on this machine share {gpus} GPU(s): NCCL needs a GPU per process, so "
-            "the ranks train on the CPU with gloo. Fix: launch at most one process per GPU "
-            f"(torchrun --nproc_per_node {gpus}), or pass backend explicitly.",
+            f"{local_world} processes on this machine share {gpus} GPU(s), and NCCL needs a GPU per "
+            f"process: the ranks train on the CPU with gloo. Fix: launch no more processes per machine than "
+            f"it has GPUs ({gpus}: torchrun --nproc_per_node {gpus}) to train on the GPUs.",
             stacklevel=3,
         )
-    return torch.device("cpu")
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % gpus)
 
 
 def _timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
@@ -98,11 +103,10 @@ def setup(backend: str | None = None, timeout: float | datetime.timedelta | None
     raises, passed to ``init_process_group``; None keeps torch's default (30 minutes for gloo)."""
     wait = _timedelta(timeout)
     if not all(name in os.environ for name in _ENV):
-        return DistInfo(0, 1, 0, _device(0, 1), None)
+        return DistInfo(0, 1, 0, _device(0, None, backend), None)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    # torchrun and launch() say how many processes run here; without it, assume one node of WORLD_SIZE
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    device = _device(local_rank, local_world)
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+    device = _device(local_rank, local_world, backend)
     backend = backend or BACKENDS[device.type]
     if device.type == "cuda":
         torch.cuda.set_device(device)

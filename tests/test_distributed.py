@@ -141,21 +141,25 @@ def test_a_timeout_must_be_positive() -> None:
 
 
 @pytest.mark.parametrize(
-    ("gpus", "processes", "expected", "warns"),
+    ("gpus", "local_world", "backend", "expected", "warns"),
     [
-        (0, 2, ["cpu", "cpu"], False),  # no GPU: gloo on the CPU, as always
-        (2, 2, ["cuda:0", "cuda:1"], False),  # a GPU per process: NCCL
-        (1, 2, ["cpu", "cpu"], True),  # NCCL refuses two ranks on one GPU ("invalid usage"): CPU, said
+        (0, 2, None, ["cpu", "cpu"], False),  # no GPU: gloo on the CPU, as always
+        (2, 2, None, ["cuda:0", "cuda:1"], False),  # a GPU per process: NCCL
+        (1, 2, None, ["cpu", "cpu"], True),  # NCCL refuses two ranks on one GPU ("invalid usage"): CPU, said
+        (1, 2, "nccl", ["cuda:0", "cuda:0"], False),  # asked for: as asked (NCCL then says what it says)
+        (1, None, None, ["cuda:0", "cuda:0"], False),  # srun-style, one GPU visible per process
+        (8, None, None, ["cuda:0", "cuda:1"], False),  # 2 nodes x 8 GPUs without LOCAL_WORLD_SIZE
     ],
 )
 def test_each_process_gets_a_gpu_of_its_own_or_the_cpu(
-    gpus: int, processes: int, expected: list[str], warns: bool, monkeypatch: pytest.MonkeyPatch
+    gpus: int, local_world: int | None, backend: str | None, expected: list[str], warns: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        devices = [str(distributed._device(rank, processes)) for rank in range(processes)]
+        devices = [str(distributed._device(rank, local_world, backend)) for rank in (0, 1)]
     assert devices == expected
     assert bool(caught) is warns
-    assert all("one process per GPU" in str(w.message) for w in caught)
+    assert all("--nproc_per_node 1" in str(w.message) for w in caught)
