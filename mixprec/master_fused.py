@@ -165,7 +165,10 @@ class FusedMasterStep:
             torch._foreach_add_(steps, 1)  # once per tensor: flat-buffer members share their buffer's step
         adam_pass(units, self.optimizer.param_groups, grad_scale, found_inf if on_device else None)
         if on_device and steps:  # a skipped step does not count (torch's fused Adam does the same)
-            torch._foreach_sub_(steps, [found_inf.to(s.device) for s in steps])
+            # by 1 whatever the flag's value: the pass skips on any found_inf > 0 (a torch GradScaler over
+            # several devices may sum flags to 2)
+            skipped = (found_inf > 0).to(torch.float32)
+            torch._foreach_sub_(steps, [skipped.to(s.device) for s in steps])
 
     def _slots_for(self, groups: list[GroupMasters]) -> list[_Slot]:
         """One :class:`_Slot` per tensor the compiled step may update, built on the first step and again

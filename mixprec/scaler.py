@@ -137,9 +137,15 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
         return
     # max |g| of each tensor: an inf stays inf and a NaN propagates through the max, so one stack of
     # per-tensor peaks holds a non-finite value exactly when some gradient does (no model-sized temporary).
-    peaks = torch._foreach_norm(grads, ord=math.inf)
-    bad = (~torch.isfinite(torch.stack(peaks))).any().to(found.dtype)
-    found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
+    # Empty tensors hold nothing to check (and have no inf-norm).
+    nonempty = [g for g in grads if g.numel()]
+    if nonempty:
+        # A sharded (DTensor) gradient's peak is its shard's: full_tensor() takes the max over the shards,
+        # so every rank records the same flag, as torch's op does for DTensors.
+        peaks = [p.full_tensor() if hasattr(p, "full_tensor") else p
+                 for p in torch._foreach_norm(nonempty, ord=math.inf)]
+        bad = (~torch.isfinite(torch.stack(peaks))).any().to(found.dtype)
+        found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
     # Computed in fp32 (opmath) and rounded once to the gradient's dtype, as torch's fused op does; but on
     # CUDA the kernel reads the fp32 inv_scale as a bf16 value first. That is exact for the power-of-two
     # scales of dynamic scaling (2**16 at start, x2 and x0.5 steps): the same bits as the fused op. A scale

@@ -475,3 +475,42 @@ def test_a_bf16_model_on_cuda_steps_and_skips() -> None:
         moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         assert moved is not poisoned
     assert scaler.get_scale() == 2.0**7  # halved once, for the inf
+
+
+def test_the_two_pass_unscale_skips_empty_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's fused op takes empty tensors (a zero-size parameter); the inf-norm of one raises."""
+    monkeypatch.setattr(scaler_module, "NO_FUSED_UNSCALE", frozenset({("cpu", torch.bfloat16)}))
+    for grads in ([torch.zeros(0, dtype=torch.bfloat16)],
+                  [torch.zeros(0, dtype=torch.bfloat16), torch.tensor([4.0, float("inf")]).bfloat16()]):
+        found = torch.zeros(())
+        scaler_module.unscale_and_check_(grads, found, torch.tensor(0.5))
+        assert found.item() == (len(grads) == 2)
+        assert grads[-1].numel() == 0 or grads[-1][0].item() == 2.0
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is needed")
+def test_the_two_pass_unscale_takes_sharded_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2's bf16 gradients are DTensors: the flag must come out a plain tensor, as torch's op makes it
+    (it raised mixing a DTensor flag with the plain one). A one-rank gloo group in this process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mixprec.distributed import free_port
+
+    monkeypatch.setattr(scaler_module, "NO_FUSED_UNSCALE", frozenset({("cpu", torch.bfloat16)}))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = [torch.tensor([4.0, 8.0, float("nan"), 2.0]).bfloat16(), torch.ones(3, 2).bfloat16()]
+        sharded = [distribute_tensor(g.clone(), mesh, [Shard(0)]) for g in plain]
+        found, expected = torch.zeros(()), torch.zeros(())
+        scaler_module.unscale_and_check_(sharded, found, torch.tensor(0.25))
+        scaler_module.unscale_and_check_(plain, expected, torch.tensor(0.25))
+        assert type(found) is torch.Tensor and found.item() == expected.item() == 1.0
+        for got, want in zip(sharded, plain, strict=True):
+            torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.distributed.destroy_process_group()
