@@ -258,8 +258,11 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         if torch.compiler.is_compiling():
             if TRACEABLE_ENTER:
                 return self._enter_compiled()
-            _warn_eager_region()
-            return _untraced(self._enter_eager)()
+            return _untraced(self._enter_eager_from_compiled)()
+        return self._enter_eager()
+
+    def _enter_eager_from_compiled(self) -> autocast:
+        _warn_eager_region()  # here, not while tracing: Dynamo inlines the function and ignores its cache
         return self._enter_eager()
 
     def _enter_eager(self) -> autocast:
