@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 
 import pytest
 import torch
+from test_scaler import _NoSync as NoHostReads
 from torch import nn
 
 import mixprec
@@ -618,3 +620,22 @@ def test_a_scheduler_built_before_initialize_sees_the_fused_master_step(
         schedule.step()
     assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_training_step_never_reads_a_tensor_on_the_host(level: str, dtype: torch.dtype) -> None:
+    """On a GPU a host read waits for every queued kernel: the host stops running ahead and the step
+    costs its CPU time plus its GPU time. The CPU stand-in for torch.cuda.set_sync_debug_mode: forward,
+    scale_loss (unscale, inf check, scale update) and a fused AdamW step with every Tensor-to-host read
+    raising. Loss scaling is dynamic (apex's default at both levels), overflow and all."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused: it skips on the device
+    model, opt = mixprec.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
+    for i, (x, y) in enumerate(_batches(3)):
+        with NoHostReads() if i else contextlib.nullcontext():  # the first step creates the state
+            loss = nn.functional.cross_entropy(model(x), y)
+            with mixprec.scale_loss(loss * (float("inf") if i == 2 else 1.0), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
