@@ -116,10 +116,11 @@ class MasterWeights(torch.optim.Optimizer):
             (master_kernel.py): the half gradient upcast, unscaled, Adam's update and the rounding into the
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
             rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
-            ``found_inf`` on the host: one device sync per step on CUDA, where the uncompiled steps have none;
-            when ``scaler.step`` only checks the half gradients (no ``unscale_`` before it), it does so with
-            a compiled read-only reduction (:attr:`non_finite_check`); an explicit ``unscale_`` (and so
-            ``scale_loss`` and the Learner, which unscale on their own) uses torch's op.
+            ``found_inf`` on the host on the CPU (free there); on a GPU the compiled pass takes the flag
+            and leaves every tensor as it was (no sync). When ``scaler.step`` only checks the half
+            gradients (no ``unscale_`` before it), it does so with a compiled read-only reduction
+            (:attr:`non_finite_check`); an explicit ``unscale_`` (and so ``scale_loss`` and the Learner,
+            which unscale on their own) uses torch's op.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
             ``.grad`` (see Clipping). One extra pass per explicit unscale; callers whose users clip only
             the masters may pass False (the Learner does; ``mixprec.initialize`` keeps it, so a clip of
