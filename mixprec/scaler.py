@@ -135,24 +135,34 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
         # One fused kernel per (device, dtype): multiplies by 1/scale and sets `found` on inf/NaN.
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         return
+    # A sharded (DTensor) gradient is checked and scaled through its local shard, which may be empty (a
+    # dimension smaller than the number of ranks); the ranks' flags then meet in one all-reduce.
+    local = [g.to_local() if _is_sharded(g) else g for g in grads]
     # max |g| of each tensor: an inf stays inf and a NaN propagates through the max, so one stack of
     # per-tensor peaks holds a non-finite value exactly when some gradient does (no model-sized temporary).
     # Empty tensors hold nothing to check (and have no inf-norm).
-    nonempty = [g for g in grads if g.numel()]
+    nonempty = [t for t in local if t.numel()]
+    bad = torch.zeros((), dtype=found.dtype, device=found.device)
     if nonempty:
-        # A sharded (DTensor) gradient's peak is its shard's: full_tensor() takes the max over the shards,
-        # so every rank records the same flag, as torch's op does for DTensors.
-        peaks = [p.full_tensor() if hasattr(p, "full_tensor") else p
-                 for p in torch._foreach_norm(nonempty, ord=math.inf)]
+        peaks = torch._foreach_norm(nonempty, ord=math.inf)
         bad = (~torch.isfinite(torch.stack(peaks))).any().to(found.dtype)
-        found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
+    for mesh in {id(g.device_mesh): g.device_mesh for g in grads if _is_sharded(g)}.values():
+        for group in mesh.get_all_groups():  # every rank of every mesh dimension: the same flag everywhere
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
+    found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
     # Computed in fp32 (opmath) and rounded once to the gradient's dtype, as torch's fused op does; but on
     # CUDA the kernel reads the fp32 inv_scale as a bf16 value first. That is exact for the power-of-two
     # scales of dynamic scaling (2**16 at start, x2 and x0.5 steps): the same bits as the fused op. A scale
     # that is no power of two (a user's init_scale=1000) is off by up to one bf16 rounding of 1/scale,
     # 2**-9 relative, less than the rounding the bf16 gradient already carries. (Exact would need the
     # scale on the host: a sync every step.)
-    torch._foreach_mul_(grads, inv_scale)
+    if nonempty:
+        torch._foreach_mul_(nonempty, inv_scale)  # the shards' own memory: the DTensors see the result
+
+
+def _is_sharded(grad: torch.Tensor) -> bool:
+    """A DTensor (duck-typed: torch.distributed.tensor moved between releases)."""
+    return hasattr(grad, "to_local") and hasattr(grad, "device_mesh")
 
 
 class GradScaler:

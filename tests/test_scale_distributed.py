@@ -69,3 +69,31 @@ def test_a_rank_without_gradients_joins_the_inf_all_reduce() -> None:
     # both ranks skip the first step (rank 0's inf), both take the second; only rank 0 has weights to move
     assert results[0] == [(True, False), (False, True)]
     assert results[1] == [(True, False), (False, False)]
+
+
+def _two_pass_unscale_of_shards(info: DistInfo) -> list[tuple[float, list[float]]]:
+    """Where torch's fused unscale has no kernel (bf16 on CUDA; forced here for bf16 on the CPU), the
+    scaler checks each rank's shard: rank 1's shard of a 1-element gradient is empty, and the inf sits in
+    rank 1's shard of the other gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mixprec import scaler as scaler_module
+
+    scaler_module.NO_FUSED_UNSCALE = frozenset({("cpu", torch.bfloat16)})
+    mesh = init_device_mesh("cpu", (2,))
+    out = []
+    for last in (2.0, float("inf")):
+        plain = [torch.tensor([3.0]), torch.tensor([1.0, 2.0, 4.0, last])]
+        grads = [distribute_tensor(g.bfloat16(), mesh, [Shard(0)]) for g in plain]
+        found = torch.zeros(())
+        scaler_module.unscale_and_check_(grads, found, torch.tensor(0.5))
+        out.append((found.item(), grads[0].full_tensor().float().tolist()))
+    return out
+
+
+@pytest.mark.slow
+def test_the_two_pass_unscale_of_sharded_gradients_agrees_across_ranks() -> None:
+    results: list[Any] = launch(_two_pass_unscale_of_shards, 2, backend="gloo")
+    # both ranks: no flag, then the flag raised by rank 1's inf; the empty shard is no error; unscaled
+    assert results[0] == results[1] == [(0.0, [1.5]), (1.0, [1.5])]
