@@ -67,12 +67,15 @@ def _device(local_rank: int, local_world: int | None, backend: str | None) -> to
 
     ``local_world`` is set by torchrun and :func:`launch`, whose processes on one machine all see the same
     GPUs: more processes than GPUs would put two ranks on one GPU, which NCCL refuses ("invalid usage").
-    There, unless a backend was asked for, the ranks train on the CPU with gloo, and a warning says so.
+    There the ranks train on the CPU with gloo (a warning says so unless gloo was asked for); asked for
+    NCCL, they get the GPUs as asked.
     Without it (srun, mpirun: often one GPU made visible per process) every process takes a GPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus:
         return torch.device("cpu")
-    if local_world is not None and local_world > gpus and backend is None:
+    if local_world is not None and local_world > gpus and backend in (None, "gloo"):
+        if backend == "gloo":  # asked for the CPU's backend on a machine with too few GPUs: as asked, quietly
+            return torch.device("cpu")
         warnings.warn(
             f"{local_world} processes on this machine share {gpus} GPU(s), and NCCL needs a GPU per "
             f"process: the ranks train on the CPU with gloo. Fix: launch no more processes per machine than "

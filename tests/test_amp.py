@@ -633,9 +633,12 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(level: str, dtype: tor
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused: it skips on the device
     model, opt = mixprec.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
     for i, (x, y) in enumerate(_batches(3)):
+        before = [p.detach().clone() for p in model.parameters()]
         with NoHostReads() if i else contextlib.nullcontext():  # the first step creates the state
             loss = nn.functional.cross_entropy(model(x), y)
             with mixprec.scale_loss(loss * (float("inf") if i == 2 else 1.0), opt) as scaled:
                 scaled.backward()
             opt.step()
             opt.zero_grad()
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        assert unchanged is (i == 2)  # the overflowing step was skipped, on the device; the others stepped

@@ -147,6 +147,7 @@ def test_a_timeout_must_be_positive() -> None:
         (2, 2, None, ["cuda:0", "cuda:1"], False),  # a GPU per process: NCCL
         (1, 2, None, ["cpu", "cpu"], True),  # NCCL refuses two ranks on one GPU ("invalid usage"): CPU, said
         (1, 2, "nccl", ["cuda:0", "cuda:0"], False),  # asked for: as asked (NCCL then says what it says)
+        (1, 2, "gloo", ["cpu", "cpu"], False),  # gloo asked for where GPUs would be shared: the CPU, quietly
         (1, None, None, ["cuda:0", "cuda:0"], False),  # srun-style, one GPU visible per process
         (8, None, None, ["cuda:0", "cuda:1"], False),  # 2 nodes x 8 GPUs without LOCAL_WORLD_SIZE
     ],
