@@ -82,6 +82,15 @@ def train(
     }
 
 
+def global_mean(info: DistInfo, value: float) -> float:
+    """The mean of ``value`` over the ranks: each rank's loss is that of its half of the global batch."""
+    if not info.distributed:
+        return value
+    total = torch.tensor(value, dtype=torch.float64, device=info.device)
+    torch.distributed.all_reduce(total)
+    return total.item() / info.world_size
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="DDP mixed-precision training (run it with torchrun).")
     parser.add_argument("--steps", type=int, default=30)
@@ -93,15 +102,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     info = setup()
     try:
         result = train(info, args.steps, args.seed, args.fault_step, args.fault_rank)
+        final = global_mean(info, result["losses"][-1])
     finally:
         teardown()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(result, args.out / f"rank{info.rank}.pt")
     if info.is_main:
+        averaged = " (mean over the ranks: the global batch's)" if info.distributed else ""
         print(
             f"world {info.world_size} ({info.backend or 'single process'}): final loss "
-            f"{result['losses'][-1]:.4f}, {result['skipped_steps']} skipped step(s), "
+            f"{final:.4f}{averaged}, "
+            f"{result['skipped_steps']} skipped step(s), "
             f"scale {result['scales'][-1]:g}"
         )
     return result

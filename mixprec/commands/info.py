@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     rates = _rates(args.device) if args.measure else {}
     console.print(_table(decisions, rates))
     console.print(
-        f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes), or "
+        f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes) or per dtype, e.g. "
+        f"{hardware.ENV_VAR}=fp16=emulated,bf16=native; or "
         "mixprec.hardware.half_arithmetic(device, dtype, override=...)."
     )
     return 0
