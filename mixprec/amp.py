@@ -178,6 +178,7 @@ def initialize(
             stacklevel=2,
         )
     for mine, returned in zip(given, opt_list, strict=True):
+        mine.__dict__.pop(_DISABLED_ATTR, None)  # an earlier initialize(..., enabled=False) no longer holds
         if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
             setattr(mine, _REPLACED_ATTR, recipe.name)
     _STATE = _AmpState(recipe, device_type, scalers, halves)

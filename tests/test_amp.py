@@ -589,6 +589,20 @@ def test_scale_loss_passes_the_loss_through_when_initialize_was_disabled() -> No
         assert torch.equal(ours.grad, ref.grad)
 
 
+def test_an_enabled_initialize_after_a_disabled_one_scales_again() -> None:
+    """The disabled call's pass-through must not outlive it: the same optimizer given to an enabled
+    initialize afterwards gets its loss scaled (it was passed through, unscaled and unchecked)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mixprec.initialize(model, opt, "O1", enabled=False)
+    model, opt = mixprec.initialize(model, opt, "O1", verbosity=0)
+    x, y = next(_batches(1))
+    loss = nn.functional.cross_entropy(model(x), y)
+    with mixprec.scale_loss(loss, opt) as scaled:
+        assert scaled is not loss and scaled.item() == pytest.approx(loss.item() * 2.0**16)  # apex's start
+        scaled.backward()
+
+
 def test_the_replaced_optimizer_is_named_after_a_second_initialize() -> None:
     first = _net()
     given = torch.optim.AdamW(first.parameters())
