@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mixprec.hardware import hardware_line
+from mixprec.hardware import hardware_line, synchronize
 from mixprec.master import MasterWeights
 from mixprec.scaler import GradScaler
 
@@ -98,20 +98,15 @@ def _master_step(
     return step
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _round_robin(steps: dict[str, Step], repeats: int, device: str) -> dict[str, float]:
     """Median ms per configuration, one step of each in turn per round (after one warm-up round)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(repeats + 1):
         for name, step in steps.items():
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             step()
-            _sync(device)
+            synchronize(device)
             if r:  # round 0 allocates optimizer state
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}

@@ -505,7 +505,6 @@ def reference_gemm(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) ->
     return hardware.gemm_gflops(device, dtype, REFERENCE_SIZE[device][dtype], repeats=repeats)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="MLP only, eager, 2 steps: a smoke run")

@@ -133,7 +133,7 @@ def _mode_for(region: Region) -> _PolicyMode:
 # leaves the global autocast state alone ("Global autocast(cuda)_enabled state changed while dynamo
 # tracing"); 2.13 traces it. Before 2.13 a region met in compiled code is entered and left eagerly instead
 # (_untraced: a graph break; the code inside the region is compiled under the region's autocast state).
-TRACEABLE_ENTER = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+TRACEABLE_ENTER = torch.__version__ >= (2, 13)  # a TorchVersion: compares with a tuple
 
 
 def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:

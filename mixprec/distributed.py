@@ -73,9 +73,10 @@ def _device(local_rank: int, local_world: int | None, backend: str | None) -> to
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus:
         return torch.device("cpu")
-    if local_world is not None and local_world > gpus and backend in (None, "gloo"):
-        if backend == "gloo":  # asked for the CPU's backend on a machine with too few GPUs: as asked, quietly
-            return torch.device("cpu")
+    shared = local_world is not None and local_world > gpus
+    if shared and backend == "gloo":  # the CPU's backend asked for where GPUs would be shared: as asked
+        return torch.device("cpu")
+    if shared and backend is None:
         warnings.warn(
             f"{local_world} processes on this machine share {gpus} GPU(s), and NCCL needs a GPU per "
             f"process: the ranks train on the CPU with gloo. Fix: launch no more processes per machine than "

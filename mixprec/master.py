@@ -85,7 +85,6 @@ def _fused_capable(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-
 @dataclass
 class _Iteration:
     """What MasterWeights has done in this iteration. A plain object, not attributes of the optimizer:
@@ -93,6 +92,7 @@ class _Iteration:
     setattr on a user-defined object that does not have an AttributeMutation mutation_type")."""
 
     grads_copied: bool = False  # the model's gradients are in the masters' (by the scaler, or clipping)
+
 
 class MasterWeights(torch.optim.Optimizer):
     """Keep fp32 master weights for a half-precision model and let ``optimizer`` update them.
