@@ -6,6 +6,10 @@ What a training loop needs is here, grouped below. apex's module-level state (``
 the tools in :mod:`mixprec.diagnostics`.
 """
 
+import importlib
+import importlib.util
+from types import ModuleType
+
 from mixprec.activation_checkpoint import checkpoint_context
 from mixprec.amp import initialize, master_params, scale_loss
 from mixprec.autocast import autocast, half_compute, keep_fp32
@@ -50,6 +54,16 @@ from mixprec.recipe import RECIPES, Recipe, ScaleConfig, get_recipe
 from mixprec.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``mixprec.diagnostics``, ``mixprec.host_memory``, ...: a submodule imported on first use, so the
+    dotted names the docs use work after a plain ``import mixprec`` (as ``numpy.linalg`` does), without
+    every ``import mixprec`` paying for the tools' imports."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     # configuration: one Recipe describes a precision set-up; presets by name

@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
+
+import pytest
 
 import mixprec
 from mixprec import errors
@@ -32,3 +36,22 @@ def test_every_mixprec_error_in_the_package_is_exported_from_errors() -> None:
                     if inspect.isclass(obj) and issubclass(obj, errors.MixprecError)}  # fmt: skip
     exported = {getattr(errors, name) for name in errors.__all__}
     assert defined - exported == set(), sorted(c.__qualname__ for c in defined - exported)
+
+
+def test_a_submodule_loads_on_first_use_after_a_plain_import() -> None:
+    """The README writes ``mixprec.diagnostics.memory_breakdown`` and ``mixprec.host_memory.
+    keep_freed_memory()`` after ``import mixprec``: they raised AttributeError. A fresh interpreter, since
+    this one has imported every submodule already."""
+    code = (
+        "import sys, mixprec\n"
+        "assert 'mixprec.host_memory' not in sys.modules\n"  # not imported with the package
+        "print(mixprec.diagnostics.memory_breakdown.__name__, mixprec.host_memory.keep_freed_memory.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["memory_breakdown", "keep_freed_memory"]
+
+
+def test_an_unknown_attribute_still_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="module 'mixprec' has no attribute 'no_such_thing'"):
+        mixprec.no_such_thing  # noqa: B018
+    assert not hasattr(mixprec, "_private")
