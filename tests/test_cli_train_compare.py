@@ -29,6 +29,9 @@ def test_train_writes_metrics_and_a_plot(tmp_path: Path, capsys: pytest.CaptureF
         rows = list(csv.DictReader(f))
     assert [float(r["valid_loss"]) for r in rows] == [e["valid_loss"] for e in payload["epochs"]]
     assert (out / "losses.png").read_bytes()[:4] == b"\x89PNG"
+    # the closing line names every file written, the checkpoint --resume continues from included
+    wrote = printed.rsplit("wrote ", 1)[1].split()  # rich may wrap the line between paths
+    assert f"{out / 'checkpoint.pt'}" in wrote and (out / "checkpoint.pt").exists()
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: runs/train)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from DIR/checkpoint.pt of an interrupted run with the same arguments "
-                        "(--epochs may grow); with no checkpoint there yet, start afresh")
+                        "(--epochs may grow under --schedule constant: one-cycle's schedule spans the "
+                        "epochs); with no checkpoint there yet, start afresh")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -281,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     if scaler is not None and scaler.is_enabled():
         skipped = learn.recorder.skipped_steps
         console.print(f"skipped steps {skipped}, final loss scale {scaler.get_scale():g}")
+    checkpoint = ckpt["checkpoint"]  # the last epoch's, what --resume continues from
+    paths += [checkpoint] if checkpoint.exists() else []
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
