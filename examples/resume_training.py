@@ -1,7 +1,7 @@
 """Recipe: checkpoint a mixed-precision run and resume it exactly after a crash.
 
-    python examples/resume_training.py --ckpt run/last.pt --steps 60 --every 10
-    python examples/resume_training.py --ckpt run/last.pt --steps 60 --every 10 --resume
+    python examples/resume_training.py --ckpt runs/resume/last.pt --steps 60 --every 10
+    python examples/resume_training.py --ckpt runs/resume/last.pt --steps 60 --every 10 --resume
 
 fp16 model + fp32 master weights (``MasterWeights`` around AdamW) + dynamic loss scaling + a one-cycle
 LR schedule + dropout + shuffled data + injected overflows. ``save_checkpoint`` stores every piece of state
