@@ -167,7 +167,21 @@ def _is_sharded(grad: torch.Tensor) -> bool:
 
 class GradScaler:
     """Loss scaler with the constructor, methods, state machine, errors and pickling of
-    ``torch.amp.GradScaler``; extras are keyword-only and default to torch's behaviour.
+    ``torch.amp.GradScaler``; extras are keyword-only and default to torch's behaviour (but for the
+    scale's floor, below).
+
+    Where it differs from torch.amp.GradScaler, on purpose (tests/test_scaler.py compares the rest):
+        * the scale never falls below ``min_scale`` (1.0 by default; torch backs off without end), and a
+          scale below it (``init_scale``, ``update(new_scale)``, a loaded state) raises ``ConfigError``;
+        * other settings torch takes without a check (a zero, negative or infinite scale or factor, a
+          growth interval below 1, a backoff factor outside (0, 1)) raise ``ConfigError`` naming the fix;
+        * a skipped step marks the optimizer as stepped, so an LR scheduler does not warn after a skipped
+          first step (torch's does; pytorch#44511) and the schedule advances with the iteration;
+        * optimizers whose skipped first step would leave a momentum buffer uninitialized (fused SGD with
+          momentum) are unscaled on the host and stepped only if clean: at a scale that is not a power of
+          two their update can differ from torch's in the last bit (torch divides inside the kernel);
+        * ``state_dict()`` holds more keys (hysteresis, skip counts, history); either class loads the
+          other's; the class is not a subclass of torch's (``isinstance`` checks against it fail).
 
     Args (as torch):
         device: device type of the scaled tensors ("cuda", "cpu", ...). As in torch, "cuda" without CUDA
@@ -204,7 +218,7 @@ class GradScaler:
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | torch.device = "cuda",
         init_scale: float = DEFAULT_INIT_SCALE,
         growth_factor: float = DEFAULT_GROWTH_FACTOR,
         backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
@@ -222,9 +236,11 @@ class GradScaler:
         process_group: Any = None,
         skip_limit: int | None = None,
     ) -> None:
-        self._device = device
+        # torch takes "cuda", "cuda:0" or torch.device("cuda") alike; the scale and flags live on the device
+        # of the first scaled tensor, so only the type is kept and checked.
+        self._device = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
         self._enabled = enabled
-        if device == "cuda" and enabled and not torch.cuda.is_available():
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(
                 "mixprec.GradScaler is enabled with device='cuda', but CUDA is not available. Disabling "
                 "(pass device='cpu' to scale on the CPU).",
@@ -471,12 +487,19 @@ class GradScaler:
             "grad_scaler" in inspect.signature(optimizer.step).parameters
         ):
             return self._step_passing_self(optimizer, state, *args, **kwargs)
-        grad_scale = None
+        # unscaled already (unscale_): the kernel divides only by a scale the user put on the optimizer
+        grad_scale = getattr(optimizer, "grad_scale", None) if skips_on_device(optimizer) else None
         if state["stage"] is OptState.READY and skips_on_device(optimizer):
             self._check_inf_per_device(optimizer)  # the fused kernel unscales: only look for inf/NaN here
             grad_scale = dev.scale * getattr(optimizer, "grad_scale", 1)  # torch: product with the user's
         elif state["stage"] is OptState.READY:
             self._unscale(optimizer)  # not unscale_: nobody reads the model's gradients before this step
+        if not state["found_inf_per_device"] and skips_on_device(optimizer):
+            # no parameter has a gradient, so there is nothing to check or skip: torch calls a fused
+            # optimizer's step all the same (a no-op for parameters without gradients), so we do too
+            retval = optimizer.step(*args, **kwargs)
+            state["stage"] = OptState.STEPPED
+            return retval
         if not state["found_inf_per_device"]:
             raise ScalerStateError(
                 "No inf checks were recorded for this optimizer.",

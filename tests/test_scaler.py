@@ -514,3 +514,66 @@ def test_the_two_pass_unscale_takes_sharded_gradients(monkeypatch: pytest.Monkey
             torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0, equal_nan=True)
     finally:
         torch.distributed.destroy_process_group()
+
+
+# ---- cases a differential run against torch.amp.GradScaler found (2026-11-25) ---------------------------
+
+
+def _both() -> list[tuple[str, Callable[..., object]]]:
+    return [("torch", torch.amp.GradScaler), ("mixprec", GradScaler)]
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cpu:0"])
+def test_a_device_object_or_indexed_name_works_as_in_torch(device: str | torch.device) -> None:
+    """Before, only the bare type string passed: torch.device("cpu") raised DeviceMismatchError ("made for
+    device 'cpu' but is scaling a tensor on 'cpu'")."""
+    results = {}
+    for name, make in _both():
+        scaler = make(device, init_scale=8.0)
+        results[name] = scaler.scale(torch.ones(())).item()  # type: ignore[attr-defined]
+    assert results["mixprec"] == results["torch"] == 8.0
+
+
+def _fused_without_gradients(make: Callable[..., object]) -> tuple[list[torch.Tensor], float]:
+    """Two models, one scaler; the fused optimizer's model gets no gradient this iteration (a GAN step,
+    a frozen branch)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=0.1, fused=True)
+    scaler = make("cpu", init_scale=4.0)
+    scaler.scale(a(torch.ones(2, 3)).sum()).backward()  # type: ignore[attr-defined]
+    scaler.step(opt_a)  # type: ignore[attr-defined]
+    scaler.step(opt_b)  # type: ignore[attr-defined]
+    scaler.update()  # type: ignore[attr-defined]
+    return [p.detach().clone() for p in (*a.parameters(), *b.parameters())], scaler.get_scale()  # type: ignore[attr-defined]
+
+
+def test_a_fused_optimizer_without_gradients_steps_as_in_torch() -> None:
+    """torch calls a fused optimizer's step even when none of its parameters has a gradient (nothing
+    changes); mixprec raised "No inf checks were recorded for this optimizer"."""
+    ref_params, ref_scale = _fused_without_gradients(torch.amp.GradScaler)
+    params, scale = _fused_without_gradients(GradScaler)
+    assert scale == ref_scale
+    for p, r in zip(params, ref_params, strict=True):
+        assert torch.equal(p, r)
+
+
+def _own_grad_scale_after_unscale(make: Callable[..., object]) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # SGD: the update is linear in the grad
+    opt.grad_scale = torch.tensor(2.0)  # type: ignore[attr-defined]  # the user's own factor in the grads
+    scaler = make("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(2, 3)).pow(2).sum()).backward()  # type: ignore[attr-defined]
+    scaler.unscale_(opt)  # type: ignore[attr-defined]
+    scaler.step(opt)  # type: ignore[attr-defined]
+    scaler.update()  # type: ignore[attr-defined]
+    return model.weight.detach().clone()
+
+
+def test_an_optimizers_own_grad_scale_reaches_its_kernel_after_unscale_as_in_torch() -> None:
+    """torch hands a fused optimizer its own ``grad_scale`` when the scaler already unscaled; mixprec
+    passed None, and the update differed."""
+    assert torch.equal(_own_grad_scale_after_unscale(GradScaler),
+                       _own_grad_scale_after_unscale(torch.amp.GradScaler))
