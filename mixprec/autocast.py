@@ -168,14 +168,18 @@ def _mode_of(policy_key: str, device_type: str, dtype: torch.dtype, cache_enable
 
 def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -> tuple[torch.dtype, bool]:
     """The region's dtype and whether it is enabled, by torch.autocast's rules (the module docstring)."""
+    if not enabled:
+        # A disabled region casts nothing: torch accepts any device type it knows ("xpu", "mps", "cuda:0",
+        # ...) and any dtype there, so that code written for several devices can switch autocast off.
+        return (torch.get_autocast_dtype(device_type) if dtype is None else dtype), False
     spec = device_spec(device_type)
     supported = ", ".join(str(d) for d in spec.autocast_dtypes)
     if dtype is None:
         return torch.get_autocast_dtype(device_type), enabled
     if not isinstance(dtype, torch.dtype):
         raise AutocastError(f"dtype must be a torch.dtype, got {dtype!r}", f"use dtype={supported}")
-    if not enabled or dtype in spec.autocast_dtypes:
-        return dtype, enabled  # a disabled region casts nothing, so torch accepts any dtype there
+    if dtype in spec.autocast_dtypes:
+        return dtype, enabled
     if dtype is torch.float32:
         # torch warns and runs the region disabled: full precision is what an fp32 "autocast" asks for.
         warnings.warn(
@@ -205,12 +209,14 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
     """Drop-in for ``torch.autocast`` that applies a mixprec cast policy (see the module docstring).
 
     Args:
-        device_type: ``"cpu"`` or ``"cuda"``.
+        device_type: ``"cpu"`` or ``"cuda"``; with ``enabled=False`` any device type torch knows.
         dtype: the half-precision dtype; None takes torch's current default for the device
             (``torch.get_autocast_dtype``: bf16 on CPU, fp16 on CUDA). ``torch.float32`` runs the region
             disabled with a warning, as torch does; with ``enabled=False`` any dtype is accepted.
         enabled: False makes the region a no-op region that switches autocast *off*, as in torch.
-        cache_enabled: cache the casts of fp32 parameters for the region (torch's default: True).
+        cache_enabled: cache the casts of fp32 parameters for the region; None (torch's default) takes
+            ``torch.is_autocast_cache_enabled()`` when the region is made, so a region made inside one
+            with ``cache_enabled=False`` does not cache either.
         policy: a :class:`~mixprec.policy.Policy`; None is ``mixprec.policy.DEFAULT_POLICY``. The user's
             global register_* registrations apply on top of it.
 
@@ -220,6 +226,15 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
     the region eagerly (a graph break, with a warning) and compiles the code inside it on its own.
     ``Policy.fp32_modules`` needs global module hooks and is refused in compiled code: use
     :func:`keep_fp32`, or enter the region outside.
+
+    Where it differs from torch.autocast, on purpose (tests/test_autocast*.py compare the rest with it):
+    an enabled region on a device other than "cpu" or "cuda", or with a dtype the device cannot autocast
+    to (float64, integers), raises ``AutocastError`` naming the fix, where torch warns and runs the region
+    disabled (full precision where half was asked for); ``torch.float32`` warns and disables, as torch. The
+    default policy refuses ``binary_cross_entropy`` under fp16 (``BannedOpError``), where torch runs it in
+    fp32: see ``mixprec.policy.tables``. One instance entered again while it is active (a recursive
+    decorated function) restores the outer state on each exit; torch's keeps one saved state and leaves
+    autocast on after the outer exit.
     """
 
     def __init__(
@@ -227,11 +242,13 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         device_type: str,
         dtype: torch.dtype | None = None,
         enabled: bool = True,
-        cache_enabled: bool = True,
+        cache_enabled: bool | None = None,
         policy: Policy | None = None,
     ) -> None:
         self.device = device_type
-        self._cache_enabled = bool(cache_enabled)
+        # torch's rule: None inherits the cache setting in force where the region is made
+        inherit = cache_enabled is None
+        self._cache_enabled = torch.is_autocast_cache_enabled() if inherit else bool(cache_enabled)
         self.policy = policy
         self._frames: list[_Frame] = []
         self._compiled_frames: list[tuple[Any, Any]] = []
@@ -289,11 +306,12 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
 
     def _enter_compiled(self) -> autocast:
         policy = self.policy if self.policy is not None else DEFAULT_POLICY
-        # Reading the registry version here makes it a guard: a new registration recompiles.
+        # Reading the registry version here makes it a guard: a new registration recompiles. A disabled
+        # region has no mode (its device may be one no policy plans for).
         mode = compiled_mode(
             _mode_of, policy.compile_key, self.device, self.fast_dtype, self._cache_enabled,
             registry_version(),
-        )
+        ) if self._enabled else None
         torch_region = torch.amp._enter_autocast(
             self.device, self.fast_dtype, self._enabled, self._cache_enabled
         )
@@ -332,6 +350,9 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         torch.amp._exit_autocast(torch_region)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):  # as torch: a region decorates functions
+            raise TypeError(f"mixprec.autocast decorates a function, got {type(fn).__name__}")
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self:

@@ -499,6 +499,37 @@ def test_a_disabled_region_accepts_any_dtype_as_torch_does(dtype: torch.dtype) -
         assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
 
 
+@pytest.mark.parametrize("device_type", ["xpu", "mps", "cuda:0"])
+def test_a_disabled_region_accepts_any_device_type_torch_knows(device_type: str) -> None:
+    """Code written for several devices switches autocast off with enabled=False; mixprec refused every
+    device but "cpu" and "cuda" even then."""
+    made = {name: region(device_type, enabled=False) for name, region in (("torch", torch.autocast),
+                                                                           ("mixprec", autocast))}
+    assert made["mixprec"].fast_dtype == made["torch"].fast_dtype
+    with autocast("cpu"), made["mixprec"]:
+        assert torch.is_autocast_enabled("cpu")  # another device's switch leaves the CPU's as it was
+
+
+def _cache_settings(region: Callable[..., Any]) -> tuple[bool, bool]:
+    with region("cpu", cache_enabled=None):
+        explicit_none = torch.is_autocast_cache_enabled()
+    with region("cpu", cache_enabled=False), region("cpu"):
+        inherited = torch.is_autocast_cache_enabled()
+    return explicit_none, inherited
+
+
+def test_cache_enabled_none_inherits_as_in_torch() -> None:
+    """torch's default is None: the cache setting in force where the region is made. mixprec's was True,
+    and None turned the cache off (bool(None)), so a stale cached cast could differ from torch's."""
+    assert _cache_settings(autocast) == _cache_settings(torch.autocast) == (True, False)
+
+
+def test_decorating_something_not_callable_is_a_type_error_as_in_torch() -> None:
+    for region in (torch.autocast, autocast):
+        with pytest.raises(TypeError):
+            region("cpu")(3)
+
+
 def test_banned_op_error_is_what_torch_and_apex_raised() -> None:
     # torch raises RuntimeError for its banned op; apex raised NotImplementedError for banned functions.
     assert issubclass(BannedOpError, RuntimeError) and issubclass(BannedOpError, NotImplementedError)
