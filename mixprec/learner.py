@@ -188,10 +188,11 @@ class Learner:
 
         ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
         overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
-        ``max_scale`` (and down to ``min_scale``). This differs from fastai v1, whose dynamic scaling
-        ignored ``loss_scale`` and started at 2**16: here the number you pass means the same in both
-        modes, and 512 already lifts the gradients that underflow in practice without the first steps
-        being skipped while a 2**16 scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start.
+        ``max_scale`` (and down to ``min_scale``). This differs from fastai v1 in one default: with
+        ``loss_scale=None`` (its default) fastai starts a dynamic scale at 2**16 and a static one at 512;
+        here the default is 512 in both modes (``loss_scale=None`` means no loss scaling), since 512
+        already lifts the gradients that underflow in practice without the first steps being skipped
+        while a 2**16 scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start.
         ``dynamic=False`` keeps ``loss_scale`` fixed (steps with inf/NaN gradients are still skipped).
         ``clip`` bounds the fp32 gradient norm after unscaling. ``skip_limit`` stops training with
         :class:`~mixprec.errors.PersistentOverflowError` after that many consecutive skipped steps, instead

@@ -20,8 +20,9 @@ bf16                    bf16         fp32        yes          -         none (fp
 ======================  ===========  ==========  ===========  ========  =============================
 
 Why two starting scales: apex and torch.amp start at 2**16 and let the first few overflowing steps find the
-level (each costs a skipped step); fastai starts at 512, which already moves fp16's underflow threshold from
-2**-24 to 2**-33 and rarely overflows, so its first steps are not skipped. Both converge to the same level.
+level (each costs a skipped step); the fastai-style recipes start at 512 (fastai v1's static scale; its
+dynamic one starts at 2**16), which already moves fp16's underflow threshold from 2**-24 to 2**-33 and
+rarely overflows, so their first steps are not skipped. Both converge to the same level.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ __all__ = [
     "APEX_MAX_LOSS_SCALE",
 ]
 
-# fastai v1's to_fp16 starting scale: moves fp16's underflow threshold from 2**-24 to 2**-33, while a logit
+# fastai v1's static loss scale (its dynamic one starts at 2**16 unless given; mixprec starts both here,
+# learner.py says why): moves fp16's underflow threshold from 2**-24 to 2**-33, while a logit
 # gradient (at most 1 per sample, divided by the batch size) times 512 stays far below fp16's max 65504.
 FASTAI_LOSS_SCALE = 512.0
 # fastai v1's clean steps before a dynamic scale doubles: overflow is rare once the scale is tuned.
