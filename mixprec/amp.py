@@ -63,6 +63,7 @@ class _PendingStep:
     """Inf flags recorded by ``scale_loss`` for one optimizer, consumed by its next ``step()``."""
 
     found_infs: list[torch.Tensor] = field(default_factory=list)
+    loss_ids: list[int] = field(default_factory=list)  # whose scale_loss recorded each flag
     unscaled: bool = False  # grads currently hold unscaled values from an earlier loss this iteration
     stepped: bool = False  # step() has consumed these flags; another step() would reuse the gradients
 
@@ -76,6 +77,7 @@ class _AmpState:
     scalers: list[GradScaler]
     models: list[HalfModel]
     pending: dict[int, _PendingStep] = field(default_factory=dict)
+    verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -161,7 +163,9 @@ def initialize(
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
         print(line)
-    halves = [_prepare(m, recipe, device_type, cast_model_outputs) for m in model_list]
+    # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there)
+    fp32_io = recipe.name == "O0" and cast_model_type is not False
+    halves = [_prepare(m, recipe, device_type, cast_model_outputs, fp32_io) for m in model_list]
     if recipe.uses_masters:
         originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
@@ -181,7 +185,7 @@ def initialize(
         mine.__dict__.pop(_DISABLED_ATTR, None)  # an earlier initialize(..., enabled=False) no longer holds
         if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
             setattr(mine, _REPLACED_ATTR, recipe.name)
-    _STATE = _AmpState(recipe, device_type, scalers, halves)
+    _STATE = _AmpState(recipe, device_type, scalers, halves, verbosity=verbosity)
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
@@ -190,9 +194,16 @@ def initialize(
     return out_models, (opt_list if opts_were_list else opt_list[0])
 
 
-def _prepare(model: nn.Module, recipe: Recipe, device_type: str, out: torch.dtype | None) -> HalfModel:
+def _prepare(
+    model: nn.Module, recipe: Recipe, device_type: str, out: torch.dtype | None, fp32_io: bool = False
+) -> HalfModel:
     model._mixprec_opt_level = recipe.name  # type: ignore[assignment]
-    if recipe.is_fp32:  # O0, or overrides that turned every cast off: only cast_model_outputs applies
+    if recipe.is_fp32:  # O0, or overrides that turned every cast off: no region
+        if fp32_io:  # apex O0: an fp16 or fp64 batch reaches the fp32 model as fp32
+            model.register_forward_pre_hook(
+                lambda module, args, kwargs: cast_floating((args, kwargs), torch.float32), with_kwargs=True
+            )
+        out = out or (torch.float32 if fp32_io else None)
         if out is not None:
             model.register_forward_hook(lambda module, args, output: cast_floating(output, out))
         return HalfModel(model, recipe)
@@ -251,6 +262,7 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
                 f"(opt level {model._mixprec_opt_level}).",
                 "call mixprec.initialize once per model, with every optimizer and the number of losses.",
             )
+        _check_fp32(model)
     for i, opt in enumerate(optimizers):
         inner = _inner(opt)
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, MasterWeights):
@@ -260,6 +272,22 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
                 "pass the optimizer you built over the model's parameters; initialize adds master weights.",
             )
         check_params_belong(inner, models, label=f"optimizers[{i}]")
+
+
+def _check_fp32(model: nn.Module) -> None:
+    """apex's check_params_fp32: initialize casts the model itself, from fp32. A model already cast to half
+    would get no fp32 masters seeded from fp32 values, and O0/O1 would try to unscale half gradients."""
+    tensors = [("parameter", n, t) for n, t in model.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in model.named_buffers()]
+    for kind, name, t in tensors:
+        if t.dtype in (torch.float16, torch.bfloat16):
+            raise ConfigError(
+                f"Found {kind} {name!r} of {t.dtype}, expected torch.float32: initialize casts the model "
+                "itself, so you do not need to call .half() on your model before passing it, at any opt "
+                "level (apex refuses this too).",
+                "pass the fp32 model: drop the .half() / .to(dtype) before initialize (model.float() undoes "
+                "it).",
+            )
 
 
 def _device_type(models: list[nn.Module]) -> str:
@@ -284,9 +312,8 @@ def _patch_step(opt: Any, state: _AmpState) -> None:
     # An LR scheduler built before initialize wrapped step to record that it ran. The plain step we call is
     # that wrapper, so carry its mark: without it torch warns at the first scheduler.step() that
     # "optimizer.step() has been overridden after learning rate scheduler initialization". (A skipped first
-    # step does not run the wrapper, so torch's "lr_scheduler.step() before optimizer.step()" warning then
-    # comes, as it does under torch.amp.) Bound, as torch's schedulers expect to wrap; a bound method reads
-    # its function's mark.
+    # step marks the optimizer as stepped, skip_step.step_unless_inf, so the scheduler does not warn then
+    # either.) Bound, as torch's schedulers expect to wrap; a bound method reads its function's mark.
     if getattr(opt.step, "_wrapped_by_lr_sched", False):
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = types.MethodType(step, opt)
@@ -306,7 +333,24 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
         )
     pending.stepped = True
     # The scaler's one skip decision: on the device for fused optimizers, else one read (as apex).
-    return step_unless_inf(_inner(opt), combined_found_inf(pending.found_infs), plain, *args, **kwargs)
+    on_skip = (lambda: _say_overflow(state, pending.loss_ids)) if state.verbosity > 0 else None
+    return step_unless_inf(_inner(opt), combined_found_inf(pending.found_infs), plain, *args,
+                           on_skip=on_skip, **kwargs)  # fmt: skip
+
+
+def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
+    """apex's line for a skipped step, on rank 0 only, once per loss that overflowed. (A fused optimizer
+    skips on the device: reading the flag to say so would cost a sync every step, so it stays quiet.)"""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for loss_id in sorted(set(loss_ids)):
+        scaler = state.scalers[loss_id]
+        if not scaler.last_step_skipped:
+            continue  # another loss of this optimizer overflowed
+        scale = scaler.get_scale()
+        change = f"reducing loss scale to {scale}" if scaler.is_dynamic else f"keeping its static {scale}"
+        print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} {change}")
 
 
 def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
@@ -405,6 +449,7 @@ def scale_loss(
         pending = state.pending.setdefault(id(opt), _PendingStep())
         if found is not None:
             pending.found_infs.append(found)
+            pending.loss_ids.append(loss_id)
         pending.unscaled = True
     scaler.update()
 

@@ -69,6 +69,7 @@ def step_unless_inf(
     step_fn: Callable[..., T],
     *args: Any,
     grad_scale: torch.Tensor | None = None,
+    on_skip: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> T | None:
     """``step_fn(*args, **kwargs)`` (normally ``optimizer.step``) unless ``found_inf > 0``.
@@ -78,7 +79,9 @@ def step_unless_inf(
     ``step_fn`` is always called and its result returned. Otherwise the flag is read once on the host (one
     sync); a skipped step returns None without calling ``step_fn``, but marks the optimizer as stepped in
     order so LR schedulers do not warn (pytorch#44511; the schedule advances with the iteration, as in
-    torch). ``grad_scale`` requires the device path: on the host path the gradients must be unscaled."""
+    torch). ``grad_scale`` requires the device path: on the host path the gradients must be unscaled.
+    ``on_skip`` runs when the host path skips (apex's "Gradient overflow" message: the flag was read
+    already, so saying so costs no sync); the device path never knows, so never calls it."""
     if skips_on_device(optimizer):
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -90,6 +93,8 @@ def step_unless_inf(
     if not found_inf.item():  # the one host sync of the host path
         return step_fn(*args, **kwargs)
     optimizer._opt_called = True  # type: ignore[attr-defined]
+    if on_skip is not None:
+        on_skip()
     return None
 
 

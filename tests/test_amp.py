@@ -656,3 +656,48 @@ def test_a_training_step_never_reads_a_tensor_on_the_host(level: str, dtype: tor
             opt.zero_grad()
         unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         assert unchanged is (i == 2)  # the overflowing step was skipped, on the device; the others stepped
+
+
+# ---- apex's behaviour where a review against its source found mixprec different (2026-11-25) -------------
+
+
+@pytest.mark.parametrize("cast", [nn.Module.half, nn.Module.bfloat16])
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_model_already_cast_to_half_is_refused_as_apex_refuses_it(level: str, cast: object) -> None:
+    """apex (_initialize.check_params_fp32) raises at every level; mixprec took it at O2 and failed at
+    O0/O1 on the first scale_loss (unscaling half gradients)."""
+    model = cast(_net())  # type: ignore[operator]
+    with pytest.raises(ConfigError, match=r"(?s)Found parameter '0.weight' of torch.*\.half\(\).*fp32 model"):
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, verbosity=0)
+
+
+def test_o0_casts_floating_inputs_and_outputs_to_fp32_as_apex() -> None:
+    """apex O0: cast_model_type=torch.float32, so an fp16 (or fp64) batch reaches the fp32 model as fp32."""
+    model = mixprec.initialize(_net(), opt_level="O0", verbosity=0)
+    for dtype in (torch.float16, torch.float64):
+        assert model(torch.randn(8, 10).to(dtype)).dtype == torch.float32
+    untouched = mixprec.initialize(_net(1), opt_level="O0", cast_model_type=False, verbosity=0)
+    with pytest.raises(RuntimeError, match="dtype"):  # apex: cast_model_type=False patches nothing
+        untouched(torch.randn(8, 10).half())
+
+
+def _overflowing_step(verbosity: int, level: str = "O2") -> None:
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level,
+                                    verbosity=verbosity)  # fmt: skip
+    x, y = next(_batches(1))
+    loss = nn.functional.cross_entropy(model(x), y) * float("inf")
+    with mixprec.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def test_a_skipped_step_says_so_as_apex_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """apex's handle.skip_step prints this line at verbosity >= 1 (its default); mixprec was silent."""
+    _overflowing_step(verbosity=1)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+    _overflowing_step(verbosity=1, level="O3")  # static: skipped too (apex would apply the inf), and said
+    assert capsys.readouterr().out.splitlines()[-1].endswith("loss scaler 0 keeping its static 1.0")
+    _overflowing_step(verbosity=0)
+    assert capsys.readouterr().out == ""
