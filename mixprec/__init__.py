@@ -60,7 +60,8 @@ def __getattr__(name: str) -> ModuleType:
     """``mixprec.diagnostics``, ``mixprec.host_memory``, ...: a submodule imported on first use, so the
     dotted names the docs use work after a plain ``import mixprec`` (as ``numpy.linalg`` does), without
     every ``import mixprec`` paying for the tools' imports."""
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    # a plain name only: find_spec imports the parents of a dotted one, and hasattr() must not raise
+    if name.isidentifier() and not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -163,9 +163,11 @@ def initialize(
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
         print(line)
-    # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there)
-    fp32_io = recipe.name == "O0" and cast_model_type is not False
-    halves = [_prepare(m, recipe, device_type, cast_model_outputs, fp32_io) for m in model_list]
+    # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there, and
+    # it casts the model too: mixprec leaves a model of another dtype, fp64, and its inputs as they are)
+    o0_casts = recipe.name == "O0" and cast_model_type is not False
+    halves = [_prepare(m, recipe, device_type, cast_model_outputs, o0_casts and _all_fp32(m))
+              for m in model_list]  # fmt: skip
     if recipe.uses_masters:
         originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
@@ -255,6 +257,9 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
             "initialize expects an nn.Module or a list of them as its first argument.",
             "call mixprec.initialize(model, optimizer, opt_level='O2').",
         )
+    # (a wrong optimizer object is named by the loop below; here it just holds nothing)
+    groups = [g for opt in optimizers for g in getattr(_inner(opt), "param_groups", ())]
+    held = {id(p) for g in groups for p in g["params"]}
     for model in models:
         if getattr(model, "_mixprec_opt_level", None) is not None:
             raise ConfigError(
@@ -262,7 +267,7 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
                 f"(opt level {model._mixprec_opt_level}).",
                 "call mixprec.initialize once per model, with every optimizer and the number of losses.",
             )
-        _check_fp32(model)
+        _check_fp32(model, held)
     for i, opt in enumerate(optimizers):
         inner = _inner(opt)
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, MasterWeights):
@@ -274,20 +279,25 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
         check_params_belong(inner, models, label=f"optimizers[{i}]")
 
 
-def _check_fp32(model: nn.Module) -> None:
-    """apex's check_params_fp32: initialize casts the model itself, from fp32. A model already cast to half
-    would get no fp32 masters seeded from fp32 values, and O0/O1 would try to unscale half gradients."""
-    tensors = [("parameter", n, t) for n, t in model.named_parameters()]
-    tensors += [("buffer", n, t) for n, t in model.named_buffers()]
-    for kind, name, t in tensors:
-        if t.dtype in (torch.float16, torch.bfloat16):
+def _check_fp32(model: nn.Module, held: set[int]) -> None:
+    """apex's check_params_fp32, for the parameters it matters for: initialize casts the model itself,
+    from fp32. A trained parameter already half would get an fp32 master seeded from half values (O2), or
+    half gradients to unscale (O0/O1). Frozen half parameters (a bf16 backbone under fp32 adapters) and
+    half buffers train nothing and stay allowed; apex also refused those."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (not held or id(p) in held)]
+    for name, p in trained:  # with no optimizer given, every parameter that requires grad
+        if p.dtype in (torch.float16, torch.bfloat16):
             raise ConfigError(
-                f"Found {kind} {name!r} of {t.dtype}, expected torch.float32: initialize casts the model "
+                f"Found parameter {name!r} of {p.dtype}, expected torch.float32: initialize casts the model "
                 "itself, so you do not need to call .half() on your model before passing it, at any opt "
                 "level (apex refuses this too).",
                 "pass the fp32 model: drop the .half() / .to(dtype) before initialize (model.float() undoes "
                 "it).",
             )
+
+
+def _all_fp32(model: nn.Module) -> bool:
+    return all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
 
 
 def _device_type(models: list[nn.Module]) -> str:

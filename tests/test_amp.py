@@ -671,6 +671,16 @@ def test_a_model_already_cast_to_half_is_refused_as_apex_refuses_it(level: str, 
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), level, verbosity=0)
 
 
+def test_frozen_half_parameters_and_half_buffers_stay_allowed() -> None:
+    """A frozen bf16 backbone under a trained fp32 head (the adapter pattern) and an fp16 buffer train
+    nothing half: the refusal above must not reach them."""
+    model = _net()
+    model[0].bfloat16().requires_grad_(False)
+    model.register_buffer("table", torch.zeros(3, dtype=torch.float16))
+    head = [p for p in model.parameters() if p.requires_grad]
+    mixprec.initialize(model, torch.optim.SGD(head, lr=0.1), "O1", dtype=torch.bfloat16, verbosity=0)
+
+
 def test_o0_casts_floating_inputs_and_outputs_to_fp32_as_apex() -> None:
     """apex O0: cast_model_type=torch.float32, so an fp16 (or fp64) batch reaches the fp32 model as fp32."""
     model = mixprec.initialize(_net(), opt_level="O0", verbosity=0)
@@ -679,6 +689,9 @@ def test_o0_casts_floating_inputs_and_outputs_to_fp32_as_apex() -> None:
     untouched = mixprec.initialize(_net(1), opt_level="O0", cast_model_type=False, verbosity=0)
     with pytest.raises(RuntimeError, match="dtype"):  # apex: cast_model_type=False patches nothing
         untouched(torch.randn(8, 10).half())
+    # apex also casts the model to fp32; mixprec leaves an fp64 model, and so its fp64 inputs, as they are
+    double = mixprec.initialize(_net(2).double(), opt_level="O0", verbosity=0)
+    assert double(torch.randn(8, 10, dtype=torch.float64)).dtype == torch.float64
 
 
 def _overflowing_step(verbosity: int, level: str = "O2") -> None:

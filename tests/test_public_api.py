@@ -55,3 +55,4 @@ def test_an_unknown_attribute_still_raises_attribute_error() -> None:
     with pytest.raises(AttributeError, match="module 'mixprec' has no attribute 'no_such_thing'"):
         mixprec.no_such_thing  # noqa: B018
     assert not hasattr(mixprec, "_private")
+    assert not hasattr(mixprec, "scaler.x") and not hasattr(mixprec, "nope.x")  # dotted: no import tried
