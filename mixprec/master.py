@@ -165,6 +165,7 @@ class MasterWeights(torch.optim.Optimizer):
         # `initial` is used here only: keeping it would hold a second fp32 copy of the model alive.
         self._groups = [self._rewire(group, initial or {}) for group in optimizer.param_groups]
         self._use_fused(optimizer, True if not master_grads else fused)
+        _remake_initial_state(optimizer)  # Adagrad's, made at construction for the half parameters
         # param_groups, state and defaults are properties reading the wrapped optimizer, so schedulers see
         # one object even after load_state_dict replaces the wrapped optimizer's lists.
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
@@ -222,7 +223,14 @@ class MasterWeights(torch.optim.Optimizer):
         half = [p for p in params if p.dtype in HALF_DTYPES]
         others = [p for p in params if p.dtype not in HALF_DTYPES]
         masters = make_masters(half, self.flat, initial, keep_grads=self._fused_step is None)
-        group["params"] = masters.shadow() + others
+        if masters.flat is None:
+            # Each master takes its parameter's place, so the group numbers its tensors as the user's did:
+            # the state_dict then loads into a plain optimizer of the fp32 model (and back) tensor by
+            # tensor, fp32 BatchNorm/LayerNorm parameters among half ones included.
+            master_of = {id(p): m for p, m in zip(half, masters.views, strict=True)}
+            group["params"] = [master_of.get(id(p), p) for p in params]
+        else:
+            group["params"] = masters.shadow() + others  # one buffer for many: no order to keep
         return masters
 
     def _use_fused(self, optimizer: torch.optim.Optimizer, fused: bool | None) -> None:
@@ -455,13 +463,45 @@ def _check_wrappable(optimizer: torch.optim.Optimizer, model: nn.Module | None) 
             f"MasterWeights wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.",
             "build the optimizer first, e.g. MasterWeights(torch.optim.AdamW(model.parameters())).",
         )
-    if len(optimizer.state) > 0:
+    if _has_stepped(optimizer):
         raise ConfigError(
             "The optimizer has already stepped: its state belongs to the half-precision parameters.",
             "wrap the optimizer right after building it, before its first step.",
         )
     if model is not None:
         check_params_belong(optimizer, [model])
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds state from a step. Adagrad makes its state when built (step 0 and the
+    initial accumulator), which :func:`_remake_initial_state` makes again for the masters."""
+    if type(optimizer) in INITIAL_STATE:
+        return any(float(s.get("step", 1)) != 0 for s in optimizer.state.values())  # once, at wrapping
+    return len(optimizer.state) > 0
+
+
+def _adagrad_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
+    # torch.optim.Adagrad.__init__'s state: the step count (on the device for the fused kernel) and the
+    # accumulator at initial_accumulator_value, made here in the master's fp32, not rounded through half
+    step_device = p.device if group.get("fused") else None
+    initial = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+    return {"step": torch.zeros((), dtype=torch.float32, device=step_device), "sum": initial}
+
+
+# Optimizers that make per-parameter state when built, and how: made again for the tensors they now update.
+INITIAL_STATE: dict[type, Callable[[dict[str, Any], torch.Tensor], dict[str, torch.Tensor]]] = {
+    torch.optim.Adagrad: _adagrad_state,
+}
+
+
+def _remake_initial_state(optimizer: torch.optim.Optimizer) -> None:
+    make = INITIAL_STATE.get(type(optimizer))
+    if make is None:
+        return
+    optimizer.state.clear()  # it was made for the half parameters, now replaced by their masters
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = make(group, p)
 
 
 def check_params_belong(optimizer: torch.optim.Optimizer, models: list[nn.Module], label: str = "") -> None:

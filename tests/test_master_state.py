@@ -88,3 +88,73 @@ def test_a_plain_state_dict_loads_and_reseeds_the_masters_from_the_model() -> No
         opt.load_state_dict(plain.state_dict())
     for master, half in zip(opt.master_views(), opt.model_params(), strict=True):
         assert torch.equal(master, half.float())
+
+
+# ---- from a contract run against torch.optim (2026-11-25) -------------------------------------------------
+
+
+def _norms() -> nn.Module:
+    """Three layer norms, the middle one fp32 among half ones (as O2 keeps some layers fp32)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.LayerNorm(4), nn.LayerNorm(4))
+    model[0].bfloat16()
+    model[2].bfloat16()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.linspace(-1, 1, 4) * (i + 1))  # distinct per tensor, exact in bf16
+    return model
+
+
+def test_a_state_dict_numbers_tensors_as_the_plain_optimizer_of_the_fp32_model() -> None:
+    """The wrapper put the half parameters' masters first and the fp32 ones after: a plain Adam of the fp32
+    model then loaded the third layer's moments into the second (same shape, silently)."""
+    half = _norms()
+    opt = MasterWeights(torch.optim.Adam(half.parameters(), lr=0.1))
+    fp32 = _norms().float()
+    ref = torch.optim.Adam(fp32.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    for model in (half, fp32):
+        h = x
+        for layer in model:
+            h = layer(h.to(next(layer.parameters()).dtype)).float()
+        (h * torch.arange(4.0)).sum().backward()
+    with torch.no_grad():  # the reference's gradients: the half model's, upcast
+        for r, p in zip(fp32.parameters(), half.parameters(), strict=True):
+            r.grad = p.grad.float()
+    opt.step()
+    ref.step()
+    plain = torch.optim.Adam(_norms().float().parameters(), lr=0.1)
+    plain.load_state_dict(opt.state_dict())
+    for got, want in zip(plain.state.values(), ref.state.values(), strict=True):
+        assert torch.equal(got["exp_avg"], want["exp_avg"])
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("impl", [{}, {"foreach": False}, {"fused": True}])
+def test_adagrad_is_wrapped_and_steps_as_on_fp32_parameters(flat: bool, impl: dict[str, bool]) -> None:
+    """Adagrad makes its state when built, which the "already stepped" check took for a step: it could not
+    be wrapped at all. Its accumulator now starts at initial_accumulator_value in fp32 (0.1 is not a bf16)."""
+    half = _net().bfloat16()
+    fp32 = _net()
+    fp32.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    settings = {"lr": 0.1, "initial_accumulator_value": 0.1, **impl}
+    opt = MasterWeights(torch.optim.Adagrad(half.parameters(), **settings), flat=flat)
+    ref = torch.optim.Adagrad(fp32.parameters(), **settings)
+    for i in range(3):
+        _loss(half, torch.bfloat16, i).backward()
+        for r, p in zip(fp32.parameters(), half.parameters(), strict=True):
+            r.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    for master, want in zip(opt.master_views(), fp32.parameters(), strict=True):
+        assert torch.equal(master, want)
+
+
+def test_an_adagrad_that_stepped_is_still_refused() -> None:
+    model = _net().bfloat16()
+    inner = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    _loss(model, torch.bfloat16).backward()
+    inner.step()
+    with pytest.raises(ConfigError, match="already stepped"):
+        MasterWeights(inner)
