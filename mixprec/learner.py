@@ -31,6 +31,7 @@ from mixprec.callbacks import (
     CancelStepException,
     CancelTrainException,
     Checkpoint,
+    MixedPrecision,
     OneCycleScheduler,
     ProgressBar,
     Recorder,
@@ -188,15 +189,25 @@ class Learner:
 
         ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
         overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
-        ``max_scale`` (and down to ``min_scale``). This differs from fastai v1 in one default: with
-        ``loss_scale=None`` (its default) fastai starts a dynamic scale at 2**16 and a static one at 512;
-        here the default is 512 in both modes (``loss_scale=None`` means no loss scaling), since 512
-        already lifts the gradients that underflow in practice without the first steps being skipped
-        while a 2**16 scale backs off. Pass ``loss_scale=2.**16`` for torch.amp/apex's start.
-        ``dynamic=False`` keeps ``loss_scale`` fixed (steps with inf/NaN gradients are still skipped).
-        ``clip`` bounds the fp32 gradient norm after unscaling. ``skip_limit`` stops training with
-        :class:`~mixprec.errors.PersistentOverflowError` after that many consecutive skipped steps, instead
-        of skipping for ever when every batch overflows (e.g. NaN in the data).
+        ``max_scale`` (and down to ``min_scale``). ``dynamic=False`` keeps ``loss_scale`` fixed (steps with
+        inf/NaN gradients are still skipped). ``clip`` bounds the fp32 gradient norm after unscaling.
+        ``skip_limit`` stops training with :class:`~mixprec.errors.PersistentOverflowError` after that many
+        consecutive skipped steps, instead of skipping for ever when every batch overflows (e.g. NaN in
+        the data).
+
+        Where this differs from fastai v1's ``to_fp16``, on purpose:
+            * the starting scale: fastai's ``loss_scale=None`` (its default) starts a dynamic scale at 2**16
+              and a static one at 512; here the default is 512 in both modes and ``None`` means no loss
+              scaling (512 already lifts the gradients that underflow in practice, without the first
+              steps being skipped while a 2**16 scale backs off);
+            * the masters start from the model's fp32 values, and ``fit`` ends with the model fp32 again,
+              holding them; fastai cast the model to fp16 in ``to_fp16`` and made the masters from that
+              rounding, again at every ``fit``;
+            * an overflowing step is skipped outright, as apex and torch.amp skip it; fastai still stepped
+              its optimizer on zeroed gradients (weight decay applied, Adam's moments and step count moved),
+              and at a static scale (or one at 1) applied the inf/NaN;
+            * ``clip`` is one norm over all masters, as torch and apex clip; fastai clipped each parameter
+              group (weights; biases and norm layers) on its own.
         """
         recipe = fastai_recipe(torch.float16, loss_scale, max_noskip, dynamic, flat_master, max_scale,
                                loss_fp32, min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
@@ -222,10 +233,11 @@ class Learner:
         return self
 
     def to_fp32(self) -> Learner:
-        """Back to plain fp32 training (removes the mixed precision callback)."""
-        if self.mp_cb is not None:
-            self.remove_cb(self.mp_cb)
-            self.mp_cb = None
+        """Back to plain fp32 training: removes every mixed precision callback, as fastai's does (also one
+        passed in ``callbacks=``, which ``to_fp16`` would otherwise stack a second one on)."""
+        for cb in [c for c in self.callbacks if isinstance(c, MixedPrecision)]:
+            self.remove_cb(cb)
+        self.mp_cb = None
         return self
 
     # ------------------------------------------------------------------ training

@@ -114,3 +114,32 @@ def test_min_scale_floors_the_dynamic_scale_under_persistent_overflow() -> None:
     expected = [max(512.0 * 0.5**k, 64.0) for k in range(7)]
     assert learn.recorder.loss_scales == expected
     assert all(learn.recorder.skipped)
+
+
+# ---- from a review against fastai v1's source (2026-11-25) ------------------------------------------------
+
+
+def test_the_callbacks_positional_order_is_fastai_v1s_too() -> None:
+    """MixedPrecision(learn, loss_scale, max_noskip, dynamic, clip, flat_master, max_scale, loss_fp32) in
+    fastai, with dtype in learn's place here. mixprec had flat_master third: MixedPrecision(fp16, 512., 2000)
+    turned on flat masters with a growth interval left at 1000."""
+    params = list(inspect.signature(MixedPrecision.__init__).parameters.values())[2:]  # self, dtype
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional[: len(FASTAI_V1_ORDER)] == FASTAI_V1_ORDER
+    mp = MixedPrecision(torch.float16, 512.0, 2000)
+    assert (mp.max_noskip, mp.flat_master) == (2000, False)
+    with pytest.raises(ConfigError, match="flat_master must be True or False"):
+        MixedPrecision(torch.float16, 512.0, 1000, True, None, 2000)  # an argument one place off
+
+
+def test_to_fp32_removes_a_mixed_precision_callback_passed_in_as_fastai_does() -> None:
+    """fastai's to_fp32 removes every MixedPrecision; mixprec's only the one to_fp16 added, so one given
+    in callbacks= stayed, and to_fp16 then stacked a second (fit: "already keeps master weights")."""
+    data = mixprec.digits(batch_size=64, seed=0)
+    learn = Learner(data, mixprec.build_model("mlp", data, n_hidden=16), silent=True,
+                    callbacks=[MixedPrecision()])  # fmt: skip
+    learn.to_fp32()
+    assert not any(isinstance(c, MixedPrecision) for c in learn.callbacks)
+    learn.to_fp16()
+    assert sum(isinstance(c, MixedPrecision) for c in learn.callbacks) == 1
+    learn.fit(1, callbacks=[_StopAfter(1)])

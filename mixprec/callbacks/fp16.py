@@ -84,14 +84,17 @@ class MixedPrecision(Callback):
     on_step_end -- update the scale (a skipped step's BatchNorm statistics put back, no sync);
     on_train_end -- the model back to fp32, holding the masters' values.
 
-    Args (fastai v1's, and ``MixedPrecision``'s before recipes; ignored when ``recipe`` is given):
+    Args (fastai v1's ``MixedPrecision``, in its order, ``dtype`` where fastai has ``learn``; mixprec's
+    ``master_weights`` and ``keep_bn_fp32`` follow; ignored when ``recipe`` is given):
         dtype: torch.float16 or torch.bfloat16.
         loss_scale: the initial (dynamic) or fixed (static) loss scale; None: no loss scaling (bf16 has
             fp32's range and needs none).
-        flat_master: one contiguous fp32 master buffer per param group (one long optimizer kernel).
+        max_noskip: clean steps before a dynamic scale doubles.
         dynamic: halve the scale on overflow, double it after ``max_noskip`` clean steps.
-        max_noskip, max_scale, min_scale: the dynamic scale's growth interval and bounds.
-        clip: clip the masters' gradient norm to this, after unscaling (also with ``recipe``).
+        clip: clip the masters' gradient norm to this, after unscaling (also with ``recipe``): one norm
+            over all of them, as torch and apex clip (fastai v1 clipped each parameter group on its own).
+        flat_master: one contiguous fp32 master buffer per param group (one long optimizer kernel).
+        max_scale, min_scale: the dynamic scale's bounds.
         loss_fp32: compute the loss from an fp32 copy of the output.
         master_weights: False lets the optimizer update the half parameters themselves (apex O3): updates
             below half an ulp of a weight are lost.
@@ -108,10 +111,10 @@ class MixedPrecision(Callback):
         self,
         dtype: torch.dtype = torch.float16,
         loss_scale: float | None = FASTAI_LOSS_SCALE,
-        flat_master: bool = False,
-        dynamic: bool = True,
         max_noskip: int = FASTAI_MAX_NOSKIP,
+        dynamic: bool = True,
         clip: float | None = None,
+        flat_master: bool = False,
         max_scale: float | None = APEX_MAX_LOSS_SCALE,
         loss_fp32: bool = True,
         master_weights: bool = True,
@@ -239,8 +242,15 @@ def fastai_recipe(
     min_scale: float | None = None,
     skip_limit: int | None = None,
 ) -> Recipe:
-    """:meth:`Recipe.fastai <mixprec.recipe.Recipe.fastai>` (its arguments in fastai v1's order), with every
-    argument checked first and named as the caller passed it (the Recipe would name GradScaler's)."""
+    """:meth:`Recipe.fastai <mixprec.recipe.Recipe.fastai>` (its arguments in fastai v1's order, without
+    ``clip``, a callback setting), with every argument checked first and named as the caller passed it (the
+    Recipe would name GradScaler's)."""
+    flags = {"dynamic": dynamic, "flat_master": flat_master, "loss_fp32": loss_fp32}
+    for name, value in flags.items():
+        if not isinstance(value, bool):  # a number here is an argument one place off
+            raise ConfigError(f"{name} must be True or False, got {value!r}.",
+                              f"pass {name}= by keyword (fastai v1's order: loss_scale, max_noskip, dynamic, "
+                              "clip, flat_master, max_scale, loss_fp32).")  # fmt: skip
     if dtype not in HALF_DTYPES:
         raise ConfigError(
             f"MixedPrecision trains in half precision; dtype={dtype} is not one.",
