@@ -67,6 +67,17 @@ class GroupMasters:
         alone = [v for v, f in zip(self.views, self.in_flat, strict=True) if not f]
         return ([self.flat] if self.flat is not None else []) + alone
 
+    def relink(self) -> None:
+        """Make the flat members views of ``flat`` again. Plain pickle saves each tensor with its own copy
+        of the memory, so after a round trip the step would update the buffer while the model kept being
+        rounded from the stale copies (torch.save and deepcopy keep the views). Gradient storage is made
+        anew on first use."""
+        if self.flat is None:
+            return
+        members = iter(views_like(self.flat, [v for v, f in zip(self.views, self.in_flat, strict=True) if f]))
+        self.views = [next(members) if f else v for v, f in zip(self.views, self.in_flat, strict=True)]
+        self.buffers, self.flat_grad = [], None
+
     def _buffer(self, i: int) -> torch.Tensor:
         if not self.buffers:
             self.buffers = [None] * len(self.views)

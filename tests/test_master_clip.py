@@ -93,3 +93,22 @@ def test_clip_without_scaler_clips_the_half_grads_the_step_reads() -> None:
     opt.step()
     plain.step()
     assert all(torch.equal(m, r) for m, r in zip(opt.master_views(), ref.parameters(), strict=True))
+
+
+def test_without_master_grads_the_norm_is_fp32_and_each_gradient_is_rounded_once() -> None:
+    """master_grads=False: the step reads the model's bf16 gradients. opt.clip_grad_norm_ took their norm in
+    bf16 (1.0156 against the fp32 1.0188 in a review's run) though its docstring said fp32. Reference: torch's
+    clip of the fp32 upcasts, rounded to bf16 once."""
+    torch.manual_seed(0)
+    half = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 3)).bfloat16()
+    opt = MasterWeights(torch.optim.AdamW(half.parameters(), lr=1e-3), master_grads=False)
+    x, y = torch.randn(128, 64), torch.randint(0, 3, (128,))
+    nn.functional.cross_entropy(half(x.bfloat16()).float(), y).backward()
+    ref = [nn.Parameter(p.detach().float()) for p in half.parameters()]
+    for r, p in zip(ref, half.parameters(), strict=True):
+        r.grad = p.grad.float()
+    want = nn.utils.clip_grad_norm_(ref, MAX_NORM)
+    got = opt.clip_grad_norm_(MAX_NORM)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-6)
+    for p, r in zip(half.parameters(), ref, strict=True):
+        assert torch.equal(p.grad, r.grad.bfloat16())

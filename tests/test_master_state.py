@@ -3,6 +3,8 @@ it, and saving or loading the wrapped optimizer instead of the wrapper."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 
 import pytest
@@ -158,3 +160,18 @@ def test_an_adagrad_that_stepped_is_still_refused() -> None:
     inner.step()
     with pytest.raises(ConfigError, match="already stepped"):
         MasterWeights(inner)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_plainly_pickled_wrapper_trains_like_a_deep_copy(flat: bool) -> None:
+    """Plain pickle stored the flat buffer's views as copies of their own: the unpickled wrapper stepped the
+    buffer and rounded the model from the stale copies, so the model never changed."""
+    model = _net().bfloat16()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.5), flat=flat)
+    pickled = pickle.loads(pickle.dumps((model, opt)))
+    copied = copy.deepcopy((model, opt))
+    for m, o in (pickled, copied):
+        _loss(m, torch.bfloat16).backward()
+        o.step()
+    for p, c, before in zip(pickled[0].parameters(), copied[0].parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, c) and not torch.equal(p, before)
