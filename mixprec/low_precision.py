@@ -12,8 +12,11 @@ mode        the stored weight                                               extr
 naive       rounded to nearest (the baseline that stalls)                   0            8 / 11 bits
 stochastic  rounded up with probability (distance to the lower neighbour)   0            unbiased: E[w] is
             / ulp, from a seeded generator                                               the fp32 value
-kahan       rounded to nearest, plus a compensation (weight's dtype) that   2            ~16 / ~22 bits
-            keeps what the weight could not absorb (compensated summation)
+kahan       rounded to nearest, plus a compensation (weight's dtype) that   2            ~16 / up to ~22
+            keeps what the weight could not absorb (compensated summation)               bits (fp16: the
+                                                                                         compensation is
+                                                                                         floored at 2**-24,
+                                                                                         ~15 bits at 0.01)
 split       bf16 high half (rounded to nearest) + int16 low half: together  2            fp32, exactly
             the fp32 master, bit for bit (bf16 only: fp16 is not a half
             of fp32)
@@ -257,6 +260,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     after the exact copy to fp32 (so fp16 grads need no ``allow_fp16_grads``) and skips on inf/NaN, reading
     the flag once (one host sync). Calling ``scaler.unscale_(wrapper)`` yourself (to clip) unscales the half
     grads in place: fine for bf16; for fp16 it needs ``GradScaler(allow_fp16_grads=True)``.
+    Where it differs from a plain optimizer: the wrapped optimizer steps once per chunk, so a global step
+    hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) runs once for the wrapper and once per
+    chunk; state-dict hooks registered on the wrapper do not run (its ``state_dict`` is its own).
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step passes grad_scale / found_inf instead of unscaling
@@ -315,11 +321,19 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     self._extras[p] = torch.zeros_like(p, dtype=extra)  # the weight is exactly its half value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of half parameters (checked first) to the wrapped optimizer."""
+        """Add a group of half parameters (checked first) to the wrapped optimizer. A group torch refuses
+        (a parameter already in another group) leaves every buffer as it was."""
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
+        kept = {p: self._extras[p] for p in params if p in self._extras}
         self._adopt(params)
-        self.inner.add_param_group({**param_group, "params": params})
+        try:
+            self.inner.add_param_group({**param_group, "params": params})
+        except Exception:
+            for p in params:  # _adopt zeroed their compensation / low half: put back what they held
+                self._extras.pop(p, None)
+            self._extras.update(kept)
+            raise
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -492,7 +506,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "This is not a LowPrecisionOptimizer state_dict (expected keys optimizer, mode, state_dtype, "
                 "extras, generators).",
-                "load a plain optimizer's state into the wrapped one: wrapper.inner.load_state_dict(sd).",
+                "resume from the wrapper's own state_dict(); to start from a plain optimizer's state, load "
+                "it into that optimizer before wrapping it (inner.load_state_dict(sd), then "
+                "LowPrecisionOptimizer(inner, ...): its state is taken over).",
             )
         mine = (self.mode.value, None if self.state_dtype is None else str(self.state_dtype))
         theirs = (state_dict["mode"], state_dict["state_dtype"])
@@ -510,18 +526,20 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             )
 
     def _restore_state_dtypes(self, saved: dict[str, Any]) -> None:
-        """torch casts loaded floating state to its parameter's dtype (here half): put back the saved dtype,
-        so an fp32 state resumes without rounding."""
+        """torch casts loaded floating state (all but "step") to its parameter's dtype, here half: put back
+        the saved dtype, so an fp32 state resumes without rounding -- moments, and state of other shapes
+        too (NAdam's mu_product, Adafactor's row and column variances)."""
         ids = [i for g in saved["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params, strict=True):
             for k, v in saved["state"].get(i, {}).items():
-                if _is_moment(k, v, p):
+                if isinstance(v, Tensor) and v.is_floating_point() and k != "step":
                     self.state[p][k] = v.to(p.device, copy=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch's Optimizer pickles only defaults/state/param_groups; deepcopy needs all of the wrapper.
-        return self.__dict__.copy()
+        # torch's Optimizer pickles only defaults/state/param_groups; deepcopy needs all of the wrapper, but
+        # not an LR scheduler's per-instance step wrapper (not picklable; torch drops it the same way).
+        return {k: v for k, v in self.__dict__.items() if k != "step"}
 
     def __repr__(self) -> str:
         n = sum(p.numel() for g in self.param_groups for p in g["params"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -413,3 +414,57 @@ def test_the_docs_loop_runs() -> None:
     exec(compile(code, "docs/low-precision.md", "exec"), namespace)
     model = namespace["model"]
     assert isinstance(model, nn.Module) and next(model.parameters()).dtype is BF16
+
+
+# ---- from a contract run against torch.optim (2026-11-25) -------------------------------------------------
+
+
+def _tiny_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(16, 8, generator=g).bfloat16()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("make", [torch.optim.NAdam, torch.optim.Adafactor])
+def test_a_resume_keeps_fp32_state_of_any_shape(make: Callable[..., torch.optim.Optimizer]) -> None:
+    """torch's load casts floating state to the half parameter's dtype; only state shaped like the parameter
+    got its fp32 back: NAdam's mu_product came back bf16 (the resume drifted by 5e-5) and Adafactor's row and
+    column variances made the next step fail. Reference: the run never interrupted."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).bfloat16()
+    opt = LowPrecisionOptimizer(make(model.parameters(), lr=1e-2), mode="split")
+    for i in range(2):
+        _tiny_step(model, opt, i)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    for i in range(2, 5):
+        _tiny_step(model, opt, i)
+    resumed = nn.Linear(8, 4).bfloat16()
+    resumed.load_state_dict(saved_model)
+    again = LowPrecisionOptimizer(make(resumed.parameters(), lr=1e-2), mode="split")
+    again.load_state_dict(saved_opt)
+    for i in range(2, 5):
+        _tiny_step(resumed, again, i)
+    for a, b in zip(again.master_values(), opt.master_values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_refused_param_group_leaves_the_low_halves_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).bfloat16()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), mode="split")
+    for i in range(3):
+        _tiny_step(model, opt, i)
+    before = [m.clone() for m in opt.master_values()]
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model.weight]})
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_values(), before, strict=True))
+
+
+def test_a_wrapper_with_an_lr_scheduler_pickles_as_a_plain_optimizer_does() -> None:
+    model = nn.Linear(8, 4).bfloat16()
+    opt = LowPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), mode="kahan")
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    pickled = pickle.loads(pickle.dumps(opt))
+    assert pickled.mode is opt.mode and len(pickled.extra_tensors()) == len(opt.extra_tensors())
