@@ -51,7 +51,7 @@ from mixprec.half_model import BATCHNORM, Converted, fp32_originals, model_to_ha
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import record_non_finite_
-from mixprec.master_state import InnerOptimizerGuard, split_master_state, warn_reseeded
+from mixprec.master_state import InnerOptimizerGuard, check_state_shapes, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 
 __all__ = [
@@ -214,6 +214,19 @@ class MasterWeights(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    def _from_masters_first(self, inner_state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint saved before each master took its parameter's place: its groups list the masters
+        first, then the fp32 parameters. Renumber them in the groups' present order."""
+        mastered = {id(v) for v in self.master_views()}
+        groups = []
+        for saved, group in zip(inner_state["param_groups"], self.optimizer.param_groups, strict=True):
+            params = group["params"]
+            old_order = [p for p in params if id(p) in mastered]
+            old_order += [p for p in params if id(p) not in mastered]
+            saved_id = {id(p): i for p, i in zip(old_order, saved["params"], strict=True)}
+            groups.append({**saved, "params": [saved_id[id(p)] for p in params]})
+        return {**inner_state, "param_groups": groups}
+
     def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
         # torch's Optimizer pickles defaults/state/param_groups only; the wrapper is its attributes.
         return {k: v for k, v in self.__dict__.items() if k != "_guard"}
@@ -280,6 +293,7 @@ class MasterWeights(torch.optim.Optimizer):
             )
         self.optimizer.add_param_group({**param_group, "params": new})
         self._groups.append(self._rewire(self.optimizer.param_groups[-1], {}))
+        _remake_initial_state(self.optimizer, [self.optimizer.param_groups[-1]])
 
     # ------------------------------------------------------------------ the step
     @property
@@ -453,13 +467,18 @@ class MasterWeights(torch.optim.Optimizer):
         with self._guard.own():
             inner = self.optimizer.state_dict()
         masters = [v.detach().clone() for v in self.master_views()]
-        return {**inner, "masters": masters, "flat": self.flat}
+        # "order": each group lists its tensors in the model's order (before 02bb826 the masters came
+        # first, then the group's fp32 parameters; load_state_dict renumbers such a checkpoint)
+        return {**inner, "masters": masters, "flat": self.flat, "order": "model"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output; or a plain optimizer's (saved before ``initialize``, as
         apex allowed): its state is loaded and the masters are seeded from the model's current values."""
         views = list(self.master_views())
         inner_state, masters = split_master_state(state_dict, views, self.flat)
+        if masters is not None and not self.flat and state_dict.get("order") != "model":
+            inner_state = self._from_masters_first(inner_state)
+        check_state_shapes(inner_state, self.optimizer.param_groups)
         if masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
@@ -511,28 +530,38 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     return len(optimizer.state) > 0
 
 
-def _adagrad_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
-    # torch.optim.Adagrad.__init__'s state: the step count (on the device for the fused kernel) and the
-    # accumulator at initial_accumulator_value, made here in the master's fp32, not rounded through half
+def _adagrad_state(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor
+) -> dict[str, Any]:
+    # torch.optim.Adagrad's state: the step count (on the device for the fused kernel) and the accumulator
+    # at the constructor's initial_accumulator_value (torch uses it for every group), made here in the
+    # master's fp32, not rounded through half
     step_device = p.device if group.get("fused") else None
-    initial = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+    value = optimizer.defaults["initial_accumulator_value"]
+    initial = torch.full_like(p, value, memory_format=torch.preserve_format)
     return {"step": torch.zeros((), dtype=torch.float32, device=step_device), "sum": initial}
 
 
 # Optimizers that make per-parameter state when built, and how: made again for the tensors they now update.
-INITIAL_STATE: dict[type, Callable[[dict[str, Any], torch.Tensor], dict[str, torch.Tensor]]] = {
+INITIAL_STATE: dict[type, Callable[[torch.optim.Optimizer, dict[str, Any], torch.Tensor], dict[str, Any]]] = {
     torch.optim.Adagrad: _adagrad_state,
 }
 
 
-def _remake_initial_state(optimizer: torch.optim.Optimizer) -> None:
+def _remake_initial_state(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None
+) -> None:
+    """``groups`` (default: all, whose state made for the half parameters is dropped first) get the state
+    their optimizer makes when built, for the tensors they now hold. A group added later gets it at once:
+    a flat buffer's member without a gradient in its first step would otherwise start from zero."""
     make = INITIAL_STATE.get(type(optimizer))
     if make is None:
         return
-    optimizer.state.clear()  # it was made for the half parameters, now replaced by their masters
-    for group in optimizer.param_groups:
+    if groups is None:
+        optimizer.state.clear()  # it was made for the half parameters, now replaced by their masters
+    for group in optimizer.param_groups if groups is None else groups:
         for p in group["params"]:
-            optimizer.state[p] = make(group, p)
+            optimizer.state[p] = make(optimizer, group, p)
 
 
 def check_params_belong(optimizer: torch.optim.Optimizer, models: list[nn.Module], label: str = "") -> None:

@@ -16,7 +16,7 @@ import torch
 
 from mixprec.errors import ConfigError, MasterStateWarning
 
-__all__ = ["InnerOptimizerGuard", "split_master_state", "warn_reseeded"]
+__all__ = ["InnerOptimizerGuard", "check_state_shapes", "split_master_state", "warn_reseeded"]
 
 LEGACY_KEYS = {"optimizer", "masters", "flat"}  # mixprec 0.1 nested the optimizer's state
 
@@ -67,6 +67,26 @@ def warn_reseeded(stacklevel: int) -> None:
     ), stacklevel=stacklevel)
 
 
+# Optimizer state shaped like its parameter, by key (torch.optim's names).
+PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer", "sum", "square_avg",
+                "grad_avg", "acc_delta", "prev", "step_size", "ax")
+
+
+def check_state_shapes(inner_state: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Raise if a saved moment would land on a tensor of another shape: torch's load_state_dict takes it,
+    and the fused kernels then read and write past the tensor (heap corruption, not an error)."""
+    for saved, group in zip(inner_state["param_groups"], param_groups, strict=False):
+        for i, p in zip(saved["params"], group["params"], strict=False):
+            for key, value in inner_state["state"].get(i, {}).items():
+                if key in PARAM_SHAPED and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ConfigError(
+                        f"The saved optimizer state {key!r} of shape {tuple(value.shape)} would load onto a "
+                        f"tensor of shape {tuple(p.shape)}.",
+                        "load a checkpoint saved from the same model and param groups (and the same "
+                        "MasterWeights layout).",
+                    )
+
+
 def split_master_state(
     state_dict: Any, views: list[torch.Tensor], flat: bool
 ) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
@@ -85,7 +105,7 @@ def split_master_state(
     if "optimizer" in state_dict:  # mixprec 0.1's layout
         inner = state_dict["optimizer"]
     else:
-        inner = {k: v for k, v in state_dict.items() if k not in ("masters", "flat")}
+        inner = {k: v for k, v in state_dict.items() if k not in ("masters", "flat", "order")}
     masters = state_dict.get("masters")
     if masters is None:
         return inner, None

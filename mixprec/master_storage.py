@@ -74,7 +74,9 @@ class GroupMasters:
         anew on first use."""
         if self.flat is None:
             return
-        members = iter(views_like(self.flat, [v for v, f in zip(self.views, self.in_flat, strict=True) if f]))
+        # of the buffer's data, as make_masters makes them: leaves, which deepcopy and .numpy() accept
+        inside = [v for v, f in zip(self.views, self.in_flat, strict=True) if f]
+        members = iter(views_like(self.flat.detach(), inside))
         self.views = [next(members) if f else v for v, f in zip(self.views, self.in_flat, strict=True)]
         self.buffers, self.flat_grad = [], None
 

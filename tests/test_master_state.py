@@ -175,3 +175,71 @@ def test_a_plainly_pickled_wrapper_trains_like_a_deep_copy(flat: bool) -> None:
         o.step()
     for p, c, before in zip(pickled[0].parameters(), copied[0].parameters(), model.parameters(), strict=True):
         assert torch.equal(p, c) and not torch.equal(p, before)
+
+
+def _stepped_norms() -> tuple[nn.Module, MasterWeights]:
+    half = _norms()
+    opt = MasterWeights(torch.optim.Adam(half.parameters(), lr=0.1))
+    x = torch.randn(5, 4)
+    h = x
+    for layer in half:
+        h = layer(h.to(next(layer.parameters()).dtype)).float()
+    (h * torch.arange(4.0)).sum().backward()
+    opt.step()
+    return half, opt
+
+
+def _masters_first(sd: dict, half: nn.Module) -> dict:
+    """The state_dict a MasterWeights saved before 02bb826: each group numbered the masters first, then the
+    fp32 parameters, and had no "order" key."""
+    is_half = [p.dtype is torch.bfloat16 for p in half.parameters()]
+    ids = sd["param_groups"][0]["params"]
+    pairs = list(zip(ids, is_half, strict=True))
+    old_order = [i for i, h in pairs if h] + [i for i, h in pairs if not h]
+    state = {k: sd["state"][i] for k, i in enumerate(old_order) if i in sd["state"]}
+    groups = [{**sd["param_groups"][0], "params": list(range(len(ids)))}]
+    return {**{k: v for k, v in sd.items() if k != "order"}, "state": state, "param_groups": groups}
+
+
+def test_a_checkpoint_saved_with_the_masters_first_is_renumbered_on_load() -> None:
+    """Before, loading it put one layer's moments on another (same shapes: silently; other shapes: the fused
+    kernel wrote past the tensor)."""
+    half, opt = _stepped_norms()
+    old = _masters_first(opt.state_dict(), half)
+    fresh = MasterWeights(torch.optim.Adam(_norms().parameters(), lr=0.1))
+    fresh.load_state_dict(old)
+    pairs = zip(fresh.param_groups[0]["params"], opt.param_groups[0]["params"], strict=True)
+    for got, want in pairs:
+        assert torch.equal(fresh.state[got]["exp_avg"], opt.state[want]["exp_avg"])
+
+
+def test_state_that_would_land_on_a_tensor_of_another_shape_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.Linear(12, 3))
+    model[0].bfloat16()
+    model[2].bfloat16()
+    opt = MasterWeights(torch.optim.Adam(model.parameters(), lr=0.1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][2], sd["state"][4] = sd["state"][4], sd["state"][2]  # BatchNorm's weight gets a Linear's
+    with pytest.raises(ConfigError, match=r"of shape \(3, 12\) would load onto a tensor of shape \(12,\)"):
+        MasterWeights(torch.optim.Adam(model.parameters(), lr=0.1)).load_state_dict(sd)
+
+
+def test_a_copy_of_a_copied_flat_wrapper_is_made() -> None:
+    """relink made the flat members views of the buffer with autograd history: deepcopy refused a copy."""
+    model = _net().bfloat16()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.5), flat=True)
+    twice = copy.deepcopy(copy.deepcopy((model, opt)))
+    assert all(v.is_leaf and not v.requires_grad for v in twice[1].master_views())
+
+
+def test_adagrad_takes_the_constructors_initial_value_for_every_group_as_torch() -> None:
+    half, fp32 = _net().bfloat16(), _net()
+    groups = lambda m: [{"params": m[0].parameters(), "initial_accumulator_value": 0.5},  # noqa: E731
+                        {"params": m[2].parameters()}]  # fmt: skip
+    opt = MasterWeights(torch.optim.Adagrad(groups(half), lr=0.1, initial_accumulator_value=0.25))
+    ref = torch.optim.Adagrad(groups(fp32), lr=0.1, initial_accumulator_value=0.25)
+    assert [float(s["sum"].flatten()[0]) for s in opt.state.values()] == [
+        float(s["sum"].flatten()[0]) for s in ref.state.values()]
