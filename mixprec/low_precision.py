@@ -300,8 +300,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
         continued) is in the parameters' dtype: hold it in the dtype this wrapper keeps (exact upcasts)."""
         params = [p for g in self.param_groups for p in g["params"]]
+        moments = {(id(st), k) for st, k, _ in self._moments(params)}
         for st, k, v in self._moments(params):
             st[k] = v.to(self.state_dtype or torch.float32)
+        for p in params:  # the rest (NAdam's mu_product, Adafactor's variances): fp32, as torch makes them
+            st = self.state.get(p, {})
+            for k, v in list(st.items()):
+                floating = isinstance(v, Tensor) and v.is_floating_point()
+                if floating and k != "step" and (id(st), k) not in moments:
+                    st[k] = v.float()
 
     def _share_inner_bookkeeping(self) -> None:
         # torch's own __setstate__ creates the hook registries and patches step() (schedulers rely on it);
@@ -533,7 +540,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params, strict=True):
             for k, v in saved["state"].get(i, {}).items():
-                if isinstance(v, Tensor) and v.is_floating_point() and k != "step":
+                if isinstance(v, Tensor) and k != "step":  # torch casts integer and bool state too
                     self.state[p][k] = v.to(p.device, copy=True)
 
     def __getstate__(self) -> dict[str, Any]:

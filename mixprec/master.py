@@ -218,6 +218,13 @@ class MasterWeights(torch.optim.Optimizer):
         """A checkpoint saved before each master took its parameter's place: its groups list the masters
         first, then the fp32 parameters. Renumber them in the groups' present order."""
         mastered = {id(v) for v in self.master_views()}
+        sizes = [len(g["params"]) for g in inner_state["param_groups"]]
+        mine = [len(g["params"]) for g in self.optimizer.param_groups]
+        if sizes != mine:
+            raise ConfigError(
+                f"The checkpoint's param groups hold {sizes} tensors; this optimizer's hold {mine}.",
+                "load a checkpoint saved from the same model and param groups.",
+            )
         groups = []
         for saved, group in zip(inner_state["param_groups"], self.optimizer.param_groups, strict=True):
             params = group["params"]
@@ -228,8 +235,9 @@ class MasterWeights(torch.optim.Optimizer):
         return {**inner_state, "param_groups": groups}
 
     def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
-        # torch's Optimizer pickles defaults/state/param_groups only; the wrapper is its attributes.
-        return {k: v for k, v in self.__dict__.items() if k != "_guard"}
+        # torch's Optimizer pickles defaults/state/param_groups only; the wrapper is its attributes, but not
+        # an LR scheduler's per-instance step wrapper (not picklable; torch drops it the same way)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_guard", "step")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -478,7 +486,8 @@ class MasterWeights(torch.optim.Optimizer):
         inner_state, masters = split_master_state(state_dict, views, self.flat)
         if masters is not None and not self.flat and state_dict.get("order") != "model":
             inner_state = self._from_masters_first(inner_state)
-        check_state_shapes(inner_state, self.optimizer.param_groups)
+        if type(self.optimizer).__module__.startswith("torch.optim"):  # whose state names mean what they say
+            check_state_shapes(inner_state, self.optimizer.param_groups)
         if masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
@@ -538,6 +547,7 @@ def _adagrad_state(
     # master's fp32, not rounded through half
     step_device = p.device if group.get("fused") else None
     value = optimizer.defaults["initial_accumulator_value"]
+    value = complex(value, value) if p.is_complex() else value  # torch's rule for complex parameters
     initial = torch.full_like(p, value, memory_format=torch.preserve_format)
     return {"step": torch.zeros((), dtype=torch.float32, device=step_device), "sum": initial}
 

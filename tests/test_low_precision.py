@@ -468,3 +468,16 @@ def test_a_wrapper_with_an_lr_scheduler_pickles_as_a_plain_optimizer_does() -> N
     torch.optim.lr_scheduler.StepLR(opt, 1)
     pickled = pickle.loads(pickle.dumps(opt))
     assert pickled.mode is opt.mode and len(pickled.extra_tensors()) == len(opt.extra_tensors())
+
+
+def test_taking_over_a_stepped_adafactor_holds_all_its_state_in_fp32() -> None:
+    """Wrapping an optimizer that stepped on the half parameters (the load error's suggested route) upcast
+    only parameter-shaped state: Adafactor's row/column variances stayed bf16 and the next step failed."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).bfloat16()
+    inner = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    _tiny_step(model, inner, 0)
+    opt = LowPrecisionOptimizer(inner, mode="split")
+    _tiny_step(model, opt, 1)
+    floats = [v for s in opt.state.values() for k, v in s.items() if k != "step" and v.is_floating_point()]
+    assert floats and all(v.dtype == torch.float32 for v in floats)

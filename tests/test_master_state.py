@@ -243,3 +243,53 @@ def test_adagrad_takes_the_constructors_initial_value_for_every_group_as_torch()
     ref = torch.optim.Adagrad(groups(fp32), lr=0.1, initial_accumulator_value=0.25)
     assert [float(s["sum"].flatten()[0]) for s in opt.state.values()] == [
         float(s["sum"].flatten()[0]) for s in ref.state.values()]
+
+
+def test_an_adagrad_group_added_later_starts_from_its_initial_value_in_a_flat_buffer() -> None:
+    """A member without a gradient in the new group's first step: the flat layout's hole guard zeroed the
+    state torch makes lazily, so that member's accumulator started from 0 instead of 0.1."""
+    half, fp32 = _net().bfloat16(), _net()
+    fp32.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    opt = MasterWeights(torch.optim.Adagrad(half[0].parameters(), lr=0.1, initial_accumulator_value=0.1),
+                        flat=True)  # fmt: skip
+    ref = torch.optim.Adagrad(fp32[0].parameters(), lr=0.1, initial_accumulator_value=0.1)
+    opt.add_param_group({"params": half[2].parameters()})
+    ref.add_param_group({"params": fp32[2].parameters()})
+    for i in range(3):
+        _loss(half, torch.bfloat16, i).backward()
+        for r, p in zip(fp32.parameters(), half.parameters(), strict=True):
+            r.grad = p.grad.float()
+        if i == 0:  # the new group's bias gets no gradient in its first step
+            half[2].bias.grad, fp32[2].bias.grad = None, None
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for master, want in zip(opt.master_views(), fp32.parameters(), strict=True):
+        assert torch.equal(master, want)
+
+
+def test_a_wrapper_with_an_lr_scheduler_pickles() -> None:
+    model = _net().bfloat16()
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert len(list(pickle.loads(pickle.dumps(opt)).master_views())) == len(list(opt.master_views()))
+
+
+class _LowRank(torch.optim.SGD):
+    """A third-party optimizer (GaLore-style) whose "exp_avg" is not shaped like its parameter."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["exp_avg"] = p.grad.sum(0, keepdim=True)
+
+
+def test_state_of_another_shape_loads_for_an_optimizer_outside_torch_optim() -> None:
+    model = _net().bfloat16()
+    opt = MasterWeights(_LowRank(model.parameters(), lr=0.1))
+    _loss(model, torch.bfloat16).backward()
+    opt.step()
+    MasterWeights(_LowRank(model.parameters(), lr=0.1)).load_state_dict(opt.state_dict())
