@@ -306,8 +306,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         for p in params:  # the rest (NAdam's mu_product, Adafactor's variances): fp32, as torch makes them
             st = self.state.get(p, {})
             for k, v in list(st.items()):
-                floating = isinstance(v, Tensor) and v.is_floating_point()
-                if floating and k != "step" and (id(st), k) not in moments:
+                half = isinstance(v, Tensor) and v.dtype in HALF_DTYPES  # upcast only: fp64 stays
+                if half and k != "step" and (id(st), k) not in moments:
                     st[k] = v.float()
 
     def _share_inner_bookkeeping(self) -> None:

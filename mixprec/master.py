@@ -486,7 +486,7 @@ class MasterWeights(torch.optim.Optimizer):
         inner_state, masters = split_master_state(state_dict, views, self.flat)
         if masters is not None and not self.flat and state_dict.get("order") != "model":
             inner_state = self._from_masters_first(inner_state)
-        if type(self.optimizer).__module__.startswith("torch.optim"):  # whose state names mean what they say
+        if _runs_torch_step(self.optimizer):  # torch.optim's update, whose state names mean what they say
             check_state_shapes(inner_state, self.optimizer.param_groups)
         if masters is not None:
             with torch.no_grad():
@@ -537,6 +537,13 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     if type(optimizer) in INITIAL_STATE:
         return any(float(s.get("step", 1)) != 0 for s in optimizer.state.values())  # once, at wrapping
     return len(optimizer.state) > 0
+
+
+def _runs_torch_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps with torch.optim's own update: a torch optimizer, or a subclass that
+    keeps its ``step`` (torch's step wrapper keeps the original's module through functools.wraps)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step).__module__.startswith("torch.optim.")
 
 
 def _adagrad_state(

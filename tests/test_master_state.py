@@ -292,3 +292,19 @@ def test_state_of_another_shape_loads_for_an_optimizer_outside_torch_optim() -> 
     _loss(model, torch.bfloat16).backward()
     opt.step()
     MasterWeights(_LowRank(model.parameters(), lr=0.1)).load_state_dict(opt.state_dict())
+
+
+class _MyAdamW(torch.optim.AdamW):
+    """A user's subclass that keeps torch's step: its state names mean what AdamW's do."""
+
+
+def test_state_of_another_shape_is_refused_for_a_subclass_that_keeps_torchs_step() -> None:
+    """The check ran only for classes defined in torch.optim: a subclass elsewhere loaded a (4, 8) moment
+    onto a (16, 16) master, and the fused step then wrote past it (a segfault)."""
+    small = torch.optim.AdamW(nn.Linear(8, 4).parameters(), lr=0.1)
+    for p in small.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    small.step()
+    big = nn.Linear(16, 16).bfloat16()
+    with pytest.raises(ConfigError, match=r"of shape \(4, 8\) would load onto a tensor of shape \(16, 16\)"):
+        MasterWeights(_MyAdamW(big.parameters(), lr=0.1), fused=True).load_state_dict(small.state_dict())
