@@ -38,6 +38,7 @@ from torch import nn
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import HalfModel, prepare
+from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
@@ -286,7 +287,7 @@ def _check_fp32(model: nn.Module, held: set[int]) -> None:
     half buffers train nothing and stay allowed; apex also refused those."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (not held or id(p) in held)]
     for name, p in trained:  # with no optimizer given, every parameter that requires grad
-        if p.dtype in (torch.float16, torch.bfloat16):
+        if p.dtype in HALF_DTYPES:
             raise ConfigError(
                 f"Found parameter {name!r} of {p.dtype}, expected torch.float32: initialize casts the model "
                 "itself, so you do not need to call .half() on your model before passing it, at any opt "

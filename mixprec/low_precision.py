@@ -299,16 +299,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
         continued) is in the parameters' dtype: hold it in the dtype this wrapper keeps (exact upcasts)."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        moments = {(id(st), k) for st, k, _ in self._moments(params)}
-        for st, k, v in self._moments(params):
-            st[k] = v.to(self.state_dtype or torch.float32)
-        for p in params:  # the rest (NAdam's mu_product, Adafactor's variances): fp32, as torch makes them
+        for p in (p for g in self.param_groups for p in g["params"]):
             st = self.state.get(p, {})
             for k, v in list(st.items()):
-                half = isinstance(v, Tensor) and v.dtype in HALF_DTYPES  # upcast only: fp64 stays
-                if half and k != "step" and (id(st), k) not in moments:
-                    st[k] = v.float()
+                if _is_moment(k, v, p):
+                    st[k] = v.to(self.state_dtype or torch.float32)
+                elif k != "step" and isinstance(v, Tensor) and v.dtype in HALF_DTYPES:
+                    st[k] = v.float()  # NAdam's mu_product, Adafactor's variances: fp32 as torch makes them
 
     def _share_inner_bookkeeping(self) -> None:
         # torch's own __setstate__ creates the hook registries and patches step() (schedulers rely on it);

@@ -384,7 +384,7 @@ class MasterWeights(torch.optim.Optimizer):
         if not grads:
             return torch.zeros(())
         # fp32 accumulation of the norm: the half gradients' squares summed in half lose their low bits
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)  # one kernel per device, as torch
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(  # torch's message

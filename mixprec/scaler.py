@@ -487,14 +487,15 @@ class GradScaler:
             "grad_scaler" in inspect.signature(optimizer.step).parameters
         ):
             return self._step_passing_self(optimizer, state, *args, **kwargs)
+        on_device = skips_on_device(optimizer)  # walks the param groups: once per step
         # unscaled already (unscale_): the kernel divides only by a scale the user put on the optimizer
-        grad_scale = getattr(optimizer, "grad_scale", None) if skips_on_device(optimizer) else None
-        if state["stage"] is OptState.READY and skips_on_device(optimizer):
+        grad_scale = getattr(optimizer, "grad_scale", None) if on_device else None
+        if state["stage"] is OptState.READY and on_device:
             self._check_inf_per_device(optimizer)  # the fused kernel unscales: only look for inf/NaN here
             grad_scale = dev.scale * getattr(optimizer, "grad_scale", 1)  # torch: product with the user's
         elif state["stage"] is OptState.READY:
             self._unscale(optimizer)  # not unscale_: nobody reads the model's gradients before this step
-        if not state["found_inf_per_device"] and skips_on_device(optimizer):
+        if not state["found_inf_per_device"] and on_device:
             # no parameter has a gradient, so there is nothing to check or skip: torch calls a fused
             # optimizer's step all the same (a no-op for parameters without gradients), so we do too
             retval = optimizer.step(*args, **kwargs)
