@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import _get_scalar_dtype  # torch's rule for the dtype of a step count
 
 from mixprec.errors import ConfigError, ParameterMismatchError
 
@@ -552,11 +553,14 @@ def _adagrad_state(
     # torch.optim.Adagrad's state: the step count (on the device for the fused kernel) and the accumulator
     # at the constructor's initial_accumulator_value (torch uses it for every group), made here in the
     # master's fp32, not rounded through half
-    step_device = p.device if group.get("fused") else None
+    fused = bool(group.get("fused"))
+    step_device = p.device if fused else None
+    # the step count's dtype is torch's choice (fp64 under an fp64 default dtype, fp32 for the fused kernel)
+    step_dtype = _get_scalar_dtype(is_fused=fused)
     value = optimizer.defaults["initial_accumulator_value"]
     value = complex(value, value) if p.is_complex() else value  # torch's rule for complex parameters
     initial = torch.full_like(p, value, memory_format=torch.preserve_format)
-    return {"step": torch.zeros((), dtype=torch.float32, device=step_device), "sum": initial}
+    return {"step": torch.zeros((), dtype=step_dtype, device=step_device), "sum": initial}
 
 
 # Optimizers that make per-parameter state when built, and how: made again for the tensors they now update.

@@ -308,3 +308,19 @@ def test_state_of_another_shape_is_refused_for_a_subclass_that_keeps_torchs_step
     big = nn.Linear(16, 16).bfloat16()
     with pytest.raises(ConfigError, match=r"of shape \(4, 8\) would load onto a tensor of shape \(16, 16\)"):
         MasterWeights(_MyAdamW(big.parameters(), lr=0.1), fused=True).load_state_dict(small.state_dict())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adagrads_remade_step_count_has_torchs_dtype(fused: bool) -> None:
+    """The remade step count was always fp32; torch makes it fp64 under an fp64 default dtype (unfused)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        half, fp32 = _net().bfloat16(), _net().float()
+        opt = MasterWeights(torch.optim.Adagrad(half.parameters(), lr=0.1), fused=fused)
+        ref = torch.optim.Adagrad(fp32.parameters(), lr=0.1, fused=fused or None)
+    finally:
+        torch.set_default_dtype(previous)
+    steps = [s["step"] for s in opt.optimizer.state.values()]
+    want = next(iter(ref.state.values()))["step"]
+    assert steps and all(s.dtype == want.dtype and s.device == want.device for s in steps)
