@@ -15,7 +15,10 @@ or :func:`checkpoint`, which passes it for you::
     y = checkpoint(block, x)  # the same
 
 ``checkpoint_context`` records the mixprec regions in force when the segment's forward runs and
-re-enters exactly those for its recompute. **Reentrant checkpointing (``use_reentrant=True``) offers no
+re-enters exactly those for its recompute. A half model (O2, ``to_fp16``, ``to_bf16``) needs neither for
+its own modules: each submodule re-enters the model's region when called outside it
+(``half_model._submodule_forward``), so torch's checkpoint of either kind, and ``checkpoint_sequential``,
+recompute its blocks as the forward ran them. **Reentrant checkpointing (``use_reentrant=True``) offers no
 such hook and is not supported under a region with a Python layer** (CPU fp16, custom policies,
 ``half_compute``); :func:`checkpoint` refuses it with an error that names the fix. Under torch's own
 tables alone (default policy on CPU bf16 or CUDA) both kinds work, as they do under torch.autocast.

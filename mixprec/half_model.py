@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
 from mixprec.hardware import HALF_DTYPES
+from mixprec.region import STATE, RegionMode
 from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
@@ -136,16 +137,51 @@ def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
 
 
+def _in_a_region() -> bool:
+    """Whether a mixprec region is in force on this thread: an entered autocast region, or a region's
+    torch-function mode on the stack (half_compute pushes only the mode)."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and isinstance(torch._C._get_function_stack_at(depth - 1), RegionMode):
+        return True  # the common case, first: inside the model's forward its region's mode is on top
+    return bool(STATE.regions) or any(
+        isinstance(torch._C._get_function_stack_at(i), RegionMode) for i in range(depth - 1)
+    )
+
+
+def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A submodule's forward, inside the model's region when it runs outside every region. That is a
+    checkpoint's recompute: ``torch.utils.checkpoint`` (either kind, Hugging Face's
+    ``gradient_checkpointing_enable`` too) re-runs a block during backward after the model's region has
+    closed, and restores torch's autocast state but not mixprec's. Without this the recompute ran the
+    half model's layer norms and softmax in half, not in fp32: other gradients (reentrant) or torch's
+    CheckpointError (non-reentrant). Inside the model's forward (or a recompute that re-entered the
+    regions, :func:`mixprec.checkpoint_context`) it only calls the forward; compiled code traces the
+    recompute itself."""
+    make, inner = getattr(self, _REGION_ATTR)
+    if torch.compiler.is_compiling() or _in_a_region():
+        return inner(*args, **kwargs)
+    with make():
+        return inner(*args, **kwargs)
+
+
 class _RegionForward:
     """Puts the forward inside the region (a bound method on the instance, so ``copy.deepcopy`` rebinds it
-    to the copy) and takes it out again: a handle like the hooks'."""
+    to the copy) and takes it out again: a handle like the hooks'. ``wrapper``: the model's own forward is
+    always in the region; a submodule's enters it only when called outside every region."""
 
-    def __init__(self, model: nn.Module, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        make: Callable[[], contextlib.AbstractContextManager[Any]],
+        wrapper: Callable[..., Any] = _forward_in_region,
+    ) -> None:
         self.model = model
         self.own = model.__dict__.get("forward")  # a forward the instance already had (torch.compile's)
-        # the forward as it was: a bound method, which deepcopy rebinds to the copy
-        setattr(model, _REGION_ATTR, (make, model.forward))
-        model.forward = types.MethodType(_forward_in_region, model)  # type: ignore[method-assign]
+        # the forward as it was: a bound method, which deepcopy rebinds to the copy. Into the instance's own
+        # __dict__: setattr on torch.compile's OptimizedModule sets the attribute on the module it wraps,
+        # where that module's own entry (a submodule's) then replaced the compiled forward.
+        model.__dict__[_REGION_ATTR] = (make, model.forward)
+        model.forward = types.MethodType(wrapper, model)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         self.model.__dict__.pop(_REGION_ATTR, None)
@@ -211,7 +247,10 @@ def prepare(
         hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
-    hooks.append(_RegionForward(model, _region_factory(recipe, device_type)))  # type: ignore[arg-type]
+    make = _region_factory(recipe, device_type)
+    hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
+    # every submodule too, for a checkpoint's recompute (_submodule_forward)
+    hooks += [_RegionForward(m, make, _submodule_forward) for m in model.modules() if m is not model]  # type: ignore[misc]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
         hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from copy import deepcopy
+
+import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from mixprec.half_model import prepare
@@ -43,3 +48,66 @@ def test_fp32_recipe_changes_nothing() -> None:
     model = _net()
     half = prepare(model, RECIPES["fp32"], "cpu")
     assert not half.handles and not half.converted and model[0].weight.dtype == torch.float32
+
+Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class _Checkpointed(nn.Module):
+    """Two layer-norm blocks run through ``run`` (a kind of torch.utils.checkpoint, or a plain call)."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2)])
+        self.out = nn.Linear(16, 4)
+        self.run = run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.run(self.blocks, self.inp(x)))
+
+
+_ckpt = torch.utils.checkpoint
+_CHECKPOINTS: dict[str, Run] = {
+    "reentrant": lambda blocks, h: _ckpt.checkpoint(blocks, h, use_reentrant=True),
+    "non-reentrant": lambda blocks, h: _ckpt.checkpoint(blocks, h, use_reentrant=False),
+    "sequential": lambda blocks, h: _ckpt.checkpoint_sequential(blocks, 2, h, use_reentrant=False),
+    "per block": lambda blocks, h: [h := _ckpt.checkpoint(b, h, use_reentrant=True) for b in blocks][-1],
+}
+
+
+def _half_grads(run: Run, dtype: torch.dtype) -> list[torch.Tensor]:
+    model = _Checkpointed(run)
+    prepare(model, RECIPES["O2"].with_half_dtype(dtype), "cpu")
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()  # the recompute runs here, after the model's region closed
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", list(_CHECKPOINTS))
+def test_plain_torch_checkpoint_of_a_half_models_blocks_gives_the_same_gradients(
+    kind: str, dtype: torch.dtype
+) -> None:
+    """torch's checkpoint restores torch's autocast state for the recompute, not mixprec's region: the
+    recompute ran the half model's layer norms in half, not fp32. Reentrant checkpointing (Hugging Face's
+    default) gave other gradients silently; non-reentrant raised torch's CheckpointError."""
+    plain = _half_grads(lambda blocks, h: blocks(h), dtype)
+    checkpointed = _half_grads(_CHECKPOINTS[kind], dtype)
+    assert len(plain) == len(checkpointed) == 12
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_restore_and_deepcopy_handle_the_submodules_forwards() -> None:
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    copy = deepcopy(model)
+    half = prepare(model, RECIPES["O2"], "cpu")
+    twin = deepcopy(model)  # its submodules' forwards are bound to the copy's submodules
+    assert twin.blocks[0][1].forward.__self__ is twin.blocks[0][1]
+    half.restore()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), model.forward(x))
+    assert model.blocks[0].forward.__func__ is nn.Sequential.forward
+    assert copy.state_dict().keys() == model.state_dict().keys()
