@@ -161,6 +161,8 @@ def initialize(
     opt_list, opts_were_list = _as_list(optimizers)
     given = opt_list
     _check_models_and_optimizers(model_list, opt_list)
+    if recipe.casts_model:
+        _check_not_sharded(model_list, recipe.name)
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
         print(line)
@@ -278,6 +280,22 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
                 "pass the optimizer you built over the model's parameters; initialize adds master weights.",
             )
         check_params_belong(inner, models, label=f"optimizers[{i}]")
+
+
+def _check_not_sharded(models: list[nn.Module], level: str) -> None:
+    """Refuse a model FSDP2 already sharded: O2/O3 cast the model and keep a master per parameter, while
+    fully_shard replaces the parameters by DTensor shards and gathers them for each forward in the dtype
+    of its own MixedPrecisionPolicy. The two disagree about who owns the parameters' dtype."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - torch.distributed loads on demand
+
+    if any(isinstance(p, DTensor) for m in models for p in m.parameters()):
+        raise ConfigError(
+            f"opt_level {level!r} casts the model to half and keeps fp32 masters, but this model's "
+            "parameters are FSDP2 shards (DTensor): fully_shard decides their dtype itself.",
+            "with FSDP2 keep the model fp32 and use fully_shard(model, mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) with a plain optimizer (and "
+            "mixprec.GradScaler for fp16), or opt_level='O1'; see docs/recipes.md, Distributed.",
+        )
 
 
 def _check_fp32(model: nn.Module, held: set[int]) -> None:
@@ -455,6 +473,16 @@ def scale_loss(
         if callable(mirror) and scaler.is_enabled():
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
+    if not flags and scaler.is_enabled():
+        raise ScalerStateError(
+            f"scale_loss: no parameter of the {len(opts)} optimizer(s) passed to it received a gradient "
+            "from this loss, so there is nothing to unscale or check. Either the loss does not depend on "
+            "them, or the model's parameters were replaced after initialize (FSDP's fully_shard, "
+            "re-wrapping), so the optimizer holds tensors the model no longer uses.",
+            "pass scale_loss the optimizers this loss trains; shard or wrap the model before initialize "
+            "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
+            "Distributed).",
+        )
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -473,7 +501,7 @@ def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tens
         return None
     # master_params: the tensors whose gradients hold the unscaled values (the model's own parameters with
     # master_grads=False, where the masters get no gradient).
-    stash = {p: p.grad.clone() for p in master_params(opt) if p.grad is not None}
+    stash = {p: p.grad.clone() for p in _step_params(opt) if p.grad is not None}
     _inner(opt).zero_grad(set_to_none=True)
     return stash or None
 
@@ -490,7 +518,25 @@ def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
 # ------------------------------------------------------------------------------------------------ access
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise.
-    Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``."""
+    Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``.
+
+    Raises (when iterated) if the model holds gradients the masters have not received yet: they arrive
+    when ``scale_loss`` exits (or at ``unscale_``/``step``), and a clip before that clipped nothing."""
+    inner = _inner(optimizer)
+    if isinstance(inner, MasterWeights) and inner.master_grads_pending():
+        raise ScalerStateError(
+            "master_params(opt): the fp32 master gradients are empty while the model holds gradients. They "
+            "are filled when scale_loss exits (or by scaler.unscale_/opt.step()), so clipping them now "
+            "would clip nothing and the step would use the unclipped gradients.",
+            "run backward inside `with mixprec.scale_loss(loss, opt) as s: s.backward()` before clipping "
+            "master_params(opt), or clip with opt.clip_grad_norm_(max_norm), which reads the model's "
+            "gradients when the masters have none.",
+        )
+    yield from _step_params(inner)
+
+
+def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """The tensors whose gradients the step reads, unchecked (see master_params)."""
     inner = _inner(optimizer)
     if isinstance(inner, MasterWeights):
         # master_grads=False: the masters have no gradient; the step reads (and a clip must scale) the

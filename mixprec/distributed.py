@@ -195,8 +195,17 @@ def launch(
 _TIMEOUT_WORDS = ("timed out", "timeout")  # how gloo and NCCL word an expired collective
 
 
+def _exception_text(message: str) -> str:
+    """The exception at the end of a rank's traceback, every line of it: a mixprec error's problem and its
+    "- fix:" line (the last line alone dropped the problem). The exception's first line is the traceback's
+    last line that starts at column 0 (the frames above it are indented)."""
+    lines = message.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line[:1].isalpha() and not line.startswith("Traceback")]
+    return "\n".join(lines[starts[-1]:]) if starts else (lines[-1] if lines else "no message")
+
+
 def _rank_error(rank: int, unfinished: list[int], wait: datetime.timedelta, message: str) -> DistributedError:
-    cause = message.strip().splitlines()[-1] if message.strip() else "no message"
+    cause = _exception_text(message)
     if any(word in message.lower() for word in _TIMEOUT_WORDS):
         stalled = ", ".join(map(str, unfinished)) or "none still running (one may have died)"
         return DistributedError(

@@ -362,6 +362,15 @@ class MasterWeights(torch.optim.Optimizer):
         """Whether the masters get fp32 gradients (False: the step reads the half gradients itself)."""
         return self._fused_step is None
 
+    def master_grads_pending(self) -> bool:
+        """Whether the model holds gradients its masters have not received yet (they arrive at unscale_ or
+        at the step): a clip of :meth:`master_params` now would find no gradient to clip."""
+        if not self.keeps_master_grads:
+            return False
+        fp32 = {id(p) for p in self._fp32_params()}
+        masters = [m for m in self.master_params() if id(m) not in fp32]
+        return any(p.grad is not None for p in self.model_params()) and all(m.grad is None for m in masters)
+
     def _fp32_params(self) -> list[torch.Tensor]:
         shadowed = {id(m) for g in self._groups for m in g.shadow()}
         return [p for g in self.param_groups for p in g["params"] if id(p) not in shadowed]
@@ -525,8 +534,11 @@ def _check_wrappable(optimizer: torch.optim.Optimizer, model: nn.Module | None) 
         )
     if _has_stepped(optimizer):
         raise ConfigError(
-            "The optimizer has already stepped: its state belongs to the half-precision parameters.",
-            "wrap the optimizer right after building it, before its first step.",
+            "The optimizer already holds state (it has already stepped, or loaded a state_dict): that state "
+            "belongs to the parameters it was built with, not to the fp32 masters made now.",
+            "wrap the optimizer (or call mixprec.initialize) right after building it, before its first step. "
+            "To resume, load the saved optimizer state into the wrapped optimizer afterwards (apex's order: "
+            "initialize, then model/optimizer/amp load_state_dict).",
         )
     if model is not None:
         check_params_belong(optimizer, [model])

@@ -714,3 +714,64 @@ def test_a_skipped_step_says_so_as_apex_does(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out.splitlines()[-1].endswith("loss scaler 0 keeping its static 1.0")
     _overflowing_step(verbosity=0)
     assert capsys.readouterr().out == ""
+
+
+def test_master_params_refuses_to_be_clipped_before_the_masters_have_gradients() -> None:
+    """A clip of master_params(opt) between backward and the step clipped nothing when the masters had no
+    gradient yet (MasterWeights used directly; O2 bf16 with backward outside scale_loss): the step then
+    used the unclipped gradients, silently."""
+    x, y = next(_batches(1))
+    direct = _net().bfloat16()
+    opt = MasterWeights(torch.optim.SGD(direct.parameters(), lr=1.0))
+    nn.functional.cross_entropy(direct(x.bfloat16()).float(), y).backward()
+    with pytest.raises(mixprec.ScalerStateError, match="clip with opt.clip_grad_norm_"):
+        nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1e-3)
+    model = _net()
+    model, o2 = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2",
+                                   dtype=torch.bfloat16, verbosity=0)  # fmt: skip
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    with pytest.raises(mixprec.ScalerStateError, match="inside `with mixprec.scale_loss"):
+        list(mixprec.master_params(o2))
+    o2.zero_grad()
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), o2) as scaled:
+        scaled.backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
+    got = nn.utils.clip_grad_norm_(mixprec.master_params(o2), 1e-3)  # the masters hold the gradients now
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_initialize_after_a_loaded_optimizer_state_names_apexs_resume_order() -> None:
+    """nanoGPT's resume order (optimizer.load_state_dict, then initialize) was refused as "already
+    stepped", which the optimizer had not; the message now names the order that works."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mixprec.initialize(model, opt, "O2", verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    saved = opt.state_dict()
+    amp.reset()
+    fresh = _net()
+    plain = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    plain.load_state_dict(saved)
+    with pytest.raises(ConfigError, match="loaded a state_dict") as info:
+        mixprec.initialize(fresh, plain, "O2", verbosity=0)
+    assert "initialize, then model/optimizer/amp load_state_dict" in str(info.value)
+
+
+def test_scale_loss_names_replaced_parameters_when_no_optimizer_got_a_gradient() -> None:
+    """Parameters replaced after initialize (what fully_shard does) leave the optimizer's tensors without
+    gradients: scale_loss raised torch's "call scaler.step(optimizer) (or unscale_)", which a scale_loss
+    user never calls."""
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    for layer in (model[0], model[3]):
+        layer.weight = nn.Parameter(layer.weight.detach().clone())
+        layer.bias = nn.Parameter(layer.bias.detach().clone())
+    model[1].requires_grad_(False)
+    x, y = next(_batches(1))
+    with pytest.raises(mixprec.ScalerStateError, match="parameters were replaced after initialize"):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()

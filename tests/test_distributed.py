@@ -12,10 +12,12 @@ The last two share one spawned process group (one start-up, about 10 s on 2 core
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from conftest import EXAMPLES, example
 
 from mixprec import distributed
-from mixprec.distributed import DistInfo, free_port, launch
+from mixprec.distributed import DistInfo, _rank_error, free_port, launch
 from mixprec.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +83,25 @@ def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
         out["fsdp2"] = f"unavailable: {exc}"
         return out
     out["fsdp2"] = fsdp.train(info, steps, half=True, fault_step=fault_step, fault_rank=1)
+    out["o2_after_fully_shard"] = _o2_after_fully_shard()
     return out
+
+
+def _o2_after_fully_shard() -> str:
+    """What initialize(..., "O2") says to a model fully_shard already sharded (it used to accept it and
+    fail later with a dtype mismatch in the forward, or a scale_loss error naming scaler.step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import mixprec
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    try:
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    except mixprec.ConfigError as exc:
+        return str(exc)
+    finally:
+        mixprec.amp.reset()
+    return "accepted"
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +137,29 @@ def test_fsdp2_mixed_precision_with_scaler(spawned: list[dict[str, Any]]) -> Non
         assert r["scales"] == ref["scales"]
         assert max_diff(r["weights"], ref["weights"]) < 2e-2  # fp16 params in compute vs fp32
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in results[0]["weights"])
+
+
+def test_o2_refuses_a_model_fsdp2_sharded_and_names_its_mixed_precision_policy(
+    spawned: list[dict[str, Any]],
+) -> None:
+    if isinstance(spawned[0]["fsdp2"], str):
+        pytest.skip(spawned[0]["fsdp2"])
+    for r in spawned:
+        assert "FSDP2 shards" in r["o2_after_fully_shard"]
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in r["o2_after_fully_shard"]
+
+
+def test_a_ranks_mixprec_error_keeps_its_problem_and_its_fix() -> None:
+    """The summary kept a traceback's last line only: of a mixprec error, the "- fix:" line without the
+    problem. The message is built as torch.multiprocessing builds it, from a real traceback."""
+    try:
+        raise ConfigError("THE PROBLEM: a bad setting.", "THE FIX: do this.")
+    except ConfigError as exc:
+        trace = "".join(traceback.format_exception(exc))
+    message = f"\n\n-- Process 1 terminated with the following error:\n{trace}"
+    error = _rank_error(1, [], datetime.timedelta(seconds=60), message)
+    want = "rank 1 failed: mixprec.errors.ConfigError: THE PROBLEM: a bad setting.\n  - fix: THE FIX"
+    assert want in str(error)
 
 
 # ------------------------------------------------------------------------------ a stalled rank (issue 14, 7)
