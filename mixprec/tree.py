@@ -2,13 +2,15 @@
 
 Built on torch's pytree, which knows lists, tuples, dicts, namedtuples, OrderedDict and every class a
 library registered (HF's ``ModelOutput`` registers itself). A Mapping that pytree does not know (a dict
-subclass, an unregistered ``ModelOutput`` look-alike) is walked too: its copy gets the mapped values, so
-its type and attributes survive. Anything else is left as it is.
+subclass, an unregistered ``ModelOutput`` look-alike) is walked too, and so is a dataclass instance (a
+model's output record): its copy gets the mapped values, so its type and attributes survive. Anything else
+is left as it is.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -28,6 +30,12 @@ def _map_leaf(fn: TensorFn, leaf: Any) -> Any:
         for key, value in leaf.items():
             out[key] = map_tensors(fn, value)
         return out
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # an instance, not the class
+        out = copy.copy(leaf)
+        for f in dataclasses.fields(leaf):  # object.__setattr__: frozen dataclasses too
+            if hasattr(leaf, f.name):  # a field(init=False) may be unset
+                object.__setattr__(out, f.name, map_tensors(fn, getattr(leaf, f.name)))
+        return out
     return leaf
 
 
@@ -46,6 +54,9 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
         elif isinstance(leaf, Mapping):
             for item in leaf.values():
                 yield from iter_tensors(item)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for f in dataclasses.fields(leaf):
+                yield from iter_tensors(getattr(leaf, f.name, None))
 
 
 def cast_floating(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:

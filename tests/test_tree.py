@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, namedtuple
 
 import torch
 
+import mixprec
 from mixprec.tree import cast_floating, iter_tensors
 
 
@@ -43,3 +45,32 @@ def test_iter_tensors_finds_every_tensor() -> None:
     a, b = torch.zeros(1), torch.ones(1)
     found = list(iter_tensors({"x": Pair(a, 3), "y": FakeModelOutput(z=b)}))
     assert len(found) == 2 and any(t is a for t in found) and any(t is b for t in found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    logits: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    name: str = "out"
+
+
+def test_a_dataclass_output_is_cast_and_keeps_its_type() -> None:
+    """A model returning a plain @dataclass kept half logits under O1/O2 (its loss outside ran in half),
+    where namedtuples, dicts and ModelOutputs came back fp32."""
+    out = _Output(torch.ones(2, dtype=torch.bfloat16), {"h": torch.ones(1, dtype=torch.float16)}, "mine")
+    cast = cast_floating(out, torch.float32)
+    assert type(cast) is _Output and cast.name == "mine"
+    assert cast.logits.dtype == cast.extras["h"].dtype == torch.float32
+    assert out.logits.dtype == torch.bfloat16  # the model's own record is not changed
+    assert [t.dtype for t in iter_tensors(out)] == [torch.bfloat16, torch.float16]
+
+
+def test_an_o2_model_returning_a_dataclass_gives_fp32_logits() -> None:
+    model = torch.nn.Linear(4, 3)
+    forward = model.forward
+    model.forward = lambda x: _Output(forward(x), {})  # type: ignore[method-assign]
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    try:
+        assert model(torch.randn(2, 4)).logits.dtype == torch.float32
+    finally:
+        mixprec.amp.reset()
