@@ -183,6 +183,8 @@ def banner(recipe: Recipe, verbosity: int) -> list[str]:
         return []
     props = Properties.of(recipe).as_dict()
     heading = f"Selected optimization level {recipe.name}: {recipe.description}"
+    if recipe.half_dtype == torch.bfloat16 and "BF16" not in heading:  # O1's text names no dtype (apex: fp16)
+        heading += " Casts to bf16."
     # mixprec's own master-step options, said only when set: an apex user's output stays apex's
     extras = [f"{k}={getattr(recipe, k)}" for k in ("master_grads", "compile_step")
               if getattr(recipe, k) != _DEFAULTS[k]]

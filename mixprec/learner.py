@@ -103,8 +103,10 @@ class Learner:
         data: a :class:`~mixprec.data.DataBunch` (train and valid loaders).
         model: the model; it stays where it is (batches are moved to its device).
         loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch). None: the model
-            computes its own loss (nanoGPT's and Hugging Face's convention): the learner calls
-            ``model(xb, yb)``, which returns ``(pred, loss)``; metrics and ``predict`` see ``pred``.
+            computes its own loss (nanoGPT's convention): the learner calls ``model(xb, yb)``, which
+            returns ``(pred, loss)``; metrics and ``predict`` see ``pred``. A Hugging Face model takes
+            ``labels=`` by keyword and returns a ``ModelOutput``: pass a small adapter module whose
+            ``forward(x, y)`` does ``out = hf(input_ids=x, labels=y); return out.logits, out.loss``.
         opt_func: builds the optimizer as ``opt_func(params, lr=lr)``; each ``fit`` builds a fresh one, so
             optimizer state does not carry over from one ``fit`` call to the next. It may ignore ``params``
             and return an optimizer with param groups of its own (e.g. the model's

@@ -36,6 +36,7 @@ after a user's ``scaler.unscale_(opt)`` (mirrors the unscaled gradients into the
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -145,7 +146,10 @@ class MasterWeights(torch.optim.Optimizer):
     model tensor by tensor only with ``flat=False`` (a flat buffer is one tensor in place of many); the
     optimizer's state-dict hooks registered on the wrapper do not run; a global step hook
     (``torch.optim.optimizer.register_optimizer_step_pre_hook``) sees the wrapper's step and the wrapped
-    optimizer's, so it runs twice (once with ``master_grads=False``); with ``flat=True``, SGD with
+    optimizer's, so it runs twice (once with ``master_grads=False``); with ``master_grads=False`` the
+    update is mixprec's fused pass, not the wrapped optimizer's ``step``, so step hooks registered on the
+    wrapped optimizer itself (``inner.register_step_pre_hook``) do not run: register them on the wrapper,
+    whose hooks run every step; with ``flat=True``, SGD with
     momentum and ``dampening > 0`` starts the momentum of a parameter whose first step had no gradient from
     zero rather than from its first gradient (``dampening=0``, torch's default, is exact).
     """
@@ -163,6 +167,7 @@ class MasterWeights(torch.optim.Optimizer):
         compile_step: bool = False,
     ) -> None:
         _check_wrappable(optimizer, model)
+        _warn_if_nothing_is_half(optimizer)
         if not master_grads and fused is False:
             raise ConfigError("master_grads=False runs a fused kernel, but fused=False was passed.",
                               "drop fused=False, or keep master_grads=True.")
@@ -542,6 +547,19 @@ def _check_wrappable(optimizer: torch.optim.Optimizer, model: nn.Module | None) 
         )
     if model is not None:
         check_params_belong(optimizer, [model])
+
+
+def _warn_if_nothing_is_half(optimizer: torch.optim.Optimizer) -> None:
+    """A wrapper over fp32 parameters only makes no masters: the run is plain fp32, likely not what was
+    meant (the model's cast to half forgotten, or the optimizer built before it)."""
+    if not any(p.dtype in HALF_DTYPES for g in optimizer.param_groups for p in g["params"]):
+        warnings.warn(
+            "MasterWeights: none of the optimizer's parameters is fp16 or bf16, so it keeps no fp32 masters "
+            "and the model trains in fp32. Fix: cast the model first (model.to(torch.bfloat16)) and build "
+            "the optimizer from its parameters, or drop MasterWeights.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:

@@ -106,3 +106,17 @@ def test_the_banner_is_apexs_unless_mixprecs_master_step_options_are_set(
     extended = banner(master_grads=False, compile_step=True)
     assert extended[:-1] == plain  # apex's lines, unchanged
     assert extended[-1] == "mixprec master step: master_grads=False, compile_step=True"
+
+
+@pytest.mark.parametrize(("dtype", "says_bf16"), [(torch.bfloat16, True), (torch.float16, False)])
+def test_the_o1_banner_names_bf16(
+    dtype: torch.dtype, says_bf16: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """O1's heading (apex's text) named no dtype, where O2's says "BF16 training": an O1 bf16 run read
+    as fp16. fp16's heading stays apex's."""
+    model = _net()
+    mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", dtype=dtype)
+    amp.reset()
+    heading = capsys.readouterr().out.splitlines()[0]
+    assert heading.startswith("Selected optimization level O1: Insert automatic casts")
+    assert ("bf16" in heading) is says_bf16

@@ -31,9 +31,11 @@ def _loss(model: nn.Module, dtype: torch.dtype, i: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("with_scaler", [False, True])
 def test_cast_after_wrapping_is_refused_at_step(cast: str, with_scaler: bool) -> None:
     """Built over fp32 parameters, the wrapper kept no masters; stepping the model in half precision
-    without them is what it exists to prevent. The error names the order that works."""
+    without them is what it exists to prevent. The error names the order that works; wrapping already
+    warns (an all-fp32 wrapper was accepted silently)."""
     model = _net()
-    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match="keeps no fp32 masters and the model trains in fp32"):
+        opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
     getattr(model, cast)()
     dtype = next(model.parameters()).dtype
     before = [p.clone() for p in model.parameters()]
