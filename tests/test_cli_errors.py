@@ -174,3 +174,40 @@ def test_other_commands_report_user_errors_the_same_way(argv: list[str], message
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "error:" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ output paths, checked before any work
+def _no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compare trained every rung and only then found that it could not write its files."""
+    from mixprec import ladder
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the ladder ran although its output path was unusable")
+
+    monkeypatch.setattr(ladder, "run_ladder", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare", "--rungs", "fp32", "--out", "{file}"], "--out {file}: cannot create this folder"),
+        (["compare", "--rungs", "fp32", "--out", "{dir}/o", "--report", "{file}"],
+         "--report {file}: cannot create this folder"),
+        (["memory", "--precision", "fp32", "--png", "{dir}"], "--png {dir}: this is a folder"),
+        (["memory", "--precision", "fp32", "--png", "{file}/x.png"],
+         "--png {file}/x.png: {file}: cannot create this folder"),
+        (["grads", "--png", "{dir}"], "--png {dir}: this is a folder"),  # it was IsADirectoryError
+    ],
+)
+def test_unusable_output_paths_are_refused_before_any_work(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_training(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    names = {"file": str(blocker), "dir": str(tmp_path)}
+    assert cli.main([a.format(**names) for a in argv]) == 2
+    err = _error(capsys)
+    assert message.format(**names) in err and "fix: pass a" in err
+    assert blocker.read_text() == ""

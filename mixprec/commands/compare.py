@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mixprec.commands.console import make_console
-from mixprec.commands.train import DataSpec, UsageError, add_data_arguments, build_model, data_spec, fail
+from mixprec.commands.train import (
+    DataSpec,
+    UsageError,
+    add_data_arguments,
+    build_model,
+    check_out,
+    data_spec,
+    fail,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -93,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = data_spec(args)
         settings = settings_from(args, spec)
+        # Checked before the ladder trains: a folder that cannot be written lost the whole run.
+        check_out(args.out, "--out", example="runs/compare")
+        if args.report is not None:
+            check_out(args.report, "--report", example="runs/report")
         model = build_model(args.model, spec.load(), args.seed)
     except (UsageError, MixprecError, FileNotFoundError, ValueError) as err:
         return fail(err)

@@ -8,10 +8,11 @@ the fractions that would underflow to zero, land in fp16's subnormal range or ov
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from mixprec.commands.console import make_console
-from mixprec.commands.train import add_data_arguments, build_model, data_spec, fail
+from mixprec.commands.train import add_data_arguments, build_model, check_out_file, data_spec, fail
 
 HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
 
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is None:
         try:
+            if not args.no_png:
+                check_out_file(Path(args.png), "--png")
             bunch = data_spec(args).load()
             model = build_model(args.model, bunch, args.seed)
         except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 from mixprec.commands.console import make_console
@@ -128,7 +129,7 @@ def _precisions(text: str) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from mixprec.commands.train import UsageError, fail
+    from mixprec.commands.train import UsageError, check_out_file, fail
     from mixprec.diagnostics.memory import memory_breakdown, memory_table
     from mixprec.errors import ConfigError
 
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise UsageError(problem)
         precisions = _precisions(args.precision)
+        if not args.no_png:
+            check_out_file(Path(args.png), "--png")
         start = time.perf_counter()
         model, batch = _build(args, shape)
     except (UsageError, ConfigError, ValueError) as err:  # ValueError: the model cannot take this input

@@ -198,18 +198,36 @@ def _check(args: argparse.Namespace) -> None:
     if args.flat_master and args.opt_level in ("O0", "O1", "O3"):
         raise UsageError(f"--flat-master needs fp32 master weights, which {args.opt_level} does not keep: "
                          "use --opt-level O2, or drop --flat-master.")
-    _check_out(args.out)
+    check_out(args.out)
 
 
-def _check_out(out: Path) -> None:
-    """--out must be a folder this process can create and write into (checked now, not after training)."""
+def _folder_problem(folder: Path) -> str | None:
+    """Why this process cannot create and write into ``folder``; None when it can (it is created now)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"--out {out}: cannot create this folder ({err.strerror}).",
-                         "pass a folder you can write to, e.g. --out runs/train.") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: this folder is not writable.", "pass a folder you can write to.")
+        return f"cannot create this folder ({err.strerror})"
+    return None if os.access(folder, os.W_OK | os.X_OK) else "this folder is not writable"
+
+
+def check_out(out: Path, flag: str = "--out", example: str = "runs/train") -> None:
+    """``flag``'s folder must be one this process can create and write into (checked now, not after the
+    work it would hold is done)."""
+    problem = _folder_problem(out)
+    if problem is not None:
+        raise UsageError(f"{flag} {out}: {problem}.",
+                         f"pass a folder you can write to, e.g. {flag} {example}.")
+
+
+def check_out_file(path: Path, flag: str) -> None:
+    """``flag`` names a file to write: not an existing folder, and in a folder this process can write to."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: this is a folder; a file name is expected.",
+                         f"pass a file name, e.g. {flag} {path / 'chart.png'}.")
+    problem = _folder_problem(path.parent)
+    if problem is not None:
+        raise UsageError(f"{flag} {path}: {path.parent}: {problem}.",
+                         f"pass a file in a folder you can write to, e.g. {flag} {path.name}.")
 
 
 def _opt_func(name: str) -> Any:
