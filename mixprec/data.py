@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,7 @@ def digits(
 # ---------------------------------------------------------------------------------------------------------
 
 MNIST_URL = "https://yann.lecun.com/exdb/mnist/"
+MNIST_CLASSES = 10  # the digits 0..9: every label must be one of them
 
 # role -> file name as published on the MNIST page (each may also be gzipped, as it is published).
 MNIST_FILES: dict[str, str] = {
@@ -264,7 +266,14 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 def _read_bytes(path: Path) -> bytes:
     # Decide by content, not by name: gzip files start with 1f 8b, IDX files with 00 00.
     raw = path.read_bytes()
-    return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as err:  # truncated (EOFError), bad header/CRC, bad deflate data
+        raise IDXFormatError(
+            f"{path} is not a valid gzip file ({err}): it is truncated or corrupt. Download it again."
+        ) from None
 
 
 def read_idx(path: str | Path) -> np.ndarray:
@@ -324,6 +333,16 @@ def _mnist_paths(folder: Path) -> dict[str, Path]:
     return {role: p for role, p in found.items() if p is not None}
 
 
+def _check_labels(path: Path, labels: np.ndarray, n_classes: int) -> None:
+    """Labels outside ``0..n_classes-1`` are refused here: cross_entropy would fail on them mid-training."""
+    bad = np.flatnonzero((labels < 0) | (labels >= n_classes))
+    if bad.size:
+        raise IDXFormatError(
+            f"{path}: label {labels[bad[0]]} at index {bad[0]} is outside 0..{n_classes - 1} ({bad.size} of "
+            f"{labels.size} labels are). Check that this is an MNIST label file, or download it again."
+        )
+
+
 def _mnist_split(images_path: Path, labels_path: Path, limit: int | None) -> tuple[Tensor, Tensor]:
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
@@ -331,6 +350,7 @@ def _mnist_split(images_path: Path, labels_path: Path, limit: int | None) -> tup
             f"{images_path.name} / {labels_path.name}: expected images (N, H, W) and labels (N,), got "
             f"{images.shape} and {labels.shape}. Check that the image and label files belong together."
         )
+    _check_labels(labels_path, labels, MNIST_CLASSES)
     images, labels = images[:limit], labels[:limit]
     x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)  # [0, 255] -> [0, 1]
     return x, torch.from_numpy(labels.astype(np.int64))
@@ -357,8 +377,8 @@ def mnist(
     train = _mnist_split(paths["train_images"], paths["train_labels"], n_train)
     valid = _mnist_split(paths["valid_images"], paths["valid_labels"], n_valid)
     return _image_bunch(
-        train, valid, name="mnist", n_classes=10, batch_size=batch_size, size=size, channels=channels,
-        flatten=flatten, normalize=normalize, seed=seed,
+        train, valid, name="mnist", n_classes=MNIST_CLASSES, batch_size=batch_size, size=size,
+        channels=channels, flatten=flatten, normalize=normalize, seed=seed,
     )
 
 

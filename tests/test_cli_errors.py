@@ -211,3 +211,12 @@ def test_unusable_output_paths_are_refused_before_any_work(
     err = _error(capsys)
     assert message.format(**names) in err and "fix: pass a" in err
     assert blocker.read_text() == ""
+
+
+def test_a_corrupt_gzip_mnist_file_is_a_user_error(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (tmp_path / f"{name}.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    assert cli.main(["grads", "--data", f"mnist:{tmp_path}", "--no-png"]) == 2
+    assert f"{tmp_path / 'train-images-idx3-ubyte.gz'} is not a valid gzip file" in _error(capsys)

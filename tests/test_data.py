@@ -180,6 +180,17 @@ def test_read_idx_truncated(tmp_path: Path) -> None:
         D.read_idx(path)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_read_idx_damaged_gzip_names_the_file(tmp_path: Path, damage: str) -> None:
+    """A cut download or a corrupt .gz gave gzip's EOFError/BadGzipFile with a traceback."""
+    path = write_idx(tmp_path / "t-idx2-ubyte", np.zeros((40, 30), dtype=np.uint8), gz=True)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2] if damage == "truncated" else whole[:4] + b"garbage")
+    with pytest.raises(D.IDXFormatError, match="not a valid gzip file") as info:
+        D.read_idx(path)
+    assert str(path) in str(info.value) and "Download it again" in str(info.value)
+
+
 # -------------------------------------------------------------------------------------------------- MNIST
 
 
@@ -241,6 +252,17 @@ def test_mnist_mismatched_counts(tmp_path: Path) -> None:
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(3, dtype=np.uint8))
     with pytest.raises(D.IDXFormatError, match="belong together"):
         D.mnist(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [10, 250])
+def test_mnist_labels_outside_the_ten_digits_name_the_file_and_value(tmp_path: Path, bad: int) -> None:
+    """They reached cross_entropy, which raised "Target 250 is out of bounds" in the middle of training."""
+    fake_mnist(tmp_path)
+    labels = np.array([3, 1, bad, 9, bad, 0, 2, 2, 5, 6, 7, 8], dtype=np.uint8)
+    path = write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    with pytest.raises(D.IDXFormatError) as info:
+        D.mnist(tmp_path, n_train=2)  # checked on the whole file, not only the samples kept
+    assert f"{path}: label {bad} at index 2 is outside 0..9 (2 of 12 labels are)" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
