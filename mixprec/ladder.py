@@ -177,6 +177,16 @@ def arithmetic_of(recipe: Recipe, device: torch.device) -> str:
 # Settings and experiments
 
 
+# CompareSettings field -> (valid?, the rule in words, a valid value as `mixprec compare` takes it). lr and
+# momentum must be finite: nan or inf trains on NaN losses to the end and exits as if all went well.
+_SETTING_RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "epochs": (lambda v: v >= 1, ">= 1", "--epochs 6"),
+    "batch_size": (lambda v: v >= 1, ">= 1", "--batch-size 64"),
+    "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0", "--lr 0.01"),
+    "momentum": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0", "--momentum 0.9"),
+}
+
+
 @dataclass(frozen=True)
 class CompareSettings:
     """What the ladder is trained on. The defaults are the `mixprec compare` demo (see commands/compare)."""
@@ -211,11 +221,12 @@ class CompareSettings:
                 f"{self.momentum:g}, batch {self.batch_size}, seed {self.seed}{weight}")
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0:
-            raise ConfigError(
-                f"epochs ({self.epochs}) and batch_size ({self.batch_size}) must be >= 1, lr ({self.lr}) > 0",
-                "e.g. --epochs 6 --batch-size 64 --lr 0.01.",
-            )
+        bad = [(name, rule, example) for name, (valid, rule, example) in _SETTING_RULES.items()
+               if not valid(getattr(self, name))]
+        if bad:  # only the settings that are wrong, each with a value the command line can take
+            raise ConfigError("; ".join(f"{name} must be {rule}, got {getattr(self, name)!r}"
+                                        for name, rule, _ in bad),
+                              f"e.g. {' '.join(example for *_, example in bad)}.")
         if not (self.loss_weight > 0 and math.log2(self.loss_weight).is_integer()):
             raise ConfigError(f"loss_weight must be a power of two, got {self.loss_weight!r}.",
                               "e.g. 2**-16: a power of two changes only the exponent (exact in fp32).")

@@ -220,3 +220,35 @@ def test_a_corrupt_gzip_mnist_file_is_a_user_error(tmp_path: Path,
         (tmp_path / f"{name}.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
     assert cli.main(["grads", "--data", f"mnist:{tmp_path}", "--no-png"]) == 2
     assert f"{tmp_path / 'train-images-idx3-ubyte.gz'} is not a valid gzip file" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["memory", "--precision", ",,", "--no-png"], "--precision ',,' names no recipe"),  # IndexError
+        (["memory", "--precision", " , ", "--no-png"], "--precision ' , ' names no recipe"),
+        (["memory", "--classes", "-4", "--no-png"], "--classes must be >= 2, got -4"),  # negative dimension
+        (["memory", "--classes", "0", "--no-png"], "--classes must be >= 2, got 0"),  # it printed a table
+        (["memory", "--classes", "1", "--no-png"], "--classes must be >= 2, got 1"),
+        (["compare", "--momentum", "-1"], "momentum must be a finite number >= 0, got -1.0"),  # SGD raised
+        (["compare", "--momentum", "nan"], "momentum must be a finite number >= 0, got nan"),  # NaN, rc 0
+        (["compare", "--lr", "inf"], "lr must be a finite number > 0, got inf"),
+    ],
+)
+def test_memory_and_compare_settings_are_checked(argv: list[str], message: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    _no_training(monkeypatch)
+    out = ["--out", str(tmp_path / "run")] if argv[0] == "compare" else []
+    assert cli.main([*argv, *out]) == 2
+    assert message in _error(capsys)
+
+
+def test_compare_names_only_the_setting_that_is_wrong(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lr 0` said "epochs (6) and batch_size (64) must be >= 1, lr (0.0) > 0"."""
+    assert cli.main(["compare", "--lr", "0", "--epochs", "0", "--out", str(tmp_path / "run")]) == 2
+    err = _error(capsys)
+    assert "epochs must be >= 1, got 0; lr must be a finite number > 0, got 0.0" in err
+    assert "fix: e.g. --epochs 6 --lr 0.01." in err and "batch_size" not in err
+    assert not (tmp_path / "run").exists()  # refused before it created the output folder

@@ -105,25 +105,27 @@ def _build(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple[Any, Any]:
 def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
     if args.batch_size < 1:
         return f"--batch-size must be >= 1, got {args.batch_size}."
+    if args.classes is not None and args.classes < 2:  # as DataBunch: one class leaves nothing to learn
+        return f"--classes must be >= 2, got {args.classes}: e.g. --classes 10."
     return None
 
 
 def _precisions(text: str) -> list[tuple[Any, Any]]:
-    """(recipe, update mode) per name; a wrong name raises ConfigError that lists the valid names in the
-    command line's words."""
+    """(recipe, update mode) per name; a wrong name, or none at all, raises ConfigError that lists the valid
+    names in the command line's words."""
     from mixprec.diagnostics.memory import parse_precision
     from mixprec.errors import ConfigError
     from mixprec.recipe import RECIPES
 
+    fix = (f"use comma-separated names from: {', '.join(RECIPES)}; a pure recipe may add +stochastic, "
+           "+kahan or +split (e.g. --precision fp32,fp16,pure-bf16+kahan).")
     names = [p for p in text.split(",") if p.strip()]
+    if not names:
+        raise ConfigError(f"--precision {text!r} names no recipe.", fix)
     try:
         return [parse_precision(name) for name in names]
     except ConfigError as err:
-        raise ConfigError(
-            f"--precision {text!r}: {err.problem}",
-            f"use comma-separated names from: {', '.join(RECIPES)}; a pure recipe may add +stochastic, "
-            "+kahan or +split (e.g. --precision fp32,fp16,pure-bf16+kahan).",
-        ) from None
+        raise ConfigError(f"--precision {text!r}: {err.problem}", fix) from None
 
 
 def run(args: argparse.Namespace) -> int:
