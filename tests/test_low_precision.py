@@ -333,6 +333,47 @@ def test_bytes_per_param_from_live_tensors_with_adam(kind: str, expected: int) -
     assert _adam_footprint(kind) <= limits.get(kind, math.inf)
 
 
+def _o2_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], flat: bool) -> MasterWeights:
+    """One O2 step: mixprec.initialize's, or by hand with one flat master buffer (initialize has no flat)."""
+    import mixprec
+
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if flat:
+        for m in model:
+            if not isinstance(m, nn.BatchNorm2d):
+                m.half()
+        opt = MasterWeights(opt, flat=True)
+        nn.functional.cross_entropy(model(batch[0].half()).float(), batch[1]).backward()
+    else:
+        model, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(batch[0]), batch[1]), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_footprint_counts_the_fp32_batchnorm_that_o2_keeps(flat: bool) -> None:
+    """O2 keeps BatchNorm in fp32 with no master: its parameters sit in the groups as themselves. Their bytes
+    were counted but their elements were not (12.043 B/param here, against 11.979 from live tensors)."""
+    from mixprec.diagnostics.memory import memory_breakdown
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 10))
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
+    reference = memory_breakdown(model, lambda ps: torch.optim.SGD(ps, lr=0.1), batch, "O2", estimate=True)
+    opt = _o2_step(model, batch, flat)
+    # live tensors: the model's parameters and grads, plus the masters and their grads (each storage once)
+    params = list(model.parameters())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for p in [*params, *opt.param_groups[0]["params"]] for t in (p, p.grad) if t is not None}
+    n = sum(p.numel() for p in params)
+    assert n == 36 + 8 + 1450  # conv, BatchNorm (fp32), linear
+    held = footprint(opt)
+    assert held.numel == n and held.per_param == sum(storages.values()) / n
+    assert held.per_param == pytest.approx(reference.bytes_per_param, rel=1e-12)
+
+
 # --------------------------------------------------------------------------------------------- training
 def _digits_accuracy(opt_name: str, wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> float:
     data = digits(batch_size=64, flatten=True, seed=0)
