@@ -52,6 +52,7 @@ from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import BATCHNORM, MasterWeights
 from mixprec.recipe import RECIPES, Recipe, get_recipe
+from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -300,8 +301,9 @@ def split_batch(batch: Batch) -> tuple[Any, Any]:
 def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
     """Cross-entropy on (logits, class ids); without targets, the sum of the outputs.
 
-    The cross-entropy runs in the logits' dtype, as the recipe computes it: what autograd saves for it is
-    part of the memory being measured (under autocast, log_softmax runs in fp32 by itself). The plain sum
+    The cross-entropy runs in the dtype of the logits it is handed: fp32 for a recipe with ``loss_fp32``
+    (the breakdown casts half outputs first, as the recipe's model does), else the model's. What autograd
+    saves for it is part of the memory being measured. The plain sum
     is taken in fp32, where a half sum could overflow; the upcast saves nothing for backward.
     """
     if target is None:
@@ -410,7 +412,12 @@ def _saved_for_backward(
         region = AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
     model.train()  # a training step: dropout active, BatchNorm on batch statistics
     with saved.counting(), region:
-        loss_fn(model(x), y)
+        output = model(x)
+        if precision.loss_fp32 and not precision.is_fp32:
+            # As the recipe's real model (half_model.prepare) hands them to the loss: half outputs cast to
+            # fp32 first, so what the loss saves (log_softmax's output) takes fp32's bytes, not half's.
+            output = cast_floating(output, torch.float32, only=HALF_DTYPES)
+        loss_fn(output, y)
     return saved
 
 
