@@ -122,24 +122,30 @@ def half_arithmetic(
 
 
 def _env_choice(dtype: torch.dtype) -> Arithmetic | None:
+    return _env_choices().get(dtype_label(dtype))
+
+
+def _env_choices() -> dict[str, Arithmetic]:
     """``MIXPREC_HALF_ARITHMETIC``: ``native``/``emulated`` for both dtypes, or per dtype
-    (``fp16=emulated,bf16=native``; a dtype not named is detected)."""
+    (``fp16=emulated,bf16=native``; a dtype not named is detected). Read whole, whichever dtype is asked
+    about: a bad part for the other dtype, or a dtype named twice, is an error now, not ignored."""
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
-        return None
+        return {}
     if "=" not in text:
-        return _parse(text, ENV_VAR)
-    choices: dict[str, str] = {}
+        return dict.fromkeys(_ENV_DTYPES, _parse(text, ENV_VAR))
+    choices: dict[str, Arithmetic] = {}
     for item in text.split(","):
-        name, sep, value = item.partition("=")
-        if not sep or name.strip().lower() not in _ENV_DTYPES:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        name = name.lower()
+        if not sep or name not in _ENV_DTYPES or name in choices:
+            problem = f"names {name} twice" if name in choices else f"cannot read {item.strip()!r}"
             raise UnknownArithmeticError(
-                f"{ENV_VAR}={text!r}: cannot read {item.strip()!r}",
-                "write native or emulated, or per dtype: fp16=emulated,bf16=native",
+                f"{ENV_VAR}={text!r}: {problem}",
+                "write native or emulated, or each dtype once: fp16=emulated,bf16=native",
             )
-        choices[name.strip().lower()] = value
-    value = choices.get(dtype_label(dtype))
-    return None if value is None else _parse(value, ENV_VAR)
+        choices[name] = _parse(value, f"{ENV_VAR}={text!r}: {name}")
+    return choices
 
 
 _ENV_DTYPES = ("fp16", "bf16")

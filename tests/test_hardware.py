@@ -62,6 +62,36 @@ def test_unknown_arithmetic_names_the_choices(monkeypatch: pytest.MonkeyPatch, w
         hardware.half_arithmetic("cpu", torch.float16, "fast" if where == "argument" else None)
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # a bad bf16 value was ignored while only fp16 was asked about (an fp16-only run never asks for bf16)
+        ("fp16=emulated,bf16=bogus",
+         "MIXPREC_HALF_ARITHMETIC='fp16=emulated,bf16=bogus': bf16 is 'bogus', which is not an arithmetic"),
+        ("fp16=emulated,fp16=native",
+         "MIXPREC_HALF_ARITHMETIC='fp16=emulated,fp16=native': names fp16 twice"),
+        ("fp16=emulated, FP16 = native", "names fp16 twice"),  # the last one silently won
+        ("fp16=bogus", "MIXPREC_HALF_ARITHMETIC='fp16=bogus': fp16 is 'bogus'"),  # it quoted 'bogus' alone
+        ("fp16=native,fp8=native", "cannot read 'fp8=native'"),
+    ],
+)
+def test_env_var_is_checked_whole_whichever_dtype_is_asked(
+    monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv(hardware.ENV_VAR, value)
+    with pytest.raises(ConfigError) as info:
+        hardware.half_arithmetic("cpu", torch.float16)
+    assert message in str(info.value) and "fix:" in str(info.value)
+
+
+def test_env_var_per_dtype_leaves_the_other_to_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference the refusals are measured against: each dtype once, any case and spacing."""
+    monkeypatch.setenv(hardware.ENV_VAR, " FP16 = Emulated ")
+    assert hardware.half_arithmetic("cpu", torch.float16).decided_by is Decider.ENVIRONMENT
+    assert hardware.half_arithmetic("cpu", torch.float16).emulated
+    assert hardware.half_arithmetic("cpu", torch.bfloat16).decided_by is not Decider.ENVIRONMENT
+
+
 def test_decision_is_frozen_and_only_for_half_dtypes() -> None:
     decision = hardware.half_arithmetic("cpu", torch.float16, "native")
     with pytest.raises(dataclasses.FrozenInstanceError):
