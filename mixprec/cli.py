@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _parser=cmd)
     return parser
 
 
@@ -47,10 +47,21 @@ INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """parse_args, with the command's own hint when arguments are left over (e.g. a negative VALUE)."""
+    """parse_args, with the command's own hint when arguments are left over (e.g. a negative VALUE).
+
+    A command whose module sets ``INTERMIXED = True`` takes its positionals on either side of its options
+    (``mixprec formats 1 -d fp16 2``): argparse reads a ``nargs="*"`` positional once, and left the
+    second run over. Its parser reads them again intermixed (not the top parser: argparse cannot intermix
+    with subcommands), only then, since intermixing drops what follows a leading ``--``."""
     args, extras = parser.parse_known_args(argv)
+    module = importlib.import_module(COMMANDS[args.command])
+    if extras and getattr(module, "INTERMIXED", False):
+        given = list(sys.argv[1:] if argv is None else argv)
+        command = args.command
+        args, extras = args._parser.parse_known_intermixed_args(given[given.index(command) + 1:])
+        args.command = command
     if extras:
-        hint_of = getattr(importlib.import_module(COMMANDS[args.command]), "unrecognized_hint", None)
+        hint_of = getattr(module, "unrecognized_hint", None)
         hint = hint_of(extras) if hint_of is not None else None
         parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f"\n  - fix: {hint}" if hint else ""))
     return args

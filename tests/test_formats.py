@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from mixprec import formats
 from mixprec.cli import main
-from mixprec.commands.formats import ValueSyntaxError, parse_value
+from mixprec.commands.formats import MAX_DEPTH, ValueSyntaxError, parse_value
 from mixprec.formats import FORMATS, Overflow, Specials, decode, info
 
 # Formats this torch has a dtype for: the ones we can check against torch.
@@ -376,6 +377,50 @@ def test_parse_value_names_and_limits() -> None:
 def test_parse_value_rejects(text: str) -> None:
     with pytest.raises(ValueSyntaxError):
         parse_value(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("10**400/10**399", "inf / inf is undefined (nan)"),  # it showed nan; the value is 10
+        ("1e400*0", "inf * 0.0 is undefined"),
+        ("inf-inf", "inf - inf is undefined"),
+        ("(" * 1000 + "1" + ")" * 1000, f"more than {MAX_DEPTH} deep"),  # RecursionError
+        ("-" * 1000 + "1", "nests parentheses or signs more than"),
+    ],
+)
+def test_parse_value_refuses_a_made_up_nan_and_deep_nesting(text: str, message: str) -> None:
+    with pytest.raises(ValueSyntaxError, match=re.escape(message)):
+        parse_value(text)
+
+
+def test_parse_value_keeps_typed_nan_and_reasonable_nesting() -> None:
+    """The references: a nan that was typed stays nan; nesting as deep as anyone writes still parses."""
+    assert math.isnan(parse_value("nan*2")) and math.isnan(parse_value("nan-nan"))
+    assert parse_value("(" * 50 + "-" * 40 + "2**-24" + ")" * 50) == 2.0**-24  # 40 minus signs: even
+
+
+@pytest.mark.parametrize(
+    ("argv", "second"),
+    [(["1", "-d", "fp16", "--", "-2**-24"], -(2.0**-24)), (["1", "-d", "fp16", "2**-24"], 2.0**-24),
+     (["-d", "fp16", "1", "--", "-2**-24"], -(2.0**-24))],
+)
+def test_cli_values_on_both_sides_of_an_option(argv: list[str], second: float,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took the VALUEs before -d only: the rest was refused, with a hint to use -- (already used)."""
+    assert main(["formats", *argv]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("fp16")]
+    assert len(rows) == 2 and _torch_bit_string(1.0, FORMATS["fp16"]) in rows[0]
+    assert _torch_bit_string(second, FORMATS["fp16"]) in rows[1]
+
+
+@pytest.mark.parametrize("dtype", ["", ",", " , "])
+def test_cli_dtype_that_names_no_format_is_refused(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default formats were shown as if -d had not been given."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["formats", "1", "-d", dtype])
+    assert exit_.value.code == 2
+    assert f"{dtype!r} names no format" in capsys.readouterr().err
 
 
 def test_cli_shows_fp16_underflow(capsys: pytest.CaptureFixture[str]) -> None:

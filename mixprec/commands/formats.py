@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 HELP = "Show the float formats (fp32, fp16, bf16, fp8) and how each stores a value, bit by bit."
+INTERMIXED = True  # VALUEs on both sides of -d, and after -- (mixprec.cli parses them intermixed)
 
 # The three formats a mixed precision run moves between: fp32 masters, fp16 or bf16 compute.
 DEFAULT_FORMATS: tuple[str, ...] = ("fp32", "fp16", "bf16")
@@ -91,6 +92,22 @@ def _divide(a: float, b: float) -> float:
 
 _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": _divide}
 
+# Deeper nesting of parentheses or signs is refused: the parser recurses once per level (Python's stack
+# ends near 1000), and no value a user types needs more.
+MAX_DEPTH = 100
+
+
+def _no_new_nan(result: float, text: str, *operands: float) -> float:
+    """A NaN made from operands that are not NaN: inf - inf, 0 * inf, inf / inf. Typed as such it is nan
+    written the long way; more often an intermediate overflowed float64 (10**400/10**399 is 10, computed
+    as inf/inf), and showing nan would be a wrong answer without a word."""
+    if math.isnan(result) and not any(math.isnan(x) for x in operands):
+        raise ValueSyntaxError(
+            f"{text} is undefined (nan). If a part overflowed float64 (beyond about 1.8e308) and became inf, "
+            "write the value closer to its result (10**400/10**399 as 10); if you meant nan, write nan"
+        )
+    return result
+
 
 class _Parser:
     """expr := term (('+'|'-') term)*;  term := unary (('*'|'/') unary)*;
@@ -101,6 +118,7 @@ class _Parser:
         self.text = text
         self.tokens = _tokenize(text)
         self.pos = 0
+        self.depth = 0
 
     def parse(self) -> float:
         value = self.expr()
@@ -125,7 +143,8 @@ class _Parser:
         value = getattr(self, operand)()
         while (op := self.peek()) is not None and op in operators:
             self.take()
-            value = _BINARY[op](value, getattr(self, operand)())
+            right = getattr(self, operand)()
+            value = _no_new_nan(_BINARY[op](value, right), f"{value!r} {op} {right!r}", value, right)
         return value
 
     def expr(self) -> float:
@@ -135,15 +154,23 @@ class _Parser:
         return self.binary("*/", "unary")
 
     def unary(self) -> float:
+        # every level of nesting, "(" or a sign, passes through here
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.error(f"it nests parentheses or signs more than {MAX_DEPTH} deep")
         if self.peek() in ("+", "-"):
-            return -self.unary() if self.take() == "-" else self.unary()
-        return self.power()
+            value = -self.unary() if self.take() == "-" else self.unary()
+        else:
+            value = self.power()
+        self.depth -= 1
+        return value
 
     def power(self) -> float:
         base = self.atom()
         if self.peek() == "**":
             self.take()
-            return _power(base, self.unary())
+            exponent = self.unary()
+            return _no_new_nan(_power(base, exponent), f"{base!r} ** {exponent!r}", base, exponent)
         return base
 
     def atom(self) -> float:
@@ -178,6 +205,8 @@ def _value_arg(text: str) -> Value:
 
 def _formats_arg(text: str) -> list[formats.FloatFormat]:
     names = [name for name in text.split(",") if name.strip()]
+    if not names:  # -d "" or -d , : the default formats were shown as if nothing had been asked
+        raise argparse.ArgumentTypeError(f"{text!r} names no format: pass e.g. -d fp16,bf16, or -d all")
     if any(name.strip().lower() == "all" for name in names):
         return list(formats.FORMATS.values())
     try:
