@@ -461,3 +461,17 @@ def test_cli_bad_value(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["formats", "__import__('os')"])
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"])
+def test_caption_says_half_the_smallest_subnormal_itself_rounds_to_zero(
+    name: str
+) -> None:
+    """The caption said "Below half the min subnormal": exactly half is a tie, rounded to even (0)."""
+    from mixprec.commands.formats import _FORMATS_CAPTION
+
+    fmt = FORMATS[name]
+    half = info(fmt).smallest_subnormal / 2
+    assert torch.tensor(half, dtype=torch.float64).to(fmt.torch_dtype).item() == 0.0
+    assert torch.tensor(half * 1.0001, dtype=torch.float64).to(fmt.torch_dtype).item() > 0.0  # just above
+    assert "At or below half the min subnormal a value rounds to 0" in " ".join(_FORMATS_CAPTION.split())

@@ -304,8 +304,9 @@ _OVERFLOW_TEXT = {
 
 
 _FORMATS_CAPTION = (
-    "epsilon: the gap between 1 and the next number (relative precision). Below half the min subnormal "
-    "a value rounds to 0 (underflow); beyond max it overflows."
+    "epsilon: the gap between 1 and the next number (relative precision). At or below half the min "
+    "subnormal a value rounds to 0 (underflow: exactly half is a tie, rounded to even); beyond max it "
+    "overflows."
 )
 
 

@@ -18,7 +18,8 @@ rounding puts a value in the wrong bin), and the fractions that casting ``g * S`
 
 These counts are not computed from the thresholds above but by doing the cast: ``(g.float() * S)`` rounded
 to fp16 by torch, then compared with 0, inf and 2^-14; the tests check the thresholds against that. The
-same is reported for bf16 at scale 1 (its range is fp32's: underflow only below 2^-134).
+same is reported for bf16 at scale 1 (its range is fp32's: underflow only at or below 2^-134; exactly 2^-134
+is a tie that rounds to even, 0).
 
 Fractions are of the finite non-zero gradients: exact zeros (dead ReLUs, unused embeddings) are counted
 separately, as are inf/NaN. Gradients are analysed in fp32, which holds fp16, bf16 and fp32 gradients
