@@ -41,7 +41,7 @@ from mixprec.half_model import HalfModel, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
-from mixprec.scaler import GradScaler
+from mixprec.scaler import GradScaler, _is_sharded
 from mixprec.skip_step import combined_found_inf, step_unless_inf
 from mixprec.tree import cast_floating
 
@@ -67,6 +67,7 @@ class _PendingStep:
     loss_ids: list[int] = field(default_factory=list)  # whose scale_loss recorded each flag
     unscaled: bool = False  # grads currently hold unscaled values from an earlier loss this iteration
     stepped: bool = False  # step() has consumed these flags; another step() would reuse the gradients
+    delayed: bool = False  # a delay_unscale backward left scaled gradients for a later scale_loss
 
 
 @dataclass
@@ -286,9 +287,9 @@ def _check_not_sharded(models: list[nn.Module], level: str) -> None:
     """Refuse a model FSDP2 already sharded: O2/O3 cast the model and keep a master per parameter, while
     fully_shard replaces the parameters by DTensor shards and gathers them for each forward in the dtype
     of its own MixedPrecisionPolicy. The two disagree about who owns the parameters' dtype."""
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - torch.distributed loads on demand
-
-    if any(isinstance(p, DTensor) for m in models for p in m.parameters()):
+    # duck-typed as the scaler's _is_sharded: DTensor moved between releases, and builds without
+    # torch.distributed have none to import
+    if any(_is_sharded(p) for m in models for p in m.parameters()):
         raise ConfigError(
             f"opt_level {level!r} casts the model to half and keeps fp32 masters, but this model's "
             "parameters are FSDP2 shards (DTensor): fully_shard decides their dtype itself.",
@@ -460,6 +461,8 @@ def scale_loss(
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     yield scaler.scale(loss)
     if delay_unscale:
+        for opt in opts:
+            state.pending.setdefault(id(opt), _PendingStep()).delayed = True
         return
     flags: list[torch.Tensor] = []
     for opt in opts:
@@ -474,23 +477,42 @@ def scale_loss(
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():
-        raise ScalerStateError(
-            f"scale_loss: no parameter of the {len(opts)} optimizer(s) passed to it received a gradient "
-            "from this loss, so there is nothing to unscale or check. Either the loss does not depend on "
-            "them, or the model's parameters were replaced after initialize (FSDP's fully_shard, "
-            "re-wrapping), so the optimizer holds tensors the model no longer uses.",
-            "pass scale_loss the optimizers this loss trains; shard or wrap the model before initialize "
-            "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
-            "Distributed).",
-        )
+        _check_gradients_reached(state, opts)  # nothing reached them: apex passes the loss through
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
         if found is not None:
             pending.found_infs.append(found)
             pending.loss_ids.append(loss_id)
-        pending.unscaled = True
-    scaler.update()
+        pending.unscaled, pending.delayed = True, False
+    if flags or not scaler.is_enabled():
+        scaler.update()  # (no flags: no gradient at all, apex's clean iteration; nothing to update from)
+
+
+def _check_gradients_reached(state: _AmpState, opts: list[Any]) -> None:
+    """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
+    auxiliary loss, a frozen warm-up) passes, as in apex. Gradients on model parameters none of them holds
+    mean the model's parameters were replaced after initialize (fully_shard, re-wrapping) or belong to an
+    optimizer not passed here: their gradients would stay scaled, so this raises."""
+    held = {id(p) for opt in opts for p in _held_params(_inner(opt))}
+    stray = [p for h in state.models for p in h.model.parameters()
+             if p.grad is not None and id(p) not in held]  # fmt: skip
+    if stray:
+        raise ScalerStateError(
+            f"scale_loss: this loss's gradients reached {len(stray)} model parameter(s) that none of the "
+            f"{len(opts)} optimizer(s) passed to it holds, so they were not unscaled or checked: the model's "
+            "parameters were replaced after initialize (FSDP's fully_shard, re-wrapping), or they belong to "
+            "an optimizer not passed to scale_loss.",
+            "pass scale_loss every optimizer this loss trains; shard or wrap the model before initialize "
+            "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
+            "Distributed).",
+        )
+
+
+def _held_params(inner: Any) -> list[torch.Tensor]:
+    """The model parameters an optimizer updates (under MasterWeights: those with masters, and fp32 ones)."""
+    own = [p for g in inner.param_groups for p in g["params"]]
+    return [*inner.model_params(), *own] if isinstance(inner, MasterWeights) else own
 
 
 def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tensor] | None:
@@ -520,19 +542,22 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise.
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``.
 
-    Raises (when iterated) if the model holds gradients the masters have not received yet: they arrive
-    when ``scale_loss`` exits (or at ``unscale_``/``step``), and a clip before that clipped nothing."""
+    Where the model holds gradients its masters have not received (backward outside ``scale_loss``, or a
+    ``MasterWeights`` built by hand, before its step) they are copied to the masters first, as
+    ``opt.clip_grad_norm_`` does, and the step uses them: a clip of the masters had clipped nothing. Between
+    the micro-steps of a ``delay_unscale`` accumulation they are left where they are (still scaled)."""
     inner = _inner(optimizer)
-    if isinstance(inner, MasterWeights) and inner.master_grads_pending():
-        raise ScalerStateError(
-            "master_params(opt): the fp32 master gradients are empty while the model holds gradients. They "
-            "are filled when scale_loss exits (or by scaler.unscale_/opt.step()), so clipping them now "
-            "would clip nothing and the step would use the unclipped gradients.",
-            "run backward inside `with mixprec.scale_loss(loss, opt) as s: s.backward()` before clipping "
-            "master_params(opt), or clip with opt.clip_grad_norm_(max_norm), which reads the model's "
-            "gradients when the masters have none.",
-        )
+    if isinstance(inner, MasterWeights) and inner.master_grads_pending() and not _delayed(optimizer):
+        inner.copy_grads_to_master()
     yield from _step_params(inner)
+
+
+def _delayed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is between the micro-steps of a ``delay_unscale`` accumulation: its masters
+    get the gradients at the last ``scale_loss``, as the user arranged."""
+    state = getattr(optimizer, _OPT_STATE_ATTR, None)
+    pending = state.pending.get(id(optimizer)) if state is not None else None
+    return pending is not None and pending.delayed
 
 
 def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:

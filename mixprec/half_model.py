@@ -12,6 +12,8 @@ numerically sensitive ops kept in fp32); fp32 weights with a cast policy (O1) ru
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,7 +115,7 @@ class _CastOutputs:
         self.only = HALF_DTYPES if dtype == torch.float32 else None
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return cast_floating(output, self.dtype, only=self.only)
+        return cast_floating(output, self.dtype, only=self.only, dataclasses=True)  # an output record too
 
 
 def _fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -126,6 +128,7 @@ def _fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 
 
 _REGION_ATTR = "_mixprec_region"
+MakeRegion = Callable[[], contextlib.AbstractContextManager[Any]]  # enters a fresh region each call
 
 
 def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -148,54 +151,94 @@ def _in_a_region() -> bool:
     )
 
 
-def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A submodule's forward, inside the model's region when it runs outside every region. That is a
-    checkpoint's recompute: ``torch.utils.checkpoint`` (either kind, Hugging Face's
-    ``gradient_checkpointing_enable`` too) re-runs a block during backward after the model's region has
-    closed, and restores torch's autocast state but not mixprec's. Without this the recompute ran the
-    half model's layer norms and softmax in half, not in fp32: other gradients (reentrant) or torch's
-    CheckpointError (non-reentrant). Inside the model's forward (or a recompute that re-entered the
-    regions, :func:`mixprec.checkpoint_context`) it only calls the forward; compiled code traces the
-    recompute itself."""
-    make, inner = getattr(self, _REGION_ATTR)
-    if torch.compiler.is_compiling() or _in_a_region():
-        return inner(*args, **kwargs)
-    with make():
-        return inner(*args, **kwargs)
+class _RegionWhenOutside:
+    """A submodule's forward pre-hook and forward hook (``always_call``): the half model's region around the
+    submodule's call when it runs outside every region. That is a checkpoint's recompute:
+    ``torch.utils.checkpoint`` (either kind, Hugging Face's ``gradient_checkpointing_enable`` too) re-runs
+    a block during backward after the model's region has closed, and restores torch's autocast state but
+    not mixprec's. Without this the recompute ran the half model's layer norms and softmax in half, not in
+    fp32: other gradients (reentrant) or torch's CheckpointError (non-reentrant). Inside the model's
+    forward (or a recompute that re-entered the regions, :func:`mixprec.checkpoint_context`) it does
+    nothing; compiled code traces the recompute itself.
+
+    Hooks, not a replaced ``forward``: a module shared by two models, or a model inside another one,
+    gets two pairs and the outer one wins; the user's own pre-hooks run inside the region (this one runs
+    first); the module still pickles (``make`` is a partial of ``half_compute``)."""
+
+    def __init__(self, make: MakeRegion) -> None:
+        self.make = make
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or _in_a_region():
+            return  # nothing to do, and nothing recorded (compiled code must not touch the thread state)
+        entered = self.make()
+        entered.__enter__()
+        _ENTERED.__dict__.setdefault("stack", []).append((module, entered))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = _ENTERED.__dict__.get("stack")
+        if not torch.compiler.is_compiling() and stack and stack[-1][0] is module:
+            stack.pop()[1].__exit__(None, None, None)
+
+
+# Per thread: the regions submodule calls entered, with the module that entered each, left by its forward
+# hook. Calls nest, so one stack serves every hook pair; a call that entered nothing leaves nothing.
+_ENTERED = threading.local()
+
+
+def _recompute_targets(model: nn.Module) -> list[nn.Module]:
+    """The submodules a checkpoint recomputes on their own: every one with children (a block, a layer, a
+    stage: what models checkpoint), and the children of an ``nn.Sequential`` (``checkpoint_sequential``
+    calls them one by one). A leaf inside a block is recomputed inside its block's region; hooking every
+    leaf too would cost each module call torch's slow path (hooks) for nothing."""
+    chosen: dict[int, nn.Module] = {}
+    for parent in model.modules():
+        children = list(parent.children())
+        if children and parent is not model:
+            chosen[id(parent)] = parent
+        if isinstance(parent, nn.Sequential):
+            chosen.update((id(c), c) for c in children)
+    return list(chosen.values())
+
+
+def _hook_submodules(model: nn.Module, make: MakeRegion) -> list[Any]:
+    hooks = _RegionWhenOutside(make)
+    handles = []
+    for m in _recompute_targets(model):
+        handles.append(m.register_forward_pre_hook(hooks.enter, prepend=True))
+        handles.append(m.register_forward_hook(hooks.leave, always_call=True))
+    return handles
 
 
 class _RegionForward:
-    """Puts the forward inside the region (a bound method on the instance, so ``copy.deepcopy`` rebinds it
-    to the copy) and takes it out again: a handle like the hooks'. ``wrapper``: the model's own forward is
-    always in the region; a submodule's enters it only when called outside every region."""
+    """Puts the model's forward inside the region (a bound method on the instance, so ``copy.deepcopy``
+    rebinds it to the copy) and takes it out again: a handle like the hooks'."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        make: Callable[[], contextlib.AbstractContextManager[Any]],
-        wrapper: Callable[..., Any] = _forward_in_region,
-    ) -> None:
+    def __init__(self, model: nn.Module, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         self.model = model
-        self.own = model.__dict__.get("forward")  # a forward the instance already had (torch.compile's)
-        # the forward as it was: a bound method, which deepcopy rebinds to the copy. Into the instance's own
-        # __dict__: setattr on torch.compile's OptimizedModule sets the attribute on the module it wraps,
-        # where that module's own entry (a submodule's) then replaced the compiled forward.
-        model.__dict__[_REGION_ATTR] = (make, model.forward)
-        model.forward = types.MethodType(wrapper, model)  # type: ignore[method-assign]
+        # what the instance had: a forward of its own (torch.compile's), or the wrapper of an earlier prepare
+        self.own = model.__dict__.get("forward")
+        self.own_region = model.__dict__.get(_REGION_ATTR)
+        # the forward as it was (under an earlier wrapper, the one that wrapper calls): a bound method, which
+        # deepcopy rebinds to the copy. Into the instance's own __dict__: setattr on torch.compile's
+        # OptimizedModule sets the attribute on the module it wraps.
+        inner = self.own_region[1] if self.own_region is not None else model.forward
+        model.__dict__[_REGION_ATTR] = (make, inner)
+        model.forward = types.MethodType(_forward_in_region, model)  # type: ignore[method-assign]
 
     def remove(self) -> None:
-        self.model.__dict__.pop(_REGION_ATTR, None)
-        if self.own is None:
-            self.model.__dict__.pop("forward", None)
-        else:
-            self.model.forward = self.own  # type: ignore[method-assign]
+        for name, value in (("forward", self.own), (_REGION_ATTR, self.own_region)):
+            if value is None:
+                self.model.__dict__.pop(name, None)
+            else:
+                self.model.__dict__[name] = value
 
 
 def _region_factory(recipe: Recipe, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     dtype = recipe.half_dtype
     assert dtype is not None  # only half recipes have a region
     if recipe.casts_model:
-        return lambda: half_compute(device_type, dtype)
+        return functools.partial(half_compute, device_type, dtype)  # a partial pickles, a lambda does not
     return lambda: autocast(device_type, dtype=dtype, policy=recipe.policy)
 
 
@@ -249,8 +292,8 @@ def prepare(
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
     make = _region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
-    # every submodule too, for a checkpoint's recompute (_submodule_forward)
-    hooks += [_RegionForward(m, make, _submodule_forward) for m in model.modules() if m is not model]  # type: ignore[misc]
+    if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_RegionWhenOutside)
+        hooks += _hook_submodules(model, make)
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
         hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))

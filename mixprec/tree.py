@@ -2,9 +2,10 @@
 
 Built on torch's pytree, which knows lists, tuples, dicts, namedtuples, OrderedDict and every class a
 library registered (HF's ``ModelOutput`` registers itself). A Mapping that pytree does not know (a dict
-subclass, an unregistered ``ModelOutput`` look-alike) is walked too, and so is a dataclass instance (a
-model's output record): its copy gets the mapped values, so its type and attributes survive. Anything else
-is left as it is.
+subclass, an unregistered ``ModelOutput`` look-alike) is walked too: its copy gets the mapped values, so
+its type and attributes survive. A dataclass instance is walked the same way only when asked
+(``dataclasses=True``: a model's outputs): an input dataclass may be a cache the forward writes into,
+whose copy would lose the writes. Anything else is left as it is.
 """
 
 from __future__ import annotations
@@ -22,28 +23,37 @@ __all__ = ["map_tensors", "iter_tensors", "cast_floating"]
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _map_leaf(fn: TensorFn, leaf: Any) -> Any:
+def _map_leaf(fn: TensorFn, leaf: Any, records: bool, seen: tuple[int, ...]) -> Any:
     if isinstance(leaf, torch.Tensor):
         return fn(leaf)
     if isinstance(leaf, MutableMapping):  # a Mapping pytree does not know: keep its type and attributes
+        if id(leaf) in seen:  # a back-reference (a record holding its parent): left as it is
+            return leaf
         out = copy.copy(leaf)
         for key, value in leaf.items():
-            out[key] = map_tensors(fn, value)
+            out[key] = _map(fn, value, records, (*seen, id(leaf)))
         return out
-    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # an instance, not the class
+    if records and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # an instance
+        if id(leaf) in seen:
+            return leaf
         out = copy.copy(leaf)
         for f in dataclasses.fields(leaf):  # object.__setattr__: frozen dataclasses too
             if hasattr(leaf, f.name):  # a field(init=False) may be unset
-                object.__setattr__(out, f.name, map_tensors(fn, getattr(leaf, f.name)))
+                object.__setattr__(out, f.name, _map(fn, getattr(leaf, f.name), records, (*seen, id(leaf))))
         return out
     return leaf
 
 
-def map_tensors(fn: TensorFn, value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it, containers rebuilt with their own types."""
+def _map(fn: TensorFn, value: Any, records: bool, seen: tuple[int, ...]) -> Any:
     if isinstance(value, torch.Tensor):  # the common case, without pytree's flatten/unflatten
         return fn(value)
-    return pytree.tree_map(lambda leaf: _map_leaf(fn, leaf), value)
+    return pytree.tree_map(lambda leaf: _map_leaf(fn, leaf, records, seen), value)
+
+
+def map_tensors(fn: TensorFn, value: Any, *, dataclasses: bool = False) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, containers rebuilt with their own types
+    (dataclass instances too with ``dataclasses=True``, as copies)."""
+    return _map(fn, value, dataclasses, ())
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -54,18 +64,17 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
         elif isinstance(leaf, Mapping):
             for item in leaf.values():
                 yield from iter_tensors(item)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            for f in dataclasses.fields(leaf):
-                yield from iter_tensors(getattr(leaf, f.name, None))
 
 
-def cast_floating(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
+def cast_floating(
+    value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None, *, dataclasses: bool = False
+) -> Any:
     """``value`` with its floating tensors cast to ``dtype`` (only those of a dtype in ``only``, if
-    given); integer tensors (token ids, labels) are left alone."""
+    given); integer tensors (token ids, labels) are left alone. ``dataclasses``: see :func:`map_tensors`."""
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype or (only is not None and t.dtype not in only):
             return t
         return t.to(dtype)
 
-    return map_tensors(cast, value)
+    return map_tensors(cast, value, dataclasses=dataclasses)

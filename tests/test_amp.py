@@ -716,29 +716,52 @@ def test_a_skipped_step_says_so_as_apex_does(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out == ""
 
 
-def test_master_params_refuses_to_be_clipped_before_the_masters_have_gradients() -> None:
+def _moved(after: Iterator[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of the update from ``before`` to ``after``, in fp32."""
+    steps = [(a.float() - b).flatten() for a, b in zip(after, before, strict=True)]
+    return torch.linalg.vector_norm(torch.cat(steps))
+
+
+@pytest.mark.parametrize("how", ["MasterWeights", "O2 bf16 without scale_loss"])
+def test_a_clip_of_master_params_before_the_masters_have_gradients_clips(how: str) -> None:
     """A clip of master_params(opt) between backward and the step clipped nothing when the masters had no
     gradient yet (MasterWeights used directly; O2 bf16 with backward outside scale_loss): the step then
-    used the unclipped gradients, silently."""
+    used the unclipped gradients, silently. The gradients are now moved to the masters first."""
     x, y = next(_batches(1))
-    direct = _net().bfloat16()
-    opt = MasterWeights(torch.optim.SGD(direct.parameters(), lr=1.0))
-    nn.functional.cross_entropy(direct(x.bfloat16()).float(), y).backward()
-    with pytest.raises(mixprec.ScalerStateError, match="clip with opt.clip_grad_norm_"):
-        nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1e-3)
-    model = _net()
-    model, o2 = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2",
-                                   dtype=torch.bfloat16, verbosity=0)  # fmt: skip
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    with pytest.raises(mixprec.ScalerStateError, match="inside `with mixprec.scale_loss"):
-        list(mixprec.master_params(o2))
-    o2.zero_grad()
-    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), o2) as scaled:
-        scaled.backward()
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    if how == "MasterWeights":
+        model = model.bfloat16()
+        opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=1.0))
+    else:
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2",
+                                        dtype=torch.bfloat16, verbosity=0)  # fmt: skip
+    nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
     want = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()]))
-    got = nn.utils.clip_grad_norm_(mixprec.master_params(o2), 1e-3)  # the masters hold the gradients now
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    before = [p.detach().float().clone() for p in opt.master_views()]
+    got = nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # the norm of the true gradients
+    opt.step()
+    assert _moved(opt.master_views(), before) <= 1e-3 * (1 + 1e-5)  # lr 1: the clipped gradients
+
+
+def test_master_params_between_delayed_micro_steps_leaves_the_accumulation_alone() -> None:
+    """Between delay_unscale micro-steps the model's gradients are still scaled: master_params must not
+    move them to the masters, or the last scale_loss would unscale a partial sum."""
+    def run(peek: bool) -> list[torch.Tensor]:
+        amp.reset()
+        model = _net()
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+        for i, (x, y) in enumerate(_batches(2)):
+            with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y) / 2, opt,
+                                    delay_unscale=i == 0) as scaled:  # fmt: skip
+                scaled.backward()
+            if peek and i == 0:
+                assert len(list(mixprec.master_params(opt))) == len(list(model.parameters()))
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_initialize_after_a_loaded_optimizer_state_names_apexs_resume_order() -> None:
@@ -775,3 +798,18 @@ def test_scale_loss_names_replaced_parameters_when_no_optimizer_got_a_gradient()
     with pytest.raises(mixprec.ScalerStateError, match="parameters were replaced after initialize"):
         with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
             scaled.backward()
+
+
+def test_a_loss_that_reaches_no_parameter_passes_through_scale_loss_as_in_apex() -> None:
+    """A constant auxiliary loss (an empty MoE term, a frozen warm-up) gives no gradient at all: apex
+    lets it pass; mixprec raised torch's "No inf checks were recorded prior to update"."""
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    want = [p.grad.clone() for p in mixprec.master_params(opt)]
+    with mixprec.scale_loss(torch.zeros((), requires_grad=True), opt) as scaled:
+        scaled.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(mixprec.master_params(opt), want, strict=True))
+    opt.step()

@@ -251,6 +251,23 @@ def test_clip_bounds_the_unscaled_master_gradient_norm() -> None:
     assert max(norms) <= 0.1 * (1 + 1e-5)
 
 
+def test_clip_bounds_the_update_of_a_masterweights_the_user_built() -> None:
+    """With no MixedPrecision callback to fill the masters, GradientClipping clipped nothing (the masters
+    had no gradient yet), then raised once master_params refused that: it now clips through the wrapper."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4).bfloat16(), torch.randint(0, 2, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    data = mixprec.DataBunch(loader, loader, 2, (4,), "toy")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).bfloat16()
+    learn = Learner(data, model, loss_func=lambda p, t: nn.functional.cross_entropy(p.float(), t),
+                    opt_func=lambda params, lr: MasterWeights(torch.optim.SGD(params, lr=lr)), silent=True)
+    before = [p.detach().float().clone() for p in model.parameters()]
+    learn.fit(steps=1, lr=1.0, callbacks=[mixprec.callbacks.GradientClipping(1e-3)])
+    steps = [(m - b).flatten() for m, b in zip(learn.opt.master_views(), before, strict=True)]
+    moved = torch.linalg.vector_norm(torch.cat(steps))
+    assert 0 < moved <= 1e-3 * (1 + 1e-5)  # lr 1: the update is the clipped gradient
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_autocast_mixed_precision_keeps_fp32_weights(device: str) -> None:
     learn = _cnn_learner(device=device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from copy import deepcopy
 
@@ -10,7 +11,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from mixprec.half_model import prepare
+from mixprec.half_compute import half_compute
+from mixprec.half_model import _in_a_region, prepare
 from mixprec.recipe import RECIPES
 
 
@@ -99,15 +101,49 @@ def test_plain_torch_checkpoint_of_a_half_models_blocks_gives_the_same_gradients
         assert torch.equal(a, b)
 
 
-def test_restore_and_deepcopy_handle_the_submodules_forwards() -> None:
+def test_restore_deepcopy_and_pickle_with_the_submodule_hooks() -> None:
     model = _Checkpointed(lambda blocks, h: blocks(h))
-    copy = deepcopy(model)
     half = prepare(model, RECIPES["O2"], "cpu")
-    twin = deepcopy(model)  # its submodules' forwards are bound to the copy's submodules
-    assert twin.blocks[0][1].forward.__self__ is twin.blocks[0][1]
+    h = torch.randn(4, 16, dtype=torch.float16)
+    with half_compute("cpu", torch.float16):
+        want = model.blocks(h)
+    assert torch.equal(deepcopy(model).blocks(h), want)  # called outside: the hooks enter the region
+    assert torch.equal(pickle.loads(pickle.dumps(model.blocks))(h), want)  # a submodule still pickles
     half.restore()
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    x = torch.randn(4, 8)
-    assert torch.equal(model(x), model.forward(x))
-    assert model.blocks[0].forward.__func__ is nn.Sequential.forward
-    assert copy.state_dict().keys() == model.state_dict().keys()
+    left = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__]
+    assert not left
+
+
+def test_a_model_prepared_inside_another_or_sharing_a_module_runs() -> None:
+    """A submodule's forward was replaced per prepare: a module shared by two models, or a model prepared
+    inside one prepared later, called itself until RecursionError."""
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    inner, other = nn.Sequential(shared, nn.Linear(8, 4)), nn.Sequential(shared, nn.Linear(8, 2))
+    outer = nn.Sequential(nn.Linear(8, 8), inner)
+    reference = deepcopy(outer)
+    prepare(reference, RECIPES["O2"], "cpu")
+    halves = [prepare(m, RECIPES["O2"], "cpu") for m in (inner, other, outer)]
+    x = torch.randn(3, 8)
+    assert torch.equal(outer(x), reference(x)) and other(x).shape == (3, 2)
+    for half in reversed(halves):
+        half.restore()
+    assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in outer.modules())
+
+
+def test_o1_submodules_are_not_hooked() -> None:
+    """Only a half model's submodules re-enter its region: under O1 a submodule called outside the
+    forward (a model's encode_image, say) runs in fp32, as before."""
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    prepare(model, RECIPES["O1"].with_half_dtype(torch.bfloat16), "cpu")
+    assert model.blocks(torch.randn(2, 16)).dtype == torch.float32
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_checkpointed_blocks_own_pre_hooks_run_inside_the_region_when_recomputed() -> None:
+    seen: list[bool] = []
+    model = _Checkpointed(_CHECKPOINTS["reentrant"])
+    prepare(model, RECIPES["O2"], "cpu")
+    model.blocks.register_forward_pre_hook(lambda module, args: seen.append(_in_a_region()))
+    model(torch.randn(4, 8)).float().sum().backward()
+    assert seen == [True, True]  # the forward, and the recompute during backward

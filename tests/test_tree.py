@@ -58,11 +58,26 @@ def test_a_dataclass_output_is_cast_and_keeps_its_type() -> None:
     """A model returning a plain @dataclass kept half logits under O1/O2 (its loss outside ran in half),
     where namedtuples, dicts and ModelOutputs came back fp32."""
     out = _Output(torch.ones(2, dtype=torch.bfloat16), {"h": torch.ones(1, dtype=torch.float16)}, "mine")
-    cast = cast_floating(out, torch.float32)
+    cast = cast_floating(out, torch.float32, dataclasses=True)
     assert type(cast) is _Output and cast.name == "mine"
     assert cast.logits.dtype == cast.extras["h"].dtype == torch.float32
     assert out.logits.dtype == torch.bfloat16  # the model's own record is not changed
-    assert [t.dtype for t in iter_tensors(out)] == [torch.bfloat16, torch.float16]
+
+
+@dataclasses.dataclass
+class _Cache:
+    k: torch.Tensor | None = None
+    pos: int = 0
+    parent: object = None
+
+
+def test_an_input_dataclass_is_passed_as_it_is_and_back_references_end_the_walk() -> None:
+    """An input record may be a cache the forward writes into: a copy would lose the writes."""
+    cache = _Cache(torch.ones(1))
+    assert cast_floating((cache,), torch.float16)[0] is cache
+    cache.parent = _Output(torch.ones(1), {"cache": cache})  # type: ignore[arg-type]
+    cast = cast_floating(cache, torch.float16, dataclasses=True)
+    assert cast.k.dtype == cast.parent.logits.dtype == torch.float16 and cast.parent.extras["cache"] is cache
 
 
 def test_an_o2_model_returning_a_dataclass_gives_fp32_logits() -> None:
