@@ -50,16 +50,25 @@ def _mlp_saved_bytes(b: int, n_in: int, hidden: int, n_out: int, elem: int, logi
     return b * n_in * elem + b * hidden * elem + b * n_out * logits_elem + b * 8 + logits_elem
 
 
+@pytest.mark.parametrize("arithmetic", ["native", "emulated"])
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
 @pytest.mark.parametrize("precision", ["fp32", "pure-fp16", "pure-bf16"])
-def test_mlp_activations_equal_the_hand_computed_sum(precision: str, estimate: bool) -> None:
+def test_mlp_activations_equal_the_hand_computed_sum(
+    precision: str, estimate: bool, arithmetic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mixprec import hardware
+
+    monkeypatch.setenv(hardware.ENV_VAR, arithmetic)
     b, n_in, hidden = 8, 64, 32
     elem = torch.empty((), dtype=as_recipe(precision).model_dtype).element_size()
     # every recipe here computes the loss from fp32 logits (loss_fp32): the half ones were counted in half
     assert as_recipe(precision).loss_fp32
     result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), precision, estimate=estimate)
     assert result.activations == _mlp_saved_bytes(b, n_in, hidden, 10, elem, logits_elem=4)
-    assert result.weight_copies == 0
+    # An emulated half GEMM computes with an fp32 copy of its weight; Linear 2 saves it (its input needs a
+    # gradient), Linear 1 does not (x needs none). A native one saves the half weight itself: no copy.
+    emulated = arithmetic == "emulated" and precision != "fp32"
+    assert result.weight_copies == (hidden * 10 * 4 if emulated else 0)
 
 
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
@@ -263,29 +272,49 @@ def _live_saved_bytes(model: nn.Module, loss: Callable[[], torch.Tensor]) -> int
 
 
 @pytest.mark.usefixtures("fresh_amp_state")
+@pytest.mark.parametrize("arithmetic", ["native", "emulated"])
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
 @pytest.mark.parametrize("build", ["mlp", "cnn"])
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_saved_activations_equal_what_the_initialized_model_saves(
-    level: str, build: str, estimate: bool, monkeypatch: pytest.MonkeyPatch
+    level: str, build: str, estimate: bool, arithmetic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """O2 and O3 cast the model's outputs to fp32 before the loss; the breakdown computed the loss in half
-    (13,794 B for the MLP here, against 13,956 B of live saved tensors)."""
+    (13,794 B for the MLP here, against 13,956 B of live saved tensors). And it ran a half model's forward
+    outside mixprec's half_compute region, so an *emulated* fp16 GEMM's saved fp32 weight copy was missed
+    (13,956 B against 16,516 B live: Linear 2's 10x64 weight in fp32)."""
     import mixprec
     from mixprec import hardware
 
-    # native half GEMMs, as the breakdown counts them (emulated ones also save an fp32 copy of a weight)
-    monkeypatch.setenv(hardware.ENV_VAR, "native")
+    monkeypatch.setenv(hardware.ENV_VAR, arithmetic)
     torch.manual_seed(0)
     model = mlp(784, 64, 10) if build == "mlp" else simple_cnn((1, 4, 8, 10))
     x, y = _batch(8, (1, 28, 28) if build == "mlp" else (1, 8, 8))
-    result = memory_breakdown(model, None, (x, y), level, estimate=estimate)
+    # O1's real model runs under mixprec.autocast, which emulates as the half models do
+    result = memory_breakdown(model, None, (x, y), level, estimate=estimate, autocast="mixprec")
     real = mixprec.initialize(copy.deepcopy(model), opt_level=level, verbosity=0)
     real.train()
     live = _live_saved_bytes(real, lambda: F.cross_entropy(real(x), y))
     assert result.activations + result.weight_copies == live
+    assert result.arithmetic == ("" if level == "O0" else arithmetic)
     if build == "mlp" and level == "O2":
-        assert live == 13_956
+        assert live == {"native": 13_956, "emulated": 13_956 + 10 * 64 * 4}[arithmetic]
+        assert result.weight_copies == {"native": 0, "emulated": 10 * 64 * 4}[arithmetic]
+
+
+def test_table_says_how_the_half_gemms_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from mixprec import hardware
+
+    monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+    results = memory_breakdowns(mlp(16, 8, 4), None, _batch(2, (16,), 4), ("fp32", "O1", "O2", "pure-bf16"))
+    assert [b.arithmetic for b in results] == ["", "native (torch.autocast)", "emulated", "native"]
+    console = Console(width=300, record=True)
+    console.print(memory_table(results))
+    row = next(line for line in console.export_text().splitlines() if "half GEMMs" in line)
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[:5] == ["half GEMMs", "-", "native (torch.autocast)", "emulated", "native"]
 
 
 @pytest.mark.usefixtures("fresh_amp_state")

@@ -18,10 +18,13 @@ same components counted two ways, and the tests hold them against each other.)
   (ReLU's output is saved by ReLU and by the next Linear) or viewed twice is one storage. Storages of
   parameters and buffers are left out (already counted). The input batch counts when an op saves it (the
   first layer does, for its weight gradient), as do the loss's targets.
-- ``weight_copies``: copies of fp32 weights that autocast made (fp16/bf16 casts, or with mixprec.autocast's
-  fp16 emulation on CPU, fp32 round-trips) and autograd saved for backward (O1). They are activations by
-  lifetime but weights by size, so they get their own line: found by walking a saved tensor's autograd
-  history through casts and views back to a parameter.
+- ``weight_copies``: copies of weights that a GEMM made and autograd saved for backward: autocast's fp16/bf16
+  casts of fp32 weights (O1), or, where half GEMMs are *emulated* (``half_arithmetic``; CPU fp16 by
+  default), the fp32 copies of weights the emulated GEMM computed with (O1 with mixprec.autocast, and every
+  half-model recipe: O2, O3, fp16, pure-fp16). They are activations by lifetime but weights by size, so
+  they get their own line: found by walking a saved tensor's autograd history through casts and views
+  back to a parameter. A half model's forward runs in the region mixprec's own half model runs in
+  (``half_compute``), so the count follows the arithmetic mixprec will use; ``arithmetic`` says which.
 - ``total``: the sum. It is an upper bound on what one step holds at once, not a measured peak: autograd
   frees activations as backward produces gradients, and temporaries and allocator slack are not counted.
 
@@ -48,7 +51,7 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
-from mixprec.hardware import HALF_DTYPES
+from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import BATCHNORM, MasterWeights
 from mixprec.recipe import RECIPES, Recipe, get_recipe
@@ -151,7 +154,8 @@ COMPONENTS: tuple[tuple[str, str, str], ...] = (
     ("grads", "gradients", "one per trainable parameter, in the parameter's dtype"),
     ("master_grads", "fp32 master gradients", "fp32 gradients of the master weights"),
     ("optimizer_state", "optimizer state", "every tensor in optimizer.state after one step"),
-    ("weight_copies", "autocast weight copies", "copies of fp32 weights autocast made, saved for backward"),
+    ("weight_copies", "GEMM weight copies",
+     "weight copies a GEMM made (autocast's half casts, emulation's fp32 upcasts), saved for backward"),
     ("activations", "activations (saved for backward)",
      "unique storages autograd saved for backward, params excluded, input batch included if saved"),
 )
@@ -173,6 +177,8 @@ class MemoryBreakdown:
     n_params: int
     estimated: bool  # True: FakeTensorMode, nothing computed; False: measured on real tensors
     extras: int = 0  # a LowPrecisionOptimizer's per-parameter buffers (pure half recipes only)
+    # How the counted step's half GEMMs ran ("" for fp32): "emulated" ones save fp32 copies of weights.
+    arithmetic: str = ""
 
     @property
     def total(self) -> int:
@@ -402,17 +408,49 @@ class SavedTensors:
         return t
 
 
+def _device_type(x: Any) -> str:
+    # Fake tensors describe the model's device; meta tensors (no device of their own) are CPU ones.
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    return "cpu" if device_type == "meta" else device_type
+
+
+def _forward_region(
+    precision: Recipe, device_type: str, autocast: str
+) -> contextlib.AbstractContextManager[Any]:
+    """The region the recipe's forward runs in: autocast for an fp32 model (``autocast`` picks which), or
+    for a half model the half_compute region mixprec's own half model runs in (half_model.prepare). The
+    latter decides what autograd saves: an emulated half GEMM saves the fp32 copy of its weight that it
+    computed with (O2 fp16 on a CPU without fp16 units), a native one the half weight itself."""
+    if precision.casts_model and precision.half_dtype is not None:
+        from mixprec.autocast import half_compute
+
+        return half_compute(device_type, precision.half_dtype)
+    if precision.autocast_dtype is not None:
+        return AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
+    return contextlib.nullcontext()
+
+
+def _counted_arithmetic(precision: Recipe, device_type: str, autocast: str) -> str:
+    """How the counted step's half GEMMs compute: ``""`` for an fp32 recipe, torch's own kernels under
+    torch.autocast, else :func:`mixprec.hardware.half_arithmetic`'s answer (MIXPREC_HALF_ARITHMETIC
+    honoured), which is what mixprec's regions use. Asked outside any FakeTensorMode: a probe, where one is
+    needed, must time real GEMMs, and its answer is cached for the fake run."""
+    if precision.half_dtype is None:
+        return ""
+    if not precision.casts_model and autocast == "torch":
+        return "native (torch.autocast)"
+    return half_arithmetic(device_type, precision.half_dtype).arithmetic.value
+
+
 def _saved_for_backward(
     model: nn.Module, x: Any, y: Any, precision: Recipe, loss_fn: LossFn, autocast: str
 ) -> SavedTensors:
     saved = SavedTensors.beyond(model.parameters(), model.buffers())
-    region: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if precision.autocast_dtype is not None:
-        device_type = x.device.type if isinstance(x, Tensor) else "cpu"
-        region = AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
+    region = _forward_region(precision, _device_type(x), autocast)
     model.train()  # a training step: dropout active, BatchNorm on batch statistics
-    with saved.counting(), region:
-        output = model(x)
+    with saved.counting():
+        with region:
+            output = model(x)
         if precision.loss_fp32 and not precision.is_fp32:
             # As the recipe's real model (half_model.prepare) hands them to the loss: half outputs cast to
             # fp32 first, so what the loss saves (log_softmax's output) takes fp32's bytes, not half's.
@@ -515,6 +553,7 @@ def memory_breakdown(
     masters, stepped = _masters_and_stepped(trainable, recipe, maker)
     if mode is not None:  # the wrapped optimizer steps fp32 views of the half weights
         stepped = [maker.like(p, torch.float32) for p in trainable]
+    arithmetic = _counted_arithmetic(recipe, _device_type(x), autocast)  # before any FakeTensorMode
     with maker.active():
         saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or default_loss, autocast)
         state = _optimizer_state_bytes(factory, [t.detach().requires_grad_(True) for t in stepped])
@@ -532,6 +571,7 @@ def memory_breakdown(
         activations=sum(saved.activations.values()),
         n_params=sum(p.numel() for p in params),
         estimated=estimate,
+        arithmetic=arithmetic,
     )
 
 
@@ -614,6 +654,9 @@ def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None
         values = [getattr(b, key) for b in breakdowns]
         if any(values):
             table.add_row(label, *(f"{v / MIB:,.2f}" for v in values), what)
+    if any(b.arithmetic for b in breakdowns):
+        table.add_row("half GEMMs", *(b.arithmetic or "-" for b in breakdowns),
+                      "how the counted step's half GEMMs ran: emulated ones save fp32 weight copies")
     table.add_section()
     table.add_row("weights (params + masters)", *(f"{b.weights / MIB:,.2f}" for b in breakdowns),
                   "the published 'model memory'")
