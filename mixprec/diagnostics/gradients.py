@@ -144,6 +144,13 @@ class GradStats:
     def exponents(self) -> tuple[int, ...]:
         return EXPONENTS
 
+    def nonfinite_text(self) -> str | None:
+        """A line on the inf/NaN gradients, which no histogram or fraction counts; None if there are none."""
+        if not self.nonfinite:
+            return None
+        return (f"{self.nonfinite:,} of {self.numel:,} gradients ({_pct(self.nonfinite / self.numel)}) are "
+                "already inf/NaN: not in the histogram or the fractions.")
+
     def nonempty_exponents(self) -> list[int]:
         return [e for e, c in zip(EXPONENTS, self.counts, strict=True) if c]
 

@@ -226,18 +226,33 @@ def _draw_overall(ax: Axes, report: GradientReport, scale: float | None) -> None
     ax.axvspan(underflow, normal, color=FP16_COLOR, alpha=0.10,
                label="fp16 subnormal: fewer significant bits")
     ax.axvspan(normal, math.log2(_FP16.max), color=FP16_COLOR, alpha=0.04, label="fp16 normal range")
-    ax.bar([e + 0.5 for e in exps], pct, width=1.0, color="#4d4d4d", alpha=0.8,
-           label=f"gradients g ({overall.nonzero:,} non-zero; {overall.zeros:,} zeros not shown)")
-    if scale not in (None, 1.0):
+    # Only the non-empty bins: a zero-height bar (or an all-zero line) has no place on a log axis, and
+    # matplotlib warns "Data has no positive values" when that is all there is (all zeros, all inf/NaN).
+    shown = [(e, p) for e, p in zip(exps, pct, strict=True) if p > 0]
+    ax.bar([e + 0.5 for e, _ in shown], [p for _, p in shown], width=1.0, color="#4d4d4d", alpha=0.8,
+           label=f"gradients g ({overall.nonzero:,} non-zero finite; {overall.zeros:,} zeros and "
+                 f"{overall.nonfinite:,} inf/NaN not shown)")
+    if scale not in (None, 1.0) and shown:
         shift = math.log2(scale)
         ax.step([e + shift for e in exps] + [exps[-1] + 1 + shift], pct + [pct[-1]], where="post",
                 color=SCALED_COLOR, linewidth=1.8, label=f"g x loss scale {scale:g} (= 2^{shift:g})")
     ax.set_yscale("log")
-    smallest = min((p for p in pct if p > 0), default=1e-4)
+    smallest = min((p for _, p in shown), default=1e-4)
     ax.set_ylim(max(smallest / 3, 1e-7), 150.0)
     ax.set_ylabel("% of non-zero gradients (log scale)")
+    ax.set_title("\n".join(_overall_header(report, scale)), loc="left", fontsize=9, fontweight="normal")
+
+
+def _overall_header(report: GradientReport, scale: float | None) -> list[str]:
+    """The fp16 outcomes, and the inf/NaN gradients they leave out. With no finite non-zero gradient the
+    outcomes would read "0% overflow" of nothing: the header says what there is instead."""
+    overall = report.overall
+    nonfinite = overall.nonfinite_text()
+    if not overall.nonzero:
+        return [f"no finite non-zero gradient to histogram: {overall.nonfinite:,} inf/NaN and "
+                f"{overall.zeros:,} exact zeros, of {overall.numel:,}."]
     lines = [o.describe() for o in (overall.outcome(1.0), overall.outcome(scale) if scale else None) if o]
-    ax.set_title("\n".join(lines), loc="left", fontsize=9, fontweight="normal")
+    return lines + ([nonfinite] if nonfinite else [])
 
 
 def _draw_layers(fig: Figure, ax: Axes, report: GradientReport) -> None:
