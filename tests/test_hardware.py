@@ -193,3 +193,15 @@ def test_info_command_reports_the_env_override(
     monkeypatch.setenv(hardware.ENV_VAR, "emulated")
     assert main(["info"]) == 0
     assert capsys.readouterr().out.count("environment") == 2
+
+
+def test_info_command_refuses_a_cuda_device_that_is_not_there(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed "native ... CUDA is not available; nothing runs there" and exited 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["info", "--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert "native" not in captured.out and "Traceback" not in captured.err
+    assert captured.err.startswith("mixprec: error: --device cuda: this machine has no CUDA device")
+    assert "fix:" in captured.err and "--device cpu" in captured.err

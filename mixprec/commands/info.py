@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
     from rich.table import Table
 
+    from mixprec.commands.train import UsageError
     from mixprec.hardware import HalfArithmetic
 
 HELP = "Show the detected half-precision hardware and the arithmetic mixprec will use (native or emulated)."
@@ -42,9 +43,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without half units)")
 
 
+def _missing_device(device_type: str) -> UsageError | None:
+    """Why ``device_type`` cannot be described on this machine, with the fix; None when it can."""
+    import torch
+
+    from mixprec.commands.train import UsageError
+
+    if device_type == "cuda" and not torch.cuda.is_available():
+        # Nothing runs there, so there is nothing to decide: "native" would describe a device that is absent.
+        build = f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None else (
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU")
+        return UsageError(f"--device cuda: this machine has no CUDA device ({build}).",
+                          "run on a machine with an NVIDIA GPU and a CUDA build of torch, or describe this "
+                          "one with --device cpu.")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from mixprec import hardware
+    from mixprec.commands.train import fail
 
+    missing = _missing_device(args.device)
+    if missing is not None:
+        return fail(missing)
     console = make_console()
     console.print(f"[bold]hardware[/bold]  {hardware.hardware_line()}")
     decisions = [hardware.half_arithmetic(args.device, d, args.arithmetic) for d in hardware.HALF_DTYPES]
