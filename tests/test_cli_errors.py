@@ -252,3 +252,38 @@ def test_compare_names_only_the_setting_that_is_wrong(tmp_path: Path,
     assert "epochs must be >= 1, got 0; lr must be a finite number > 0, got 0.0" in err
     assert "fix: e.g. --epochs 6 --lr 0.01." in err and "batch_size" not in err
     assert not (tmp_path / "run").exists()  # refused before it created the output folder
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "grads"])
+@pytest.mark.parametrize("size", ["-3", "0"])
+def test_a_bad_size_names_the_flag_and_a_value_to_type(command: str, size: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "size must be a positive number of pixels or None (keep the original)": no flag, and a
+    None that cannot be typed."""
+    _no_training(monkeypatch)
+    out = {"train": ["--out", str(tmp_path / "run")], "compare": ["--out", str(tmp_path / "run")],
+           "grads": ["--no-png"]}[command]
+    assert cli.main([command, "--size", size, *out]) == 2
+    err = _error(capsys)
+    assert f"--size must be a positive number of pixels, got {size}" in err
+    assert "fix: e.g. --size 28, or leave --size out" in err and "None" not in err
+
+
+def test_mnist_at_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "MNIST not found in FILE ... missing" all four files, as for an empty folder."""
+    file = tmp_path / "train-images-idx3-ubyte"
+    file.write_bytes(b"")
+    assert cli.main(["grads", "--data", f"mnist:{file}", "--no-png"]) == 2
+    err = _error(capsys)
+    assert f"{file} is a file; mnist needs the folder" in err and f"--data mnist:{tmp_path}." in err
+
+
+@pytest.mark.parametrize("rungs", ["", " , "])
+def test_rungs_that_name_no_rung_say_so(rungs: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "unknown rung(s) []"."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compare", "--rungs", rungs])
+    assert exit_.value.code == 2
+    err = _error(capsys)
+    assert f"argument --rungs: {rungs!r} names no rung; choose from fp32," in err and "[]" not in err

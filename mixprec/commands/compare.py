@@ -55,7 +55,9 @@ DEMO_KEYS = (*RUNG_KEYS[:-1], *PURE_BF16_KEYS, "bf16")
 def _rungs_arg(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in DEMO_KEYS]
-    if unknown or not keys:
+    if not keys:
+        raise argparse.ArgumentTypeError(f"{text!r} names no rung; choose from {','.join(DEMO_KEYS)}")
+    if unknown:
         raise argparse.ArgumentTypeError(f"unknown rung(s) {unknown}; choose from {','.join(DEMO_KEYS)}")
     return keys
 

@@ -108,8 +108,16 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
         raise UsageError(
             "mnist needs a folder, and only mnist takes one: --data mnist:PATH (e.g. mnist:~/data/mnist)."
         )
+    if path and Path(path).expanduser().is_file():  # else mnist() lists all four files as missing
+        folder = Path(path).expanduser().parent
+        raise UsageError(f"--data {args.data}: {path} is a file; mnist needs the folder that holds its four "
+                         "IDX files.", f"pass the folder: --data mnist:{folder}.")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.size is not None and args.size < 1:  # None (the model's default) cannot be typed: leave it out
+        raise UsageError(f"--size must be a positive number of pixels, got {args.size}.",
+                         "e.g. --size 28, or leave --size out for the default (mlp 28, vgg16 32, else the "
+                         "data's own size).")
     size = args.size if args.size is not None else DEFAULT_SIZE[args.model]
     return DataSpec(source, str(Path(path).expanduser()) if path else None, size, args.batch_size, args.seed)
 
