@@ -380,7 +380,9 @@ def _notes(d: Decoded) -> tuple[str, ...]:
     fmt = d.format
     fi = _info(fmt)
     if math.isnan(d.value):
-        return ("not a number",)
+        if not fmt.has_inf:  # an fn format has one NaN pattern per sign: the one shown
+            return ("not a number",)
+        return ("not a number; the bits shown are IEEE's quiet NaN, torch's casts may set others",)
     if math.isinf(d.value):
         if d.is_inf:
             return ("infinity",)
@@ -427,7 +429,9 @@ def _special(
     if kind is ValueKind.INF:
         return Decoded(value, fmt, -math.inf if sign else math.inf, kind, sign, top, 0, overflowed, False)
     if kind is ValueKind.NAN:
-        # IEEE: the canonical quiet NaN sets the top mantissa bit (what torch produces); fn: all ones.
+        # IEEE 754 leaves NaN payloads open; we show its quiet NaN with no payload (top mantissa bit only;
+        # fn formats: their one NaN pattern, all ones). torch's casts do not always give it: from fp32 on
+        # CPU, fp16 gets 0x7e00 but bf16 0xffff (sign and all mantissa bits set) and e5m2 0x7f.
         mantissa = 1 << (m - 1) if fmt.has_inf else (1 << m) - 1
         return Decoded(value, fmt, math.nan, kind, sign, top, mantissa, overflowed, False)
     largest = _info(fmt).max

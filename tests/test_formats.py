@@ -475,3 +475,21 @@ def test_caption_says_half_the_smallest_subnormal_itself_rounds_to_zero(
     assert torch.tensor(half, dtype=torch.float64).to(fmt.torch_dtype).item() == 0.0
     assert torch.tensor(half * 1.0001, dtype=torch.float64).to(fmt.torch_dtype).item() > 0.0  # just above
     assert "At or below half the min subnormal a value rounds to 0" in " ".join(_FORMATS_CAPTION.split())
+
+
+@pytest.mark.parametrize("fmt", TORCH_FORMATS, ids=_ids(TORCH_FORMATS))
+def test_nan_bits_are_a_nan_and_the_note_says_torch_may_differ(fmt: formats.FloatFormat) -> None:
+    """The docs said the NaN shown is "what torch produces"; fp32 -> bf16 on CPU gives 0xffff, not 0x7fc0."""
+    d = decode(math.nan, fmt)
+    ints = _INT_OF_WIDTH[fmt.bits]
+    # torch reads the pattern shown as a NaN of its dtype: the bits are a real NaN encoding
+    assert math.isnan(float(torch.tensor([d.encoding], dtype=torch.int64).to(ints).view(fmt.torch_dtype)))
+    nan32 = torch.full((8,), math.nan, dtype=torch.float32)
+    views = (nan32.to(fmt.torch_dtype).view(ints), torch.tensor([math.nan], dtype=fmt.torch_dtype).view(ints))
+    casts = {bits & ((1 << fmt.bits) - 1) for view in views for bits in view.tolist()}
+    if fmt.has_inf:  # the quiet NaN without payload: top mantissa bit only
+        assert d.mantissa == 1 << (fmt.mantissa_bits - 1) and d.sign == 0
+        if casts != {d.encoding}:  # torch set other NaN bits: the note must not claim they are torch's
+            assert "torch's casts may set others" in " ".join(d.notes)
+    else:  # fn formats have one NaN per sign; torch's positive NaN is it
+        assert casts == {d.encoding} and d.notes == ("not a number",)
