@@ -71,6 +71,12 @@ def test_tracer_names_the_layer_that_overflowed_in_fp16(device: str) -> None:
     assert event.fp32_outputs[0].max_abs == pytest.approx(reference, rel=1e-2)
     text = event.explain()
     assert "layer3" in text and "overflowed in float16" in text and "65504" in text
+    # The fp32 maximum once, named as fp32's (it read "(max |x| 1.28e+05 > 65504); in fp32 max |x| was
+    # 1.28e+05"), and the count of infs the half output holds (reference: the half model's own output).
+    fp32_max = f"{event.fp32_outputs[0].max_abs:.3g}"
+    assert text.count(fp32_max) == 1 and f"fp32 re-run is finite with max |x| {fp32_max}, above" in text
+    n_inf = int(half[:5](_input(device).half()).isinf().sum())
+    assert f"overflowed in float16 ({n_inf:,} inf)" in text
     assert "layer3" in tracer.report()
     assert half.layer3.weight.dtype == torch.float16  # the re-run used a copy
 

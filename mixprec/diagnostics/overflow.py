@@ -234,9 +234,11 @@ class NonfiniteEvent:
         limit = _max_of(out.dtype)
         ref_max = ref.max_abs or 0.0
         if limit is not None and ref_max > limit:
-            return (f"{self.label} output overflowed in {_dtype_name(out.dtype)} (max |x| {ref_max:.3g} > "
-                    f"{limit:.6g}); in fp32 max |x| was {ref_max:.3g}, finite. Keep this module in fp32, or "
-                    "scale its input down.")
+            # ref_max is the fp32 re-run's: the half output holds inf where it overflowed, so it has no max.
+            name = _dtype_name(out.dtype)
+            return (f"{self.label} output overflowed in {name} ({_counts(out)}): its fp32 re-run is finite "
+                    f"with max |x| {ref_max:.3g}, above {name}'s max {limit:.6g}. Keep this module in fp32, "
+                    "or scale its input down.")
         return (f"{self.label} output {what} in {_dtype_name(out.dtype)} although its fp32 output fits "
                 f"(max |x| {ref_max:.3g}): an intermediate value inside the module overflowed. Run the "
                 "module in fp32, or rewrite it to keep intermediates small (e.g. subtract the max before "
@@ -252,9 +254,13 @@ class NonfiniteEvent:
         return "\n".join(lines)
 
 
-def _kind(r: TensorRange) -> str:
+def _counts(r: TensorRange) -> str:
     parts = [f"{r.n_inf:,} inf" if r.n_inf else "", f"{r.n_nan:,} NaN" if r.n_nan else ""]
-    return "went non-finite (" + ", ".join(p for p in parts if p) + ")"
+    return ", ".join(p for p in parts if p)
+
+
+def _kind(r: TensorRange) -> str:
+    return f"went non-finite ({_counts(r)})"
 
 
 def _max_of(dtype: torch.dtype) -> float | None:
