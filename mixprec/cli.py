@@ -55,14 +55,15 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     with subcommands), only then, since intermixing drops what follows a leading ``--``."""
     args, extras = parser.parse_known_args(argv)
     module = importlib.import_module(COMMANDS[args.command])
+    given = list(sys.argv[1:] if argv is None else argv)
+    own = given[given.index(args.command) + 1:]  # the command's own arguments
     if extras and getattr(module, "INTERMIXED", False):
-        given = list(sys.argv[1:] if argv is None else argv)
         command = args.command
-        args, extras = args._parser.parse_known_intermixed_args(given[given.index(command) + 1:])
+        args, extras = args._parser.parse_known_intermixed_args(own)
         args.command = command
     if extras:
         hint_of = getattr(module, "unrecognized_hint", None)
-        hint = hint_of(extras) if hint_of is not None else None
+        hint = hint_of(extras, own) if hint_of is not None else None
         parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f"\n  - fix: {hint}" if hint else ""))
     return args
 

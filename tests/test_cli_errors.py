@@ -287,3 +287,27 @@ def test_rungs_that_name_no_rung_say_so(rungs: str, capsys: pytest.CaptureFixtur
     assert exit_.value.code == 2
     err = _error(capsys)
     assert f"argument --rungs: {rungs!r} names no rung; choose from fp32," in err and "[]" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "values"),
+    [
+        (["-2**-24", "--", "3"], {"-2**-24": -(2.0**-24), "3": 3.0}),  # the hint said what had been done
+        (["-d", "fp16", "-2**-24", "--", "-2**-14"], {"-2**-24": -(2.0**-24), "-2**-14": -(2.0**-14)}),
+        (["1", "--dtype=bf16", "-2**-24", "--", "5"], {"1": 1.0, "-2**-24": -(2.0**-24), "5": 5.0}),
+        (["-2**-24"], {"-2**-24": -(2.0**-24)}),
+    ],
+)
+def test_formats_hint_is_a_command_that_works(argv: list[str], values: dict[str, float],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With -- already used for one VALUE and a negative one before it, the hint still said "goes after
+    --: mixprec formats -- -2**-24", what the user had done."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["formats", *argv])
+    assert exit_.value.code == 2
+    hint = _error(capsys).split("mixprec formats ", 1)[1].strip()
+    fixed = hint.split()
+    assert fixed.count("--") == 1 and all(v in fixed[fixed.index("--"):] for v in values)
+    assert cli.main(["formats", *fixed]) == 0  # the hint, typed as shown, shows every VALUE
+    out = capsys.readouterr().out
+    assert all(f"{text} = {value!r}" in out for text, value in values.items())

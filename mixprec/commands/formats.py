@@ -18,6 +18,8 @@ from mixprec import formats
 from mixprec.commands.console import make_console
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -236,12 +238,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def unrecognized_hint(extras: list[str]) -> str | None:
-    """argparse reads a VALUE such as -2**-24 as an unknown option; say how to pass it."""
+_DTYPE_FLAGS = ("-d", "--dtype")
+
+
+def unrecognized_hint(extras: list[str], argv: Sequence[str] = ()) -> str | None:
+    """argparse reads a VALUE such as -2**-24 as an unknown option; say how to pass it: the command line
+    ``argv`` (the command's own arguments) rewritten with its options first and every VALUE after one
+    ``--``. Only moving the negative VALUE would repeat what a user who wrote ``-2**-24 -- 3`` already did."""
     negative = [e for e in extras if e.startswith("-") and not e.startswith("--")]
     if not negative:
         return None
-    return f"a VALUE that starts with a minus goes after --: mixprec formats -- {' '.join(negative)}"
+    options, values = _options_and_values(list(argv) or negative)
+    line = " ".join(["mixprec formats", *options, "--", *values])
+    return f"VALUEs go after one --, options before it: {line}"
+
+
+def _options_and_values(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split into the -d/--dtype options (with their arguments) and the VALUEs, each in order."""
+    options: list[str] = []
+    values: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            continue  # what follows a -- is VALUEs, as is every other token
+        if token in _DTYPE_FLAGS:
+            options += [token, next(tokens, "")]
+        elif token.startswith(("--dtype=", "-d")):  # no VALUE starts with -d: it is not a number or name
+            options.append(token)
+        else:
+            values.append(token)
+    return options, [v for v in values if v]
 
 
 # ---------------------------------------------------------------------------------------------------
