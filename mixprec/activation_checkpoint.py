@@ -16,15 +16,15 @@ or :func:`checkpoint`, which passes it for you::
 
 ``checkpoint_context`` records the mixprec regions in force when the segment's forward runs and
 re-enters exactly those for its recompute. A half model (O2, ``to_fp16``, ``to_bf16``) needs neither for
-its blocks: each submodule with children, and each child of an ``nn.Sequential``, re-enters the model's
-region when called outside it (``half_model._RegionWhenOutside``), so torch's checkpoint of either kind,
-and ``checkpoint_sequential``, recompute its blocks as the forward ran them.
+its modules: each submodule re-enters the model's region when called outside it
+(``half_model._RegionWhenOutside``), so torch's checkpoint of either kind, and ``checkpoint_sequential``,
+recompute its blocks as the forward ran them.
 
 **Reentrant checkpointing (``use_reentrant=True``) offers no context hook and is not supported under an
 autocast region with a Python layer** (CPU fp16 with emulated GEMMs, custom policies), nor for a half
-model's checkpointed functions and lone leaves; :func:`checkpoint` refuses it with an error that names the
-fix. Under torch's own
-tables alone (default policy on CPU bf16 or CUDA) both kinds work, as they do under torch.autocast.
+model's checkpointed functions that are not modules; :func:`checkpoint` refuses it with an error that
+names the fix. Under torch's own tables alone (default policy on CPU bf16 or CUDA) both kinds work, as
+they do under torch.autocast.
 """
 
 from __future__ import annotations

@@ -459,6 +459,7 @@ def scale_loss(
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
             del state.pending[id(opt)]
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
+    others = _grads_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss)
     if delay_unscale:
         for opt in opts:
@@ -477,7 +478,7 @@ def scale_loss(
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():
-        _check_gradients_reached(state, opts)  # nothing reached them: apex passes the loss through
+        _check_gradients_reached(opts, others)  # nothing reached them: apex passes the loss through
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -489,14 +490,27 @@ def scale_loss(
         scaler.update()  # (no flags: no gradient at all, apex's clean iteration; nothing to update from)
 
 
-def _check_gradients_reached(state: _AmpState, opts: list[Any]) -> None:
-    """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
-    auxiliary loss, a frozen warm-up) passes, as in apex. Gradients on model parameters none of them holds
-    mean the model's parameters were replaced after initialize (fully_shard, re-wrapping) or belong to an
-    optimizer not passed here: their gradients would stay scaled, so this raises."""
+_GradMark = tuple[int, int]  # (id, version) of a gradient tensor: changed when backward accumulates into it
+
+
+def _grads_of_others(state: _AmpState, opts: list[Any]) -> dict[torch.Tensor, _GradMark | None]:
+    """The model parameters none of ``opts`` holds, with a mark of their gradient now (usually none: one
+    optimizer holds the whole model)."""
     held = {id(p) for opt in opts for p in _held_params(_inner(opt))}
-    stray = [p for h in state.models for p in h.model.parameters()
-             if p.grad is not None and id(p) not in held]  # fmt: skip
+    return {p: _mark(p.grad) for h in state.models for p in h.model.parameters() if id(p) not in held}
+
+
+def _mark(grad: torch.Tensor | None) -> _GradMark | None:
+    return None if grad is None else (id(grad), grad._version)
+
+
+def _check_gradients_reached(opts: list[Any], others: dict[torch.Tensor, _GradMark | None]) -> None:
+    """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
+    auxiliary loss, a frozen warm-up) passes, as in apex. A gradient this loss's backward wrote on a model
+    parameter none of them holds means the model's parameters were replaced after initialize
+    (fully_shard, re-wrapping) or belong to an optimizer not passed here: it would stay scaled, so this
+    raises. Gradients other losses left there earlier are not this loss's."""
+    stray = [p for p, before in others.items() if p.grad is not None and _mark(p.grad) != before]
     if stray:
         raise ScalerStateError(
             f"scale_loss: this loss's gradients reached {len(stray)} model parameter(s) that none of the "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,62 +151,53 @@ def _in_a_region() -> bool:
 
 
 class _RegionWhenOutside:
-    """A submodule's forward pre-hook and forward hook (``always_call``): the half model's region around the
-    submodule's call when it runs outside every region. That is a checkpoint's recompute:
-    ``torch.utils.checkpoint`` (either kind, Hugging Face's ``gradient_checkpointing_enable`` too) re-runs
-    a block during backward after the model's region has closed, and restores torch's autocast state but
-    not mixprec's. Without this the recompute ran the half model's layer norms and softmax in half, not in
-    fp32: other gradients (reentrant) or torch's CheckpointError (non-reentrant). Inside the model's
-    forward (or a recompute that re-entered the regions, :func:`mixprec.checkpoint_context`) it does
-    nothing; compiled code traces the recompute itself.
+    """A half model's submodule's ``forward``: the module's own, inside the model's region when it runs
+    outside every region. That is a checkpoint's recompute: ``torch.utils.checkpoint`` (either kind,
+    Hugging Face's ``gradient_checkpointing_enable`` too) re-runs a block during backward after the model's
+    region has closed, and restores torch's autocast state but not mixprec's. Without this the recompute
+    ran the half model's layer norms and softmax in half, not in fp32: other gradients (reentrant) or
+    torch's CheckpointError (non-reentrant). Inside the model's forward (or a recompute that re-entered the
+    regions, :func:`mixprec.checkpoint_context`) it only calls the forward; compiled code traces the
+    recompute itself.
 
-    Hooks, not a replaced ``forward``: a module shared by two models, or a model inside another one,
-    gets two pairs and the outer one wins; the user's own pre-hooks run inside the region (this one runs
-    first); the module still pickles (``make`` is a partial of ``half_compute``)."""
+    A ``with`` block around the call, so an interrupt (Ctrl-C in a notebook) still leaves the region; an
+    object holding its module (not a bound method), so the module pickles and ``copy.deepcopy`` points the
+    copy's at the copy. The module's own forward pre-hooks run before it, outside the region."""
 
-    def __init__(self, make: MakeRegion) -> None:
+    def __init__(self, module: nn.Module, make: MakeRegion) -> None:
+        self.module = module
         self.make = make
+        self.own = module.__dict__.get("forward")  # a forward the instance had (torch.compile's, a patch)
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.own if self.own is not None else type(self.module).forward.__get__(self.module)
         if torch.compiler.is_compiling() or _in_a_region():
-            return  # nothing to do, and nothing recorded (compiled code must not touch the thread state)
-        entered = self.make()
-        entered.__enter__()
-        _ENTERED.__dict__.setdefault("stack", []).append((module, entered))
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        stack = _ENTERED.__dict__.get("stack")
-        if not torch.compiler.is_compiling() and stack and stack[-1][0] is module:
-            stack.pop()[1].__exit__(None, None, None)
+            return forward(*args, **kwargs)
+        with self.make():
+            return forward(*args, **kwargs)
 
 
-# Per thread: the regions submodule calls entered, with the module that entered each, left by its forward
-# hook. Calls nest, so one stack serves every hook pair; a call that entered nothing leaves nothing.
-_ENTERED = threading.local()
+class _SubmoduleForwards:
+    """The :class:`_RegionWhenOutside` forwards of a model's submodules, and taking them out: a handle."""
+
+    def __init__(self, model: nn.Module, make: MakeRegion) -> None:
+        # a submodule another prepare already wrapped (shared by two models) or made a model of its own
+        # (prepared before its parent) keeps that: it is in a region either way
+        self.wrapped = [m for m in model.modules() if m is not model and not _is_wrapped(m)]
+        for m in self.wrapped:
+            m.__dict__["forward"] = _RegionWhenOutside(m, make)
+
+    def remove(self) -> None:
+        for m in self.wrapped:
+            own = m.__dict__["forward"].own
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = own
 
 
-def _recompute_targets(model: nn.Module) -> list[nn.Module]:
-    """The submodules a checkpoint recomputes on their own: every one with children (a block, a layer, a
-    stage: what models checkpoint), and the children of an ``nn.Sequential`` (``checkpoint_sequential``
-    calls them one by one). A leaf inside a block is recomputed inside its block's region; hooking every
-    leaf too would cost each module call torch's slow path (hooks) for nothing."""
-    chosen: dict[int, nn.Module] = {}
-    for parent in model.modules():
-        children = list(parent.children())
-        if children and parent is not model:
-            chosen[id(parent)] = parent
-        if isinstance(parent, nn.Sequential):
-            chosen.update((id(c), c) for c in children)
-    return list(chosen.values())
-
-
-def _hook_submodules(model: nn.Module, make: MakeRegion) -> list[Any]:
-    hooks = _RegionWhenOutside(make)
-    handles = []
-    for m in _recompute_targets(model):
-        handles.append(m.register_forward_pre_hook(hooks.enter, prepend=True))
-        handles.append(m.register_forward_hook(hooks.leave, always_call=True))
-    return handles
+def _is_wrapped(module: nn.Module) -> bool:
+    return _REGION_ATTR in module.__dict__ or isinstance(module.__dict__.get("forward"), _RegionWhenOutside)
 
 
 class _RegionForward:
@@ -293,7 +283,7 @@ def prepare(
     make = _region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
     if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_RegionWhenOutside)
-        hooks += _hook_submodules(model, make)
+        hooks.append(_SubmoduleForwards(model, make))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
         hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))

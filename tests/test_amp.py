@@ -813,3 +813,19 @@ def test_a_loss_that_reaches_no_parameter_passes_through_scale_loss_as_in_apex()
         scaled.backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(mixprec.master_params(opt), want, strict=True))
     opt.step()
+
+
+def test_gradients_an_earlier_loss_left_are_not_this_losss() -> None:
+    """The check for gradients on parameters no optimizer passed holds counted every .grad, so a constant
+    loss for one optimizer after a real loss for another was refused."""
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, (a, b) = mixprec.initialize(model, [a, b], "O2", verbosity=0, num_losses=2)
+    model[0].requires_grad_(False)  # a frozen warm-up of the first part: its loss is a constant for now
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), b, loss_id=1) as scaled:
+        scaled.backward()
+    with mixprec.scale_loss(torch.tensor(0.5, requires_grad=True), a, loss_id=0) as scaled:
+        scaled.backward()
+    a.step()
+    b.step()

@@ -75,6 +75,8 @@ _CHECKPOINTS: dict[str, Run] = {
     "non-reentrant": lambda blocks, h: _ckpt.checkpoint(blocks, h, use_reentrant=False),
     "sequential": lambda blocks, h: _ckpt.checkpoint_sequential(blocks, 2, h, use_reentrant=False),
     "per block": lambda blocks, h: [h := _ckpt.checkpoint(b, h, use_reentrant=True) for b in blocks][-1],
+    "per leaf": lambda blocks, h: [h := _ckpt.checkpoint(m, h, use_reentrant=True) for m in blocks.modules()
+                                   if not list(m.children())][-1],  # fmt: skip
 }
 
 
@@ -140,10 +142,38 @@ def test_o1_submodules_are_not_hooked() -> None:
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_a_checkpointed_blocks_own_pre_hooks_run_inside_the_region_when_recomputed() -> None:
-    seen: list[bool] = []
-    model = _Checkpointed(_CHECKPOINTS["reentrant"])
+class _Interrupting(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt  # Ctrl-C in a notebook, mid-recompute
+
+
+def test_an_interrupt_inside_a_submodule_leaves_no_region_behind() -> None:
+    """torch runs always-called forward hooks for an Exception only: with hooks, a Ctrl-C left the region
+    on for the thread and the next forward failed with "pop from empty mode stack"."""
+    model = nn.Sequential(nn.Linear(4, 4), _Interrupting())
     prepare(model, RECIPES["O2"], "cpu")
-    model.blocks.register_forward_pre_hook(lambda module, args: seen.append(_in_a_region()))
-    model(torch.randn(4, 8)).float().sum().backward()
-    assert seen == [True, True]  # the forward, and the recompute during backward
+    with pytest.raises(KeyboardInterrupt):
+        model[1](torch.randn(2, 4, dtype=torch.float16))  # outside the model: the region is entered here
+    assert not _in_a_region()
+    assert model[0](torch.randn(2, 4, dtype=torch.float16)).dtype == torch.float16
+
+
+class _Recursive(nn.Module):
+    """A block that calls itself (weight-shared depth): each call must stay in the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        x = self(x, depth - 1) if depth else x
+        self.seen.append(_in_a_region())
+        return self.norm(x)
+
+
+def test_a_block_that_calls_itself_stays_in_the_region() -> None:
+    model = nn.Sequential(_Recursive())
+    prepare(model, RECIPES["O2"], "cpu")
+    model[0](torch.randn(2, 4, dtype=torch.float16))  # called outside the model's forward
+    assert model[0].seen == [True, True, True]
