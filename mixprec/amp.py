@@ -78,6 +78,7 @@ class _AmpState:
     device_type: str
     scalers: list[GradScaler]
     models: list[HalfModel]
+    optimizers: list[Any] = field(default_factory=list)  # as initialize returned them
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
 
@@ -191,7 +192,7 @@ def initialize(
         mine.__dict__.pop(_DISABLED_ATTR, None)  # an earlier initialize(..., enabled=False) no longer holds
         if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
             setattr(mine, _REPLACED_ATTR, recipe.name)
-    _STATE = _AmpState(recipe, device_type, scalers, halves, verbosity=verbosity)
+    _STATE = _AmpState(recipe, device_type, scalers, halves, list(opt_list), verbosity=verbosity)
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
@@ -459,7 +460,6 @@ def scale_loss(
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
             del state.pending[id(opt)]
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
-    others = _grads_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss)
     if delay_unscale:
         for opt in opts:
@@ -478,7 +478,7 @@ def scale_loss(
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():
-        _check_gradients_reached(opts, others)  # nothing reached them: apex passes the loss through
+        _check_gradients_reached(state, opts)  # nothing reached them: apex passes the loss through
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -490,35 +490,23 @@ def scale_loss(
         scaler.update()  # (no flags: no gradient at all, apex's clean iteration; nothing to update from)
 
 
-_GradMark = tuple[int, int]  # (id, version) of a gradient tensor: changed when backward accumulates into it
-
-
-def _grads_of_others(state: _AmpState, opts: list[Any]) -> dict[torch.Tensor, _GradMark | None]:
-    """The model parameters none of ``opts`` holds, with a mark of their gradient now (usually none: one
-    optimizer holds the whole model)."""
-    held = {id(p) for opt in opts for p in _held_params(_inner(opt))}
-    return {p: _mark(p.grad) for h in state.models for p in h.model.parameters() if id(p) not in held}
-
-
-def _mark(grad: torch.Tensor | None) -> _GradMark | None:
-    return None if grad is None else (id(grad), grad._version)
-
-
-def _check_gradients_reached(opts: list[Any], others: dict[torch.Tensor, _GradMark | None]) -> None:
+def _check_gradients_reached(state: _AmpState, opts: list[Any]) -> None:
     """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
-    auxiliary loss, a frozen warm-up) passes, as in apex. A gradient this loss's backward wrote on a model
-    parameter none of them holds means the model's parameters were replaced after initialize
-    (fully_shard, re-wrapping) or belong to an optimizer not passed here: it would stay scaled, so this
-    raises. Gradients other losses left there earlier are not this loss's."""
-    stray = [p for p, before in others.items() if p.grad is not None and _mark(p.grad) != before]
+    auxiliary loss, a frozen warm-up) passes, as in apex. A gradient on a model parameter that no optimizer
+    of this initialize holds means the model's parameters were replaced after it (fully_shard,
+    re-wrapping): nothing would ever unscale or step it, so this raises. (Checked here, on this rare path
+    only: gradients on another optimizer's parameters may be an earlier loss's, and telling them apart on
+    every call would cost each scale_loss a walk over the model.)"""
+    held = {id(p) for opt in state.optimizers for p in _held_params(_inner(opt))}
+    params = [p for h in state.models for p in h.model.parameters()]
+    stray = [p for p in params if p.grad is not None and id(p) not in held]
     if stray:
         raise ScalerStateError(
-            f"scale_loss: this loss's gradients reached {len(stray)} model parameter(s) that none of the "
-            f"{len(opts)} optimizer(s) passed to it holds, so they were not unscaled or checked: the model's "
-            "parameters were replaced after initialize (FSDP's fully_shard, re-wrapping), or they belong to "
-            "an optimizer not passed to scale_loss.",
-            "pass scale_loss every optimizer this loss trains; shard or wrap the model before initialize "
-            "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
+            f"scale_loss: no parameter of the {len(opts)} optimizer(s) passed to it received a gradient, "
+            f"while {len(stray)} model parameter(s) that no optimizer of this initialize holds did: the "
+            "model's parameters were replaced after initialize (FSDP's fully_shard, re-wrapping).",
+            "shard or wrap the model before initialize, and build the optimizer from the parameters it then "
+            "has (with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
             "Distributed).",
         )
 
