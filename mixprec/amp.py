@@ -460,6 +460,7 @@ def scale_loss(
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
             del state.pending[id(opt)]
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
+    others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss)
     if delay_unscale:
         for opt in opts:
@@ -478,7 +479,7 @@ def scale_loss(
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():
-        _check_gradients_reached(state, opts)  # nothing reached them: apex passes the loss through
+        _check_gradients_reached(state, opts, others)  # nothing reached them: apex passes the loss through
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -490,23 +491,42 @@ def scale_loss(
         scaler.update()  # (no flags: no gradient at all, apex's clean iteration; nothing to update from)
 
 
-def _check_gradients_reached(state: _AmpState, opts: list[Any]) -> None:
+_GradMark = tuple[int, int]  # (id, version) of a gradient: backward's accumulation changes the version
+
+
+def _mark(grad: torch.Tensor | None) -> _GradMark | None:
+    return None if grad is None else (id(grad), grad._version)
+
+
+def _marks_of_others(state: _AmpState, opts: list[Any]) -> dict[torch.Tensor, _GradMark | None]:
+    """The gradients, now, of the parameters the initialize's other optimizers hold (none with one
+    optimizer: nothing to walk)."""
+    passed = {id(_inner(opt)) for opt in opts}
+    others = [_inner(o) for o in state.optimizers if id(_inner(o)) not in passed]
+    return {p: _mark(p.grad) for inner in others for p in _held_params(inner)}
+
+
+def _check_gradients_reached(
+    state: _AmpState, opts: list[Any], others: dict[torch.Tensor, _GradMark | None]
+) -> None:
     """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
-    auxiliary loss, a frozen warm-up) passes, as in apex. A gradient on a model parameter that no optimizer
-    of this initialize holds means the model's parameters were replaced after it (fully_shard,
-    re-wrapping): nothing would ever unscale or step it, so this raises. (Checked here, on this rare path
-    only: gradients on another optimizer's parameters may be an earlier loss's, and telling them apart on
-    every call would cost each scale_loss a walk over the model.)"""
+    auxiliary loss, a frozen warm-up) passes, as in apex. A gradient this backward wrote on another
+    optimizer's parameters (gradients an earlier loss left there are not this one's), or on a model
+    parameter no optimizer holds (replaced after initialize: fully_shard, re-wrapping), would stay scaled:
+    this raises."""
     held = {id(p) for opt in state.optimizers for p in _held_params(_inner(opt))}
     params = [p for h in state.models for p in h.model.parameters()]
-    stray = [p for p in params if p.grad is not None and id(p) not in held]
-    if stray:
+    orphans = [p for p in params if p.grad is not None and id(p) not in held]
+    written = [p for p, before in others.items() if p.grad is not None and _mark(p.grad) != before]
+    if orphans or written:
         raise ScalerStateError(
             f"scale_loss: no parameter of the {len(opts)} optimizer(s) passed to it received a gradient, "
-            f"while {len(stray)} model parameter(s) that no optimizer of this initialize holds did: the "
-            "model's parameters were replaced after initialize (FSDP's fully_shard, re-wrapping).",
-            "shard or wrap the model before initialize, and build the optimizer from the parameters it then "
-            "has (with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
+            f"while {len(written)} parameter(s) of another optimizer of this initialize and {len(orphans)} "
+            "that no optimizer holds did, and would stay scaled. The first means the loss trains another "
+            "optimizer's parameters; the second, that the model's parameters were replaced after "
+            "initialize (FSDP's fully_shard, re-wrapping).",
+            "pass scale_loss every optimizer this loss trains; shard or wrap the model before initialize "
+            "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
             "Distributed).",
         )
 

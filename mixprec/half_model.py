@@ -150,7 +150,10 @@ def _in_a_region() -> bool:
     )
 
 
-class _RegionWhenOutside:
+_BLOCK_ATTR = "_mixprec_block"  # on a half model's submodule: (make the region, the forward as it was)
+
+
+def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A half model's submodule's ``forward``: the module's own, inside the model's region when it runs
     outside every region. That is a checkpoint's recompute: ``torch.utils.checkpoint`` (either kind,
     Hugging Face's ``gradient_checkpointing_enable`` too) re-runs a block during backward after the model's
@@ -160,44 +163,44 @@ class _RegionWhenOutside:
     regions, :func:`mixprec.checkpoint_context`) it only calls the forward; compiled code traces the
     recompute itself.
 
-    A ``with`` block around the call, so an interrupt (Ctrl-C in a notebook) still leaves the region; an
-    object holding its module (not a bound method), so the module pickles and ``copy.deepcopy`` points the
-    copy's at the copy. The module's own forward pre-hooks run before it, outside the region."""
+    A ``with`` block, so an interrupt (Ctrl-C in a notebook) still leaves the region; one function bound
+    to each module, so torch.compile of each block separately shares one graph (an object per module was a
+    guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
+    region."""
+    make, inner = self.__dict__[_BLOCK_ATTR]
+    if torch.compiler.is_compiling() or _in_a_region():
+        return inner(*args, **kwargs)
+    with make():
+        return inner(*args, **kwargs)
 
-    def __init__(self, module: nn.Module, make: MakeRegion) -> None:
-        self.module = module
-        self.make = make
-        self.own = module.__dict__.get("forward")  # a forward the instance had (torch.compile's, a patch)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.own if self.own is not None else type(self.module).forward.__get__(self.module)
-        if torch.compiler.is_compiling() or _in_a_region():
-            return forward(*args, **kwargs)
-        with self.make():
-            return forward(*args, **kwargs)
+_submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name
 
 
 class _SubmoduleForwards:
-    """The :class:`_RegionWhenOutside` forwards of a model's submodules, and taking them out: a handle."""
+    """Wraps a model's submodules' forwards in :func:`_submodule_forward`, and takes them out: a handle."""
 
     def __init__(self, model: nn.Module, make: MakeRegion) -> None:
         # a submodule another prepare already wrapped (shared by two models) or made a model of its own
         # (prepared before its parent) keeps that: it is in a region either way
         self.wrapped = [m for m in model.modules() if m is not model and not _is_wrapped(m)]
         for m in self.wrapped:
-            m.__dict__["forward"] = _RegionWhenOutside(m, make)
+            m.__dict__[_BLOCK_ATTR] = (make, m.forward)  # bound: deepcopy rebinds it to the copy
+            m.__dict__["forward"] = types.MethodType(_submodule_forward, m)
 
     def remove(self) -> None:
         for m in self.wrapped:
-            own = m.__dict__["forward"].own
-            if own is None:
-                m.__dict__.pop("forward", None)
+            if getattr(m.__dict__.get("forward"), "__func__", None) is not _submodule_forward:
+                continue  # replaced since (a library's hook around it): theirs stays, and what it calls
+            inner = m.__dict__.pop(_BLOCK_ATTR)[1]
+            if getattr(inner, "__func__", None) is getattr(type(m).forward, "__func__", type(m).forward):
+                m.__dict__.pop("forward")  # the class's own forward again
             else:
-                m.__dict__["forward"] = own
+                m.__dict__["forward"] = inner  # a forward the instance had before (a patch, torch.compile's)
 
 
 def _is_wrapped(module: nn.Module) -> bool:
-    return _REGION_ATTR in module.__dict__ or isinstance(module.__dict__.get("forward"), _RegionWhenOutside)
+    return _REGION_ATTR in module.__dict__ or _BLOCK_ATTR in module.__dict__
 
 
 class _RegionForward:

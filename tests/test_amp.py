@@ -795,7 +795,7 @@ def test_scale_loss_names_replaced_parameters_when_no_optimizer_got_a_gradient()
         layer.bias = nn.Parameter(layer.bias.detach().clone())
     model[1].requires_grad_(False)
     x, y = next(_batches(1))
-    with pytest.raises(mixprec.ScalerStateError, match="replaced after initialize"):
+    with pytest.raises(mixprec.ScalerStateError, match="replaced after"):
         with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
             scaled.backward()
 
@@ -829,3 +829,16 @@ def test_gradients_an_earlier_loss_left_are_not_this_losss() -> None:
         scaled.backward()
     a.step()
     b.step()
+
+
+def test_a_loss_given_to_the_wrong_optimizer_is_refused() -> None:
+    """The loss reaches only b's parameters but scale_loss got a: b's gradients stayed scaled by 65536 and
+    b.step() trained on them, silently."""
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, (a, b) = mixprec.initialize(model, [a, b], "O2", verbosity=0)
+    model[0].requires_grad_(False)
+    x, y = next(_batches(1))
+    with pytest.raises(mixprec.ScalerStateError, match="parameter\\(s\\) of another optimizer"):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), a) as scaled:
+            scaled.backward()

@@ -177,3 +177,32 @@ def test_a_block_that_calls_itself_stays_in_the_region() -> None:
     prepare(model, RECIPES["O2"], "cpu")
     model[0](torch.randn(2, 4, dtype=torch.float16))  # called outside the model's forward
     assert model[0].seen == [True, True, True]
+
+
+def test_restore_leaves_a_forward_replaced_after_prepare() -> None:
+    """restore() assumed every submodule still had mixprec's forward: a library's hook put on since (or a
+    deleted forward) made it fail half way, leaving the model half cast."""
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    half = prepare(model, RECIPES["O2"], "cpu")
+    theirs = model.blocks[0].forward
+    model.blocks[0].forward = lambda *a: theirs(*a)  # type: ignore[method-assign]
+    del model.blocks[1].forward
+    half.restore()
+    assert model.inp.weight.dtype == torch.float32 and model.blocks[1][1].weight.dtype == torch.float32
+    assert "forward" in model.blocks[0].__dict__ and "forward" not in model.blocks[1][0].__dict__
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_blocks_compiled_one_by_one_share_a_graph() -> None:
+    """A wrapper object per submodule was a guard that failed from block to block: each compiled block
+    recompiled, and past torch's limit of 8 the rest ran uncompiled."""
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(5)])
+    prepare(model, RECIPES["O2"], "cpu")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    h = torch.randn(2, 8, dtype=torch.float16)
+    with half_compute("cpu", torch.float16):
+        for block in model:
+            h = torch.compile(block)(h)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # torch's own: one recompile, not 5
