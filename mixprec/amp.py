@@ -488,7 +488,9 @@ def scale_loss(
             pending.loss_ids.append(loss_id)
         pending.unscaled, pending.delayed = True, False
     if flags or not scaler.is_enabled():
-        scaler.update()  # (no flags: no gradient at all, apex's clean iteration; nothing to update from)
+        scaler.update()
+    else:  # no gradient at all (apex's clean iteration): the scale stays, and the unscale_ is done with
+        scaler.update(new_scale=scaler.get_scale())  # (one read, on this rare path only)
 
 
 _GradMark = tuple[int, int]  # (id, version) of a gradient: backward's accumulation changes the version

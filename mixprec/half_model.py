@@ -167,7 +167,8 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     to each module, so torch.compile of each block separately shares one graph (an object per module was a
     guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
     region."""
-    make, inner = self.__dict__[_BLOCK_ATTR]
+    make, own = self.__dict__[_BLOCK_ATTR]
+    inner = own if own is not None else type(self).forward.__get__(self)
     if torch.compiler.is_compiling() or _in_a_region():
         return inner(*args, **kwargs)
     with make():
@@ -185,22 +186,31 @@ class _SubmoduleForwards:
         # (prepared before its parent) keeps that: it is in a region either way
         self.wrapped = [m for m in model.modules() if m is not model and not _is_wrapped(m)]
         for m in self.wrapped:
-            m.__dict__[_BLOCK_ATTR] = (make, m.forward)  # bound: deepcopy rebinds it to the copy
+            # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
+            # looked up per call, so the module pickles (a stored bound method of ModuleList's
+            # _forward_unimplemented did not load back)
+            m.__dict__[_BLOCK_ATTR] = (make, m.__dict__.get("forward"))
             m.__dict__["forward"] = types.MethodType(_submodule_forward, m)
 
     def remove(self) -> None:
         for m in self.wrapped:
-            if getattr(m.__dict__.get("forward"), "__func__", None) is not _submodule_forward:
+            if not _has_block_forward(m):
                 continue  # replaced since (a library's hook around it): theirs stays, and what it calls
-            inner = m.__dict__.pop(_BLOCK_ATTR)[1]
-            if getattr(inner, "__func__", None) is getattr(type(m).forward, "__func__", type(m).forward):
+            own = m.__dict__.pop(_BLOCK_ATTR)[1]
+            if own is None:
                 m.__dict__.pop("forward")  # the class's own forward again
             else:
-                m.__dict__["forward"] = inner  # a forward the instance had before (a patch, torch.compile's)
+                m.__dict__["forward"] = own
+
+
+def _has_block_forward(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _submodule_forward
 
 
 def _is_wrapped(module: nn.Module) -> bool:
-    return _REGION_ATTR in module.__dict__ or _BLOCK_ATTR in module.__dict__
+    """Already in a region: a model's own forward, or a block's (an unpickled block comes back with its
+    class's forward and a stale record: not wrapped)."""
+    return _REGION_ATTR in module.__dict__ or _has_block_forward(module)
 
 
 class _RegionForward:

@@ -842,3 +842,16 @@ def test_a_loss_given_to_the_wrong_optimizer_is_refused() -> None:
     with pytest.raises(mixprec.ScalerStateError, match="parameter\\(s\\) of another optimizer"):
         with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), a) as scaled:
             scaled.backward()
+
+
+def test_a_loss_that_reaches_no_parameter_works_iteration_after_iteration() -> None:
+    """Passing it left the scaler's unscale_ recorded: the next iteration raised "unscale_() has already
+    been called"."""
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    scale = amp.loss_scaler().get_scale()
+    for _ in range(3):
+        with mixprec.scale_loss(torch.zeros((), requires_grad=True), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert amp.loss_scaler().get_scale() == scale

@@ -206,3 +206,22 @@ def test_blocks_compiled_one_by_one_share_a_graph() -> None:
         for block in model:
             h = torch.compile(block)(h)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # torch's own: one recompile, not 5
+
+
+def test_a_pickled_block_loads_back_and_checkpoints_again_when_prepared_anew() -> None:
+    """The forward as it was was stored as a bound method: a ModuleList's (_forward_unimplemented) did not
+    load back, and a loaded block kept a stale record that made a new prepare skip it."""
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    prepare(model, RECIPES["O2"], "cpu")
+    assert isinstance(pickle.loads(pickle.dumps(nn.ModuleList(model.blocks))), nn.ModuleList)
+    blocks = pickle.loads(pickle.dumps(model.blocks)).float()
+
+    def grads(run: Run) -> list[torch.Tensor]:
+        fresh = _Checkpointed(run)
+        fresh.blocks = deepcopy(blocks)
+        prepare(fresh, RECIPES["O2"], "cpu")
+        fresh(torch.randn(4, 8, generator=torch.Generator().manual_seed(2))).square().mean().backward()
+        return [p.grad for p in fresh.blocks.parameters()]
+
+    for a, b in zip(grads(_CHECKPOINTS["non-reentrant"]), grads(lambda bl, h: bl(h)), strict=True):
+        assert torch.equal(a, b)
