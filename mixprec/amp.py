@@ -487,10 +487,10 @@ def scale_loss(
             pending.found_infs.append(found)
             pending.loss_ids.append(loss_id)
         pending.unscaled, pending.delayed = True, False
-    if flags or not scaler.is_enabled():
-        scaler.update()
-    else:  # no gradient at all (apex's clean iteration): the scale stays, and the unscale_ is done with
-        scaler.update(new_scale=scaler.get_scale())  # (one read, on this rare path only)
+    if not flags and scaler.is_enabled():  # no gradient at all: apex's clean iteration, growth goes on
+        for opt in opts:
+            scaler._record_clean(_inner(opt))
+    scaler.update()
 
 
 _GradMark = tuple[int, int]  # (id, version) of a gradient: backward's accumulation changes the version

@@ -184,12 +184,13 @@ class _SubmoduleForwards:
     def __init__(self, model: nn.Module, make: MakeRegion) -> None:
         # a submodule another prepare already wrapped (shared by two models) or made a model of its own
         # (prepared before its parent) keeps that: it is in a region either way
-        self.wrapped = [m for m in model.modules() if m is not model and not _is_wrapped(m)]
+        # containers without a forward of their own (ModuleList, ModuleDict) are never called
+        self.wrapped = [m for m in model.modules()
+                        if m is not model and not _is_wrapped(m) and type(m).forward is not nn.Module.forward]
         for m in self.wrapped:
             # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
-            # looked up per call, so the module pickles (a stored bound method of ModuleList's
-            # _forward_unimplemented did not load back)
-            m.__dict__[_BLOCK_ATTR] = (make, m.__dict__.get("forward"))
+            # looked up per call, so the module pickles and follows a later patch of its class
+            m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m))
             m.__dict__["forward"] = types.MethodType(_submodule_forward, m)
 
     def remove(self) -> None:
@@ -207,10 +208,19 @@ def _has_block_forward(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _submodule_forward
 
 
+def _own_forward(module: nn.Module) -> Any:
+    """The forward the instance holds of its own, if any: not the class's bound to it (what an unpickled
+    module holds, pickle having looked ``forward`` up by name)."""
+    own = module.__dict__.get("forward")
+    return None if getattr(own, "__func__", None) is type(module).forward else own
+
+
 def _is_wrapped(module: nn.Module) -> bool:
-    """Already in a region: a model's own forward, or a block's (an unpickled block comes back with its
-    class's forward and a stale record: not wrapped)."""
-    return _REGION_ATTR in module.__dict__ or _has_block_forward(module)
+    """Already in a region: a model's own forward, or a block's, perhaps under a library's hook put on
+    since. An unpickled block comes back with its class's forward and a stale record: not wrapped."""
+    if _REGION_ATTR in module.__dict__:
+        return True
+    return _BLOCK_ATTR in module.__dict__ and _own_forward(module) is not None
 
 
 class _RegionForward:

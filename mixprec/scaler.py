@@ -755,5 +755,12 @@ class GradScaler:
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found, True, check_only=True)
         return state["found_inf_per_device"]
 
+    def _record_clean(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record ``optimizer``'s check of this iteration as clean though it had no gradient to check (apex
+        counts a loss that reaches no parameter as a clean iteration: the scale's growth goes on)."""
+        dev = self._check_scale_growth_tracker("unscale_")
+        clean = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {dev.scale.device: clean}
+
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]

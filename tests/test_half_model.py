@@ -225,3 +225,15 @@ def test_a_pickled_block_loads_back_and_checkpoints_again_when_prepared_anew() -
 
     for a, b in zip(grads(_CHECKPOINTS["non-reentrant"]), grads(lambda bl, h: bl(h)), strict=True):
         assert torch.equal(a, b)
+
+
+def test_preparing_again_a_block_a_library_hooked_since_does_not_recurse() -> None:
+    """A library's hook around a block's forward, then restore() (which leaves it) and a new prepare: the
+    new record pointed at the hook, which called mixprec's old wrapper, which called the hook again."""
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    half = prepare(model, RECIPES["O2"], "cpu")
+    wrapped = model.blocks[0].forward
+    model.blocks[0].forward = lambda *a: wrapped(*a)  # type: ignore[method-assign]
+    half.restore()
+    prepare(model, RECIPES["O2"], "cpu")
+    assert model(torch.randn(2, 8)).dtype == torch.float32
