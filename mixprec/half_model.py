@@ -184,9 +184,9 @@ class _SubmoduleForwards:
     def __init__(self, model: nn.Module, make: MakeRegion) -> None:
         # a submodule another prepare already wrapped (shared by two models) or made a model of its own
         # (prepared before its parent) keeps that: it is in a region either way
-        # containers without a forward of their own (ModuleList, ModuleDict) are never called
-        self.wrapped = [m for m in model.modules()
-                        if m is not model and not _is_wrapped(m) and type(m).forward is not nn.Module.forward]
+        # containers without a forward (ModuleList, ModuleDict) are never called
+        subs = [m for m in model.modules() if m is not model]
+        self.wrapped = [m for m in subs if not _is_wrapped(m) and _has_forward(m)]
         for m in self.wrapped:
             # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
             # looked up per call, so the module pickles and follows a later patch of its class
@@ -206,6 +206,10 @@ class _SubmoduleForwards:
 
 def _has_block_forward(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _submodule_forward
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward or "forward" in module.__dict__
 
 
 def _own_forward(module: nn.Module) -> Any:

@@ -757,7 +757,8 @@ class GradScaler:
 
     def _record_clean(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer``'s check of this iteration as clean though it had no gradient to check (apex
-        counts a loss that reaches no parameter as a clean iteration: the scale's growth goes on)."""
+        counts a loss that reaches no parameter as a clean iteration: the scale's growth goes on). For
+        ``scale_loss`` only, before its ``update()``: the optimizer's stage is left as it is."""
         dev = self._check_scale_growth_tracker("unscale_")
         clean = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {dev.scale.device: clean}

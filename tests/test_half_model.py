@@ -237,3 +237,15 @@ def test_preparing_again_a_block_a_library_hooked_since_does_not_recurse() -> No
     half.restore()
     prepare(model, RECIPES["O2"], "cpu")
     assert model(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_a_module_with_only_an_instance_forward_is_wrapped_and_a_module_list_is_not() -> None:
+    block = nn.Module()
+    block.norm = nn.LayerNorm(4)
+    block.forward = lambda x: block.norm(x)  # type: ignore[method-assign]
+    model = nn.Sequential(block, nn.ModuleList([nn.Linear(4, 4)]))
+    prepare(model, RECIPES["O2"], "cpu")
+    seen: list[bool] = []
+    block.norm.register_forward_pre_hook(lambda module, args: seen.append(_in_a_region()))
+    block(torch.randn(2, 4, dtype=torch.float16))  # outside the model: its block re-enters the region
+    assert seen == [True] and "forward" not in model[1].__dict__
