@@ -478,8 +478,10 @@ def scale_loss(
         if callable(mirror) and scaler.is_enabled():
             mirror()
         flags.extend(scaler._found_inf_per_device(inner).values())
-    if not flags and scaler.is_enabled():
-        _check_gradients_reached(state, opts, others)  # nothing reached them: apex passes the loss through
+    if not flags and scaler.is_enabled():  # nothing reached them
+        _check_gradients_reached(state, opts, others)
+        for opt in opts:  # apex passes the loss through: a clean iteration, the scale's growth goes on
+            scaler._record_clean(_inner(opt))
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -487,9 +489,6 @@ def scale_loss(
             pending.found_infs.append(found)
             pending.loss_ids.append(loss_id)
         pending.unscaled, pending.delayed = True, False
-    if not flags and scaler.is_enabled():  # no gradient at all: apex's clean iteration, growth goes on
-        for opt in opts:
-            scaler._record_clean(_inner(opt))
     scaler.update()
 
 

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
 from mixprec.hardware import HALF_DTYPES
-from mixprec.region import STATE, RegionMode
+from mixprec.region import in_any_region
 from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
@@ -139,17 +139,6 @@ def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
 
 
-def _in_a_region() -> bool:
-    """Whether a mixprec region is in force on this thread: an entered autocast region, or a region's
-    torch-function mode on the stack (half_compute pushes only the mode)."""
-    depth = torch._C._len_torch_function_stack()
-    if depth and isinstance(torch._C._get_function_stack_at(depth - 1), RegionMode):
-        return True  # the common case, first: inside the model's forward its region's mode is on top
-    return bool(STATE.regions) or any(
-        isinstance(torch._C._get_function_stack_at(i), RegionMode) for i in range(depth - 1)
-    )
-
-
 _BLOCK_ATTR = "_mixprec_block"  # on a half model's submodule: (make the region, the forward as it was)
 
 
@@ -169,7 +158,7 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     region."""
     make, own = self.__dict__[_BLOCK_ATTR]
     inner = own if own is not None else type(self).forward.__get__(self)
-    if torch.compiler.is_compiling() or _in_a_region():
+    if torch.compiler.is_compiling() or in_any_region():
         return inner(*args, **kwargs)
     with make():
         return inner(*args, **kwargs)
@@ -231,7 +220,7 @@ class _RegionForward:
     """Puts the model's forward inside the region (a bound method on the instance, so ``copy.deepcopy``
     rebinds it to the copy) and takes it out again: a handle like the hooks'."""
 
-    def __init__(self, model: nn.Module, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    def __init__(self, model: nn.Module, make: MakeRegion) -> None:
         self.model = model
         # what the instance had: a forward of its own (torch.compile's), or the wrapper of an earlier prepare
         self.own = model.__dict__.get("forward")
@@ -251,7 +240,7 @@ class _RegionForward:
                 self.model.__dict__[name] = value
 
 
-def _region_factory(recipe: Recipe, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+def _region_factory(recipe: Recipe, device_type: str) -> MakeRegion:
     dtype = recipe.half_dtype
     assert dtype is not None  # only half recipes have a region
     if recipe.casts_model:
@@ -309,7 +298,7 @@ def prepare(
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
     make = _region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
-    if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_RegionWhenOutside)
+    if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_submodule_forward)
         hooks.append(_SubmoduleForwards(model, make))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EMULATED_NODE_KEY",
     "Region",
-    "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "is_current", "STATE"]
+    "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "in_any_region",
+    "is_current", "STATE"]
 
 
 @dataclass(eq=False)
@@ -106,6 +107,17 @@ STATE = _ThreadState()
 def current_region() -> Region | None:
     """The innermost mixprec.autocast region of this thread, or None outside any."""
     return STATE.regions[-1] if STATE.regions else None
+
+
+def in_any_region() -> bool:
+    """Whether a mixprec region is in force on this thread: an entered autocast region, or a region's
+    torch-function mode on the stack (half_compute pushes only the mode)."""
+    depth = torch._C._len_torch_function_stack()
+    if depth and isinstance(torch._C._get_function_stack_at(depth - 1), RegionMode):
+        return True  # the common case, first: inside the model's forward its region's mode is on top
+    return bool(STATE.regions) or any(
+        isinstance(torch._C._get_function_stack_at(i), RegionMode) for i in range(depth - 1)
+    )
 
 
 def is_current(region: Region) -> bool:

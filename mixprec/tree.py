@@ -27,21 +27,30 @@ def _map_leaf(fn: TensorFn, leaf: Any, records: bool, seen: tuple[int, ...]) -> 
     if isinstance(leaf, torch.Tensor):
         return fn(leaf)
     if isinstance(leaf, MutableMapping):  # a Mapping pytree does not know: keep its type and attributes
-        if id(leaf) in seen:  # a back-reference (a record holding its parent): left as it is
-            return leaf
-        out = copy.copy(leaf)
-        for key, value in leaf.items():
-            out[key] = _map(fn, value, records, (*seen, id(leaf)))
-        return out
+        return _copy_mapped(fn, leaf, records, seen, leaf.items(), type(leaf).__setitem__)
     if records and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # an instance
-        if id(leaf) in seen:
-            return leaf
-        out = copy.copy(leaf)
-        for f in dataclasses.fields(leaf):  # object.__setattr__: frozen dataclasses too
-            if hasattr(leaf, f.name):  # a field(init=False) may be unset
-                object.__setattr__(out, f.name, _map(fn, getattr(leaf, f.name), records, (*seen, id(leaf))))
-        return out
+        # hasattr: a field(init=False) may be unset; object.__setattr__: frozen dataclasses too
+        fields = [(f.name, getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if hasattr(leaf, f.name)]
+        return _copy_mapped(fn, leaf, records, seen, fields, object.__setattr__)
     return leaf
+
+
+def _copy_mapped(
+    fn: TensorFn,
+    leaf: Any,
+    records: bool,
+    seen: tuple[int, ...],
+    items: Any,
+    put: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """A copy of ``leaf`` whose ``items`` are mapped and ``put`` back; a back-reference (a record holding its
+    parent) is left as it is."""
+    if id(leaf) in seen:
+        return leaf
+    out = copy.copy(leaf)
+    for key, value in items:
+        put(out, key, _map(fn, value, records, (*seen, id(leaf))))
+    return out
 
 
 def _map(fn: TensorFn, value: Any, records: bool, seen: tuple[int, ...]) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -815,13 +816,19 @@ def test_a_loss_that_reaches_no_parameter_passes_through_scale_loss_as_in_apex()
     opt.step()
 
 
+def _two_parts_two_optimizers(num_losses: int) -> tuple[nn.Module, Any, Any]:
+    """An O2 model whose first part (optimizer a) is frozen and whose second (optimizer b) trains."""
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, (a, b) = mixprec.initialize(model, [a, b], "O2", verbosity=0, num_losses=num_losses)
+    model[0].requires_grad_(False)
+    return model, a, b
+
+
 def test_gradients_an_earlier_loss_left_are_not_this_losss() -> None:
     """The check for gradients on parameters no optimizer passed holds counted every .grad, so a constant
     loss for one optimizer after a real loss for another was refused."""
-    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
-    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
-    model, (a, b) = mixprec.initialize(model, [a, b], "O2", verbosity=0, num_losses=2)
-    model[0].requires_grad_(False)  # a frozen warm-up of the first part: its loss is a constant for now
+    model, a, b = _two_parts_two_optimizers(num_losses=2)  # a's part frozen: its loss is a constant for now
     x, y = next(_batches(1))
     with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), b, loss_id=1) as scaled:
         scaled.backward()
@@ -834,10 +841,7 @@ def test_gradients_an_earlier_loss_left_are_not_this_losss() -> None:
 def test_a_loss_given_to_the_wrong_optimizer_is_refused() -> None:
     """The loss reaches only b's parameters but scale_loss got a: b's gradients stayed scaled by 65536 and
     b.step() trained on them, silently."""
-    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
-    a, b = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
-    model, (a, b) = mixprec.initialize(model, [a, b], "O2", verbosity=0)
-    model[0].requires_grad_(False)
+    model, a, b = _two_parts_two_optimizers(num_losses=1)
     x, y = next(_batches(1))
     with pytest.raises(mixprec.ScalerStateError, match="parameter\\(s\\) of another optimizer"):
         with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), a) as scaled:

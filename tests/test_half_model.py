@@ -12,8 +12,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mixprec.half_compute import half_compute
-from mixprec.half_model import _in_a_region, prepare
+from mixprec.half_model import prepare
 from mixprec.recipe import RECIPES
+from mixprec.region import in_any_region
 
 
 def _net() -> nn.Module:
@@ -154,7 +155,7 @@ def test_an_interrupt_inside_a_submodule_leaves_no_region_behind() -> None:
     prepare(model, RECIPES["O2"], "cpu")
     with pytest.raises(KeyboardInterrupt):
         model[1](torch.randn(2, 4, dtype=torch.float16))  # outside the model: the region is entered here
-    assert not _in_a_region()
+    assert not in_any_region()
     assert model[0](torch.randn(2, 4, dtype=torch.float16)).dtype == torch.float16
 
 
@@ -168,7 +169,7 @@ class _Recursive(nn.Module):
 
     def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
         x = self(x, depth - 1) if depth else x
-        self.seen.append(_in_a_region())
+        self.seen.append(in_any_region())
         return self.norm(x)
 
 
@@ -246,6 +247,6 @@ def test_a_module_with_only_an_instance_forward_is_wrapped_and_a_module_list_is_
     model = nn.Sequential(block, nn.ModuleList([nn.Linear(4, 4)]))
     prepare(model, RECIPES["O2"], "cpu")
     seen: list[bool] = []
-    block.norm.register_forward_pre_hook(lambda module, args: seen.append(_in_a_region()))
+    block.norm.register_forward_pre_hook(lambda module, args: seen.append(in_any_region()))
     block(torch.randn(2, 4, dtype=torch.float16))  # outside the model: its block re-enters the region
     assert seen == [True] and "forward" not in model[1].__dict__

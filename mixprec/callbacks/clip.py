@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mixprec.amp import _inner, master_params
+from mixprec.amp import master_params
 from mixprec.callbacks.core import Callback, positive_finite
 from mixprec.errors import ConfigError
-from mixprec.master import MasterWeights
 
 __all__ = ["GradientClipping", "clip_master_grads", "check_max_norm"]
 
@@ -28,11 +27,8 @@ def clip_master_grads(opt: torch.optim.Optimizer, max_norm: float) -> Tensor:
     """Clip the gradients the optimizer reads (the fp32 masters under ``MasterWeights``, the parameters
     otherwise) to a total norm of ``max_norm``; returns the norm before clipping (a device tensor: no
     sync)."""
-    inner = _inner(opt)
-    if isinstance(inner, MasterWeights) and inner.master_grads_pending():
-        # a MasterWeights the user built, with no callback filling the masters before this clip: its own
-        # clip reads the model's gradients and the step uses what it did
-        return inner.clip_grad_norm_(max_norm)
+    # master_params moves gradients the masters have not received yet (a MasterWeights built by hand, no
+    # callback to fill them) into them first, and the step uses what this clip did
     return nn.utils.clip_grad_norm_(list(master_params(opt)), max_norm)
 
 
