@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module under ``mixprec/commands/`` and exposes three names:
 ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and may define
-``unrecognized_hint(extras) -> str | None`` to explain arguments its parser did not take. This file is the
+``unrecognized_hint(extras, own_args) -> str | None`` to explain arguments its parser did not take
+(``own_args``: what followed the command's name), and ``INTERMIXED = True`` to take its positionals on
+both sides of its options. This file is the
 table that maps a subcommand name to its module, so adding a command never touches another one, and the
 guard that prints a user's mistake as ``mixprec: error: ...`` (exit status 2, argparse's convention)
 instead of a traceback. A real bug -- any other exception -- still shows its traceback.

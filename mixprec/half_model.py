@@ -240,7 +240,9 @@ class _RegionForward:
                 self.model.__dict__[name] = value
 
 
-def _region_factory(recipe: Recipe, device_type: str) -> MakeRegion:
+def region_factory(recipe: Recipe, device_type: str) -> MakeRegion:
+    """What enters ``recipe``'s region, anew on each call: half_compute for a half model, else autocast
+    under the recipe's policy (diagnostics.memory counts a step in the same region)."""
     dtype = recipe.half_dtype
     assert dtype is not None  # only half recipes have a region
     if recipe.casts_model:
@@ -296,7 +298,7 @@ def prepare(
         hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
-    make = _region_factory(recipe, device_type)
+    make = region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
     if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_submodule_forward)
         hooks.append(_SubmoduleForwards(model, make))  # type: ignore[arg-type]

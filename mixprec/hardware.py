@@ -26,6 +26,7 @@ The answer is a frozen :class:`HalfArithmetic` that says what was decided, by wh
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import platform
 import time
@@ -129,7 +130,11 @@ def _env_choices() -> dict[str, Arithmetic]:
     """``MIXPREC_HALF_ARITHMETIC``: ``native``/``emulated`` for both dtypes, or per dtype
     (``fp16=emulated,bf16=native``; a dtype not named is detected). Read whole, whichever dtype is asked
     about: a bad part for the other dtype, or a dtype named twice, is an error now, not ignored."""
-    text = os.environ.get(ENV_VAR, "").strip()
+    return _read_env(os.environ.get(ENV_VAR, "").strip())
+
+
+@functools.lru_cache(maxsize=8)  # asked on every forward of a region: parsed once per text (errors re-raise)
+def _read_env(text: str) -> dict[str, Arithmetic]:
     if not text:
         return {}
     if "=" not in text:

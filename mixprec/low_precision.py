@@ -637,14 +637,13 @@ def footprint(optimizer: torch.optim.Optimizer) -> Footprint:
     ``zero_grad``, so grads and state exist."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     model_params = getattr(optimizer, "model_params", None)
-    master_views = getattr(optimizer, "master_views", None)
+    fp32_params = getattr(optimizer, "fp32_params", None)
     weights = params
-    if model_params is not None and master_views is not None:
+    if model_params is not None and fp32_params is not None:
         # A MasterWeights' groups hold its masters and, as themselves, the model parameters kept in fp32
         # (BatchNorm under O2): weights the model computes with, so they count in numel as their bytes do
         # (left out, bytes that include them were divided by an element count without them).
-        masters = {m.untyped_storage().data_ptr() for m in master_views()}  # flat: views of one buffer
-        weights = list(model_params()) + [p for p in params if p.untyped_storage().data_ptr() not in masters]
+        weights = [*model_params(), *fp32_params()]
     extra_owned = getattr(optimizer, "extra_tensors", None)
     extra = [t for p in params for t in (p, p.grad)] + (extra_owned() if extra_owned is not None else [])
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]

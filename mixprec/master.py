@@ -353,7 +353,7 @@ class MasterWeights(torch.optim.Optimizer):
         with ``master_grads=False`` the model's half parameters (and fp32 params)."""
         if self._fused_step is None:
             return [p for g in self.param_groups for p in g["params"]]
-        return [*self.model_params(), *self._fp32_params()]
+        return [*self.model_params(), *self.fp32_params()]
 
     @property
     def non_finite_check(self) -> Callable[[list[torch.Tensor], torch.Tensor], None] | None:
@@ -372,11 +372,12 @@ class MasterWeights(torch.optim.Optimizer):
         at the step): a clip of :meth:`master_params` now would find no gradient to clip."""
         if not self.keeps_master_grads:
             return False
-        fp32 = {id(p) for p in self._fp32_params()}
+        fp32 = {id(p) for p in self.fp32_params()}
         masters = [m for m in self.master_params() if id(m) not in fp32]
         return any(p.grad is not None for p in self.model_params()) and all(m.grad is None for m in masters)
 
-    def _fp32_params(self) -> list[torch.Tensor]:
+    def fp32_params(self) -> list[torch.Tensor]:
+        """The model parameters the wrapped optimizer updates as they are (kept in fp32: no master)."""
         shadowed = {id(m) for g in self._groups for m in g.shadow()}
         return [p for g in self.param_groups for p in g["params"] if id(p) not in shadowed]
 

@@ -422,9 +422,9 @@ def _forward_region(
     latter decides what autograd saves: an emulated half GEMM saves the fp32 copy of its weight that it
     computed with (O2 fp16 on a CPU without fp16 units), a native one the half weight itself."""
     if precision.casts_model and precision.half_dtype is not None:
-        from mixprec.autocast import half_compute
+        from mixprec.half_model import region_factory
 
-        return half_compute(device_type, precision.half_dtype)
+        return region_factory(precision, device_type)()
     if precision.autocast_dtype is not None:
         return AUTOCAST_IMPLS[autocast](device_type, precision.autocast_dtype)
     return contextlib.nullcontext()
@@ -454,7 +454,7 @@ def _saved_for_backward(
         if precision.loss_fp32 and not precision.is_fp32:
             # As the recipe's real model (half_model.prepare) hands them to the loss: half outputs cast to
             # fp32 first, so what the loss saves (log_softmax's output) takes fp32's bytes, not half's.
-            output = cast_floating(output, torch.float32, only=HALF_DTYPES)
+            output = cast_floating(output, torch.float32, only=HALF_DTYPES, dataclasses=True)
         loss_fn(output, y)
     return saved
 
