@@ -37,13 +37,12 @@ from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.half_model import HalfModel, prepare
+from mixprec.half_model import CastInputs, CastOutputs, HalfModel, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler, _is_sharded
 from mixprec.skip_step import combined_found_inf, step_unless_inf
-from mixprec.tree import cast_floating
 
 __all__ = [
     "Properties",
@@ -207,12 +206,10 @@ def _prepare(
     model._mixprec_opt_level = recipe.name  # type: ignore[assignment]
     if recipe.is_fp32:  # O0, or overrides that turned every cast off: no region
         if fp32_io:  # apex O0: an fp16 or fp64 batch reaches the fp32 model as fp32
-            model.register_forward_pre_hook(
-                lambda module, args, kwargs: cast_floating((args, kwargs), torch.float32), with_kwargs=True
-            )
+            model.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
         out = out or (torch.float32 if fp32_io else None)
         if out is not None:
-            model.register_forward_hook(lambda module, args, output: cast_floating(output, out))
+            model.register_forward_hook(CastOutputs(out, every=True))
         return HalfModel(model, recipe)
     return prepare(model, recipe, device_type, output_dtype=out, fp32_state_dict=True)
 

@@ -105,13 +105,25 @@ def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] |
                 setattr(c.module, c.name, tensor.to(c.dtype))
 
 
-class _CastOutputs:
-    """Casts a forward's floating outputs: to fp32, the half ones (the loss and its reductions need fp32;
-    fp64 outputs stay); to another dtype, every floating one (apex's ``cast_model_outputs``)."""
+class CastInputs:
+    """A forward pre-hook casting the floating inputs to ``dtype``. An object, not a lambda: a prepared
+    model pickles (``torch.save(model)``)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.only = HALF_DTYPES if dtype == torch.float32 else None
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return cast_floating((args, kwargs), self.dtype)
+
+
+class CastOutputs:
+    """Casts a forward's floating outputs: to fp32, the half ones (the loss and its reductions need fp32;
+    fp64 outputs stay) unless ``every``; to another dtype, every floating one (apex's
+    ``cast_model_outputs``)."""
+
+    def __init__(self, dtype: torch.dtype, every: bool = False) -> None:
+        self.dtype = dtype
+        self.only = HALF_DTYPES if dtype == torch.float32 and not every else None
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         return cast_floating(output, self.dtype, only=self.only, dataclasses=True)  # an output record too
@@ -137,6 +149,30 @@ def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     make, inner = getattr(self, _REGION_ATTR)
     with make():
         return inner(*args, **kwargs)
+
+
+class _ModelForward(functools.partial):
+    """``model.forward`` of a prepared model: :func:`_forward_in_region` bound to it. A partial, not a bound
+    method, so that the model pickles: pickle stores a bound method as a lookup of its name, which on
+    loading finds the class's forward, not this one. ``copy.deepcopy`` rebinds it to the copy."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _forward_after_load, (self.args[0],)
+
+
+def _forward_after_load(model: nn.Module) -> _ModelForward:
+    """What an unpickled model's ``forward`` is rebuilt as: its first call wraps the submodules again
+    (pickle stored theirs as their class's forward, see :func:`_submodule_forward`), then it is the
+    model's ordinary forward."""
+    return _ModelForward(_first_forward_after_load, model)
+
+
+def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    make = getattr(self, _REGION_ATTR)[0]
+    if any(_BLOCK_ATTR in m.__dict__ for m in self.modules()):  # a half model's submodules were wrapped
+        _SubmoduleForwards(self, make)
+    self.__dict__["forward"] = _ModelForward(_forward_in_region, self)
+    return _forward_in_region(self, *args, **kwargs)
 
 
 _BLOCK_ATTR = "_mixprec_block"  # on a half model's submodule: (make the region, the forward as it was)
@@ -217,8 +253,8 @@ def _is_wrapped(module: nn.Module) -> bool:
 
 
 class _RegionForward:
-    """Puts the model's forward inside the region (a bound method on the instance, so ``copy.deepcopy``
-    rebinds it to the copy) and takes it out again: a handle like the hooks'."""
+    """Puts the model's forward inside the region (:class:`_ModelForward` on the instance, which
+    ``copy.deepcopy`` and pickle rebind to the copy) and takes it out again: a handle like the hooks'."""
 
     def __init__(self, model: nn.Module, make: MakeRegion) -> None:
         self.model = model
@@ -226,11 +262,11 @@ class _RegionForward:
         self.own = model.__dict__.get("forward")
         self.own_region = model.__dict__.get(_REGION_ATTR)
         # the forward as it was (under an earlier wrapper, the one that wrapper calls): a bound method, which
-        # deepcopy rebinds to the copy. Into the instance's own __dict__: setattr on torch.compile's
-        # OptimizedModule sets the attribute on the module it wraps.
+        # deepcopy rebinds to the copy and pickle to the class's forward. Into the instance's own
+        # __dict__: setattr on torch.compile's OptimizedModule sets the attribute on the module it wraps.
         inner = self.own_region[1] if self.own_region is not None else model.forward
         model.__dict__[_REGION_ATTR] = (make, inner)
-        model.forward = types.MethodType(_forward_in_region, model)  # type: ignore[method-assign]
+        model.forward = _ModelForward(_forward_in_region, model)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         for name, value in (("forward", self.own), (_REGION_ATTR, self.own_region)):
@@ -247,7 +283,7 @@ def region_factory(recipe: Recipe, device_type: str) -> MakeRegion:
     assert dtype is not None  # only half recipes have a region
     if recipe.casts_model:
         return functools.partial(half_compute, device_type, dtype)  # a partial pickles, a lambda does not
-    return lambda: autocast(device_type, dtype=dtype, policy=recipe.policy)
+    return functools.partial(autocast, device_type, dtype=dtype, policy=recipe.policy)
 
 
 @dataclass
@@ -294,8 +330,7 @@ def prepare(
     if recipe.casts_model:
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
-        cast_inputs = lambda module, args, kwargs: cast_floating((args, kwargs), dtype)  # noqa: E731
-        hooks.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
     make = region_factory(recipe, device_type)
@@ -304,5 +339,5 @@ def prepare(
         hooks.append(_SubmoduleForwards(model, make))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
-        hooks.append(model.register_forward_hook(_CastOutputs(out_dtype)))
+        hooks.append(model.register_forward_hook(CastOutputs(out_dtype)))
     return half

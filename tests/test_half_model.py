@@ -250,3 +250,32 @@ def test_a_module_with_only_an_instance_forward_is_wrapped_and_a_module_list_is_
     block.norm.register_forward_pre_hook(lambda module, args: seen.append(in_any_region()))
     block(torch.randn(2, 4, dtype=torch.float16))  # outside the model: its block re-enters the region
     assert seen == [True] and "forward" not in model[1].__dict__
+
+
+def _reentrant(blocks: nn.Module, h: torch.Tensor) -> torch.Tensor:  # a function: the model must pickle
+    return _ckpt.checkpoint(blocks, h, use_reentrant=True)
+
+
+@pytest.mark.parametrize("name", ["O1", "O2", "O3"])
+def test_a_pickled_prepared_model_loads_back_in_its_region_and_checkpoints_in_it(name: str) -> None:
+    """``torch.save(model)`` of a prepared model failed (a lambda in its hooks); after loading, its forward
+    must still run in the region, and (a half model) its blocks' recomputes too: pickle stores a bound
+    method as a lookup of its name, which finds the class's forward."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad()
+        model(x).float().square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    model = _Checkpointed(_reentrant)
+    prepare(model, RECIPES[name], "cpu")
+    want = grads(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    for _ in range(2):  # the first call after loading wraps the blocks again; the second is an ordinary one
+        for a, b in zip(want, grads(loaded), strict=True):
+            assert torch.equal(a, b)
+    plain = _Checkpointed(lambda blocks, h: blocks(h))
+    prepare(plain, RECIPES[name], "cpu")
+    for a, b in zip(grads(plain), want, strict=True):  # the reference: the same model, not checkpointed
+        assert torch.equal(a, b)
