@@ -217,6 +217,9 @@ def _formats_arg(text: str) -> list[formats.FloatFormat]:
         raise argparse.ArgumentTypeError(f"{err}, or 'all'") from None
 
 
+_DTYPE_FLAGS = ("--dtype", "-d")  # declared once: the hint below moves these with their values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "values",
@@ -227,8 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Put -- before one that starts with a minus and is not a plain number: -- -2**-24",
     )
     parser.add_argument(
-        "--dtype",
-        "-d",
+        *_DTYPE_FLAGS,
         type=_formats_arg,
         action="extend",
         default=None,
@@ -236,9 +238,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated formats, or 'all': {', '.join(formats.FORMATS)}; aliases such as half, "
         f"bfloat16, e4m3 work too (default: {','.join(DEFAULT_FORMATS)} for values, all for the table)",
     )
-
-
-_DTYPE_FLAGS = ("-d", "--dtype")
 
 
 def unrecognized_hint(extras: list[str], argv: Sequence[str] = ()) -> str | None:
