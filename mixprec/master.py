@@ -249,6 +249,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.__dict__.update(state)
         for group in self._groups:
             group.relink()  # plain pickle copies a flat buffer's views apart from it
+            group.record_versions()  # tensors made anew count from zero
         if "_grads_copied" in state:  # pickled before the flag moved into _Iteration
             self._iteration = _Iteration(self.__dict__.pop("_grads_copied"))
         # The wrapped optimizer was rebuilt from its own three fields: give it back what we set on it.
@@ -270,6 +271,7 @@ class MasterWeights(torch.optim.Optimizer):
             group["params"] = [master_of.get(id(p), p) for p in params]
         else:
             group["params"] = masters.shadow() + others  # one buffer for many: no order to keep
+        masters.record_versions()
         return masters
 
     def _use_fused(self, optimizer: torch.optim.Optimizer, fused: bool | None) -> None:
@@ -294,6 +296,7 @@ class MasterWeights(torch.optim.Optimizer):
         for g in self._groups:
             if g.model:
                 torch._foreach_copy_(g.views, g.model)
+            g.record_versions()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of model parameters; their masters are made here."""
@@ -416,11 +419,15 @@ class MasterWeights(torch.optim.Optimizer):
         for g in self._groups:
             if g.model:
                 torch._foreach_copy_(g.model, g.views)
+            g.record_versions()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Masters <- optimizer update from master gradients; then model <- masters.
 
-        Gradients are copied from the model first unless the scaler already did so in this iteration."""
+        Gradients are copied from the model first unless the scaler already did so in this iteration. A
+        model parameter written since the last step (``model.load_state_dict`` after wrapping, a DDP
+        broadcast, an in-place edit) first gives its master its new value."""
+        self._take_model_edits()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -437,6 +444,8 @@ class MasterWeights(torch.optim.Optimizer):
             # the call as the scheduler's wrapper around that method does.
             if getattr(self.optimizer.step, "_wrapped_by_lr_sched", False):
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            for g in self._groups:
+                g.record_versions()  # the pass wrote the model's half copies
         else:
             self._step_inner(scaling)
         self._iteration.grads_copied = False
@@ -454,6 +463,10 @@ class MasterWeights(torch.optim.Optimizer):
                 delattr(self.optimizer, name)
         holes.restore()
         self.copy_master_to_model()
+
+    def _take_model_edits(self) -> None:
+        for g in self._groups:
+            g.take_model_edits()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's half parameters and of the masters."""
@@ -488,6 +501,7 @@ class MasterWeights(torch.optim.Optimizer):
         """The wrapped optimizer's state (``state``, ``param_groups``: a plain optimizer of the fp32 model
         loads it, as apex O2 checkpoints allowed) plus the fp32 masters, so a resume never rounds through
         half."""
+        self._take_model_edits()  # a model loaded since the last step: its values are the masters'
         with self._guard.own():
             inner = self.optimizer.state_dict()
         masters = [v.detach().clone() for v in self.master_views()]

@@ -61,6 +61,25 @@ class GroupMasters:
     buffers: list[torch.Tensor | None] = field(default_factory=list)  # per master, allocated on first use
     flat_grad: torch.Tensor | None = None
     holes: list[int] = field(default_factory=list)  # flat members without a gradient in this step
+    # each model parameter's version counter when the masters last wrote it (or were made from it): one
+    # that moved since was written by someone else (model.load_state_dict, a DDP broadcast, an edit)
+    versions: list[int] = field(default_factory=list)
+
+    def record_versions(self) -> None:
+        self.versions = [p._version for p in self.model]
+
+    @torch.no_grad()
+    def take_model_edits(self) -> None:
+        """Masters of model parameters written since :meth:`record_versions` take the model's value,
+        which their next rounding would overwrite otherwise. An exact upcast: the fp32 bits below the half
+        value are gone, as in apex, whose masters are made from the model at the first step. A write that
+        left the value the master rounds to keeps the master as it is."""
+        now = [p._version for p in self.model]
+        if now != self.versions:  # one list comparison in the usual case: nothing written
+            for p, master, old, new in zip(self.model, self.views, self.versions, now, strict=True):
+                if new != old and not torch.equal(master.to(p.dtype), p):
+                    master.copy_(p)
+        self.versions = now
 
     def shadow(self) -> list[torch.Tensor]:
         """What the optimizer sees in place of ``model``: the flat buffer, then the masters outside it."""

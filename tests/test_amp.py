@@ -879,3 +879,20 @@ def test_a_prepared_model_saves_whole_and_loads_back(level: str) -> None:
     x = torch.randn(3, 4)
     out = model(x)
     assert out.dtype == torch.float64 and torch.equal(loaded(x), out)
+
+
+def test_o2_model_loaded_after_initialize_keeps_the_loaded_weights() -> None:
+    """apex's resume order loads the model after initialize; a fine-tune loads pretrained weights the same
+    way. The masters made at initialize must not write the old weights back at the first step."""
+    torch.manual_seed(0)
+    pretrained = nn.Linear(4, 4)
+    torch.manual_seed(1)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = mixprec.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    model.load_state_dict(pretrained.state_dict())
+    loaded = model.weight.detach().clone()
+    with mixprec.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert torch.equal(model.weight, loaded)

@@ -280,3 +280,45 @@ def test_load_state_dict_keeps_the_implementation_the_wrapper_chose() -> None:
     scaler.step(opt)
     scaler.update()
     assert all(torch.isfinite(m).all() for m in opt.master_views())
+
+
+_LAYOUTS = {"per parameter": {}, "flat": {"flat": True}, "fused, no master grads": {"master_grads": False}}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weights_loaded_after_wrapping_reach_the_masters(layout: str, dtype: torch.dtype) -> None:
+    """``model.load_state_dict`` after the masters were made (apex's order: initialize, then load; loading
+    pretrained weights into a wrapped model) left the masters stale: the next step wrote the old weights
+    back. apex makes its masters from the model at the first step: an lr=0 step keeps the loaded ones."""
+    loaded_from = _net(seed=1)
+    model = _net(seed=0).to(dtype)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0), **_LAYOUTS[layout])
+    model.load_state_dict(loaded_from.state_dict())
+    want = [p.detach().clone() for p in model.parameters()]
+    assert not all(torch.equal(w, p.to(dtype)) for w, p in zip(want, _net(seed=0).parameters(), strict=True))
+    x, y = _data(0)
+    nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
+    opt.step()
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert torch.equal(p, w)
+    for m, w in zip(opt.master_views(), want, strict=True):
+        assert torch.equal(m, w.float())  # the exact upcast, as apex's masters
+
+
+def test_a_write_that_keeps_the_half_value_keeps_the_masters_fp32_bits() -> None:
+    """A parameter written with the value it had (a broadcast from an identical rank) is not an edit: its
+    master keeps the bits below half precision that the next steps build on."""
+    model = _net(seed=0).to(torch.float16)
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1), initial=None)
+    fp32 = dict(zip([id(p) for p in model.parameters()], _net(seed=0).parameters(), strict=True))
+    with torch.no_grad():
+        for p, m in zip(opt.model_params(), opt.master_views(), strict=True):
+            m.copy_(fp32[id(p)])  # the masters as initialize seeds them: the fp32 weights
+            p.copy_(p.clone())  # a write of the same value: the version moves
+    before = [m.clone() for m in opt.master_views()]
+    assert any(not torch.equal(b, b.half().float()) for b in before)  # bits below fp16 to lose
+    opt.zero_grad()
+    opt.step()  # no gradients: nothing moves, the masters must stay exactly
+    for m, b in zip(opt.master_views(), before, strict=True):
+        assert torch.equal(m, b)
