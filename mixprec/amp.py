@@ -51,6 +51,7 @@ __all__ = [
     "scale_loss",
     "master_params",
     "loss_scaler",
+    "restore",
     "reset",
     "state_dict",
     "load_state_dict",
@@ -205,12 +206,13 @@ def _prepare(
 ) -> HalfModel:
     model._mixprec_opt_level = recipe.name  # type: ignore[assignment]
     if recipe.is_fp32:  # O0, or overrides that turned every cast off: no region
+        half = HalfModel(model, recipe)
         if fp32_io:  # apex O0: an fp16 or fp64 batch reaches the fp32 model as fp32
-            model.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
+            half.handles.append(model.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
         out = out or (torch.float32 if fp32_io else None)
         if out is not None:
-            model.register_forward_hook(CastOutputs(out, every=True))
-        return HalfModel(model, recipe)
+            half.handles.append(model.register_forward_hook(CastOutputs(out, every=True)))
+        return half
     return prepare(model, recipe, device_type, output_dtype=out, fp32_state_dict=True)
 
 
@@ -595,6 +597,26 @@ def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:
 def loss_scaler(loss_id: int = 0) -> GradScaler:
     """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty)."""
     return _state().scalers[loss_id]
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo ``initialize`` on ``model``, in place: its hooks and forward wrappers come off and its half
+    parameters become fp32 again, holding their masters' values (not their half rounding). For exporting
+    or evaluating the trained model in fp32: ``model.float()`` alone leaves the input hook that casts to
+    half. Training goes on with a new optimizer over the restored parameters. Returns ``model``."""
+    state = _state()
+    half = next((h for h in state.models if h.model is model), None)
+    if half is None:
+        raise ConfigError(
+            f"{type(model).__name__} is not a model the last mixprec.initialize returned.",
+            "pass the model initialize returned (or call restore before initializing other models).",
+        )
+    half.restore(*(opt for opt in state.optimizers if isinstance(opt, MasterWeights)))
+    for scaler in state.scalers:
+        scaler.unwatch(model)
+    state.models.remove(half)
+    model.__dict__.pop("_mixprec_opt_level", None)
+    return model
 
 
 def reset() -> None:

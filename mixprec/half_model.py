@@ -299,14 +299,13 @@ class HalfModel:
         """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
         return fp32_originals(self.converted)
 
-    def restore(self, masters: Any = None) -> None:
-        """Remove the hooks and cast the model back; parameters take their fp32 master's value when
-        ``masters`` (a :class:`~mixprec.master.MasterWeights`) holds one."""
+    def restore(self, *masters: Any) -> None:
+        """Remove the hooks and cast the model back; parameters take their fp32 master's value when one
+        of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one."""
         for handle in self.handles:
             handle.remove()
-        values = {}
-        if masters is not None:
-            values = {id(p): m for p, m in zip(masters.model_params(), masters.master_views(), strict=True)}
+        values = {id(p): v for m in masters if m is not None
+                  for p, v in zip(m.model_params(), m.master_views(), strict=True)}  # fmt: skip
         model_to_float(self.converted, values)
         self.handles, self.converted = [], []
 

@@ -626,6 +626,12 @@ class GradScaler:
         self._watches.append(watch)
         return watch
 
+    def unwatch(self, module: nn.Module) -> None:
+        """Stop the watches :meth:`watch` put on ``module``."""
+        for watch in [w for w in self._watches if w.module is module]:
+            watch.remove()
+            self._watches.remove(watch)
+
     # ------------------------------------------------------------------ getters and setters (torch API)
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale

@@ -896,3 +896,32 @@ def test_o2_model_loaded_after_initialize_keeps_the_loaded_weights() -> None:
         scaled.backward()
     opt.step()
     assert torch.equal(model.weight, loaded)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) -> None:
+    """After O2, ``model.float()`` left the input hook casting to half ("mat1 and mat2 must have the same
+    dtype"); restore takes every hook off and gives the parameters their masters' fp32 values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level=level, cast_model_outputs=torch.float64,
+                                    verbosity=0)  # fmt: skip
+    for _ in range(2):
+        with mixprec.scale_loss(model(torch.randn(3, 4)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    masters = [m.detach().clone() for m in opt.master_views()] if isinstance(opt, MasterWeights) else None
+    assert amp.restore(model) is model
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    if masters is not None:
+        assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters, strict=True))
+    assert not [m for m in model.modules()
+                if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__]  # fmt: skip
+    plain = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), plain(x))  # an fp32 model again: fp32 output, no region
+    with pytest.raises(ConfigError, match="initialize returned"):
+        amp.restore(model)
