@@ -16,9 +16,11 @@ from mixprec.autocast import autocast, half_compute, keep_fp32
 from mixprec.callbacks import (
     AutocastMixedPrecision,
     Callback,
+    CancelBatchException,
     CancelStepException,
     CancelTrainException,
     Checkpoint,
+    GradientAccumulation,
     MixedPrecision,
     Recorder,
 )
@@ -95,7 +97,9 @@ __all__ = [
     "MixedPrecision",
     "AutocastMixedPrecision",
     "Recorder",
+    "GradientAccumulation",
     "CancelStepException",
+    "CancelBatchException",
     "CancelTrainException",
     # the cast policy
     "Policy",

@@ -9,6 +9,7 @@ The loop itself (:meth:`Learner.fit`) knows no precision: mixed precision is a c
 half model, GradScaler and MasterWeights that the other interfaces use. The event order is documented in
 :mod:`mixprec.callbacks.core`, and so is the state a callback reads (``LearnerState``).
 
+Gradient accumulation: ``callbacks=[GradientAccumulation(n_acc)]`` (fastai v2's).
 Real models: ``fit(steps=...)`` counts optimizer steps; ``loss_func=None`` takes the loss from models that
 return ``(logits, loss)``; ``opt_func`` may build its own param groups, or ``wd=`` splits decay/no-decay.
 Checkpoints: ``fit(..., checkpoint="run.pt")`` saves at every epoch end; ``fit(..., resume="run.pt")``
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from mixprec.callbacks import (
     Callback,
+    CancelBatchException,
     CancelStepException,
     CancelTrainException,
     Checkpoint,
@@ -255,7 +257,9 @@ class Learner:
     ) -> None:
         """Train for ``epochs`` epochs, or for ``steps`` optimizer steps (language models count steps, not
         epochs), at learning rate ``lr``; ``callbacks`` apply to this fit only. A step-based fit validates
-        at every epoch end and after its last step (its last epoch may be cut short).
+        at every epoch end and after its last step (its last epoch may be cut short). Under
+        :class:`~mixprec.callbacks.GradientAccumulation` ``steps`` counts batches, as fastai's
+        ``train_iter`` and schedules do (N optimizer steps of k batches each: ``steps=N * k``).
 
         ``checkpoint``: save everything that decides the next epoch to this file at every epoch end.
         ``resume``: load such a file and train the epochs after it (up to ``epochs`` in all); the fit must
@@ -345,11 +349,16 @@ class Learner:
             self.iteration += 1
 
     def _train_batch(self, xb: Tensor, yb: Tensor) -> None:
-        self._forward(xb, yb, events=True)
-        self.loss_grad = self.loss
-        self._event("on_backward_begin")
-        self.loss_grad.backward()
-        self._step()
+        try:
+            self._forward(xb, yb, events=True)
+            self.loss_grad = self.loss
+            self._event("on_backward_begin")
+            self.loss_grad.backward()
+            self._step()
+        except CancelBatchException:
+            # fastai's meaning: the rest of this batch is skipped, zero_grad included, so its gradients stay
+            # for the next batch to add to (GradientAccumulation); no step was taken.
+            self._cancelled = True
         self._event("on_batch_end")
 
     def _forward(self, xb: Tensor, yb: Tensor, events: bool) -> None:
@@ -389,7 +398,8 @@ class Learner:
 
     def step_skipped_async(self) -> bool | Tensor:
         """Whether this iteration's step was skipped, without a sync: a Python bool when a callback
-        cancelled it or no scaler took part, else the scaler's 0-dim device flag (True: inf/NaN found)."""
+        cancelled it (CancelStepException, or CancelBatchException: a GradientAccumulation micro-batch takes
+        no step) or no scaler took part, else the scaler's 0-dim device flag (True: inf/NaN found)."""
         if self._cancelled:
             return True
         if self.scaler is None or not self.training:

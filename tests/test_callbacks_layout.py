@@ -21,6 +21,7 @@ MODULES = [
     "mixprec.callbacks.clip",
     "mixprec.callbacks.schedule",
     "mixprec.callbacks.checkpoint",
+    "mixprec.callbacks.accumulation",
     "mixprec.callbacks",
     "mixprec.learner",
 ]

@@ -6,17 +6,20 @@
 - :mod:`~mixprec.callbacks.recorder` -- ``Recorder`` and ``StepTimer``;
 - :mod:`~mixprec.callbacks.progress` -- ``ProgressBar``;
 - :mod:`~mixprec.callbacks.clip` -- ``GradientClipping``, in any precision;
+- :mod:`~mixprec.callbacks.accumulation` -- ``GradientAccumulation`` (fastai v2's), in any precision;
 - :mod:`~mixprec.callbacks.schedule` -- ``OneCycleScheduler`` and ``WarmupCosineScheduler``;
 - :mod:`~mixprec.callbacks.checkpoint` -- ``Checkpoint``.
 
 Every name is re-exported here: ``from mixprec.callbacks import MixedPrecision`` works as before the split.
 """
 
+from mixprec.callbacks.accumulation import GradientAccumulation
 from mixprec.callbacks.checkpoint import Checkpoint
 from mixprec.callbacks.clip import GradientClipping
 from mixprec.callbacks.core import (
     EVENTS,
     Callback,
+    CancelBatchException,
     CancelStepException,
     CancelTrainException,
     LearnerState,
@@ -43,6 +46,7 @@ __all__ = [
     "EVENTS",
     "Callback",
     "CancelStepException",
+    "CancelBatchException",
     "CancelTrainException",
     "LearnerState",
     # mixed precision
@@ -62,8 +66,9 @@ __all__ = [
     "EpochResult",
     "StepTimer",
     "ProgressBar",
-    # clipping and schedules
+    # clipping, accumulation and schedules
     "GradientClipping",
+    "GradientAccumulation",
     "StepScheduler",
     "OneCycleScheduler",
     "WarmupCosineScheduler",

@@ -18,9 +18,10 @@ class Checkpoint(Callback):
     """Save at every epoch end, and resume at an epoch boundary, bit for bit.
 
     Events: on_train_begin -- with ``resume_from``, load model, optimizer (under ``MasterWeights`` its
-    fp32 masters too), loss scaler, the state of stateful callbacks (Recorder, OneCycleScheduler), the
-    global RNGs and the train loader's shuffle generator, and set ``learn.start_epoch`` and
-    ``learn.iteration``: the loop continues with the next epoch. on_epoch_end -- write all of that to
+    fp32 masters too), loss scaler, the state of stateful callbacks (Recorder, OneCycleScheduler,
+    GradientAccumulation with its pending gradients), the global RNGs and the train loader's shuffle
+    generator, and set ``learn.start_epoch`` and ``learn.iteration``: the loop continues with the next
+    epoch. on_epoch_end -- write all of that to
     ``path`` with :func:`~mixprec.checkpoint.save_checkpoint` (atomic: a crash mid-write keeps the last
     good file). Saved after validation, so the RNG and the generator are where the next epoch starts.
 

@@ -16,9 +16,14 @@ on_batch_begin, on_loss_begin and on_batch_end, with ``learn.training`` False)::
         (step)              scaler.step(opt) with a loss scaler (skips on inf/NaN), else opt.step()
         on_step_end         runs whether the step was taken or skipped (learn.step_skipped)
         (zero_grad)
-        on_batch_end
+        on_batch_end        also after CancelBatchException
       on_epoch_end          after validation: learn.valid_loss, learn.valid_metrics
     on_train_end            also when training stopped with an exception
+
+A training batch that raises :class:`CancelBatchException` (fastai's name and meaning) skips the rest of the
+batch -- backward, step, on_step_end and zero_grad, whichever are still to come -- and goes on at
+on_batch_end: raised in on_backward_end it keeps the gradients for the next batch to add to
+(:class:`~mixprec.callbacks.GradientAccumulation`).
 
 A callback reads the learner's state as its own attributes (``self.loss`` is ``self.learn.loss``) and writes
 it through ``self.learn``. Callbacks run in ascending ``order``.
@@ -46,6 +51,7 @@ __all__ = [
     "EVENTS",
     "Callback",
     "CancelStepException",
+    "CancelBatchException",
     "CancelTrainException",
     "LearnerState",
     "scaler_saw_step",
@@ -74,6 +80,13 @@ class CancelStepException(Exception):
     The loop catches it; on_step_end still runs, with ``learn.step_skipped`` True."""
 
 
+class CancelBatchException(Exception):
+    """Raised in a training batch's event to skip the rest of that batch: no step, no on_step_end and no
+    zero_grad, so the gradients stay for the next batch to add to (fastai's ``CancelBatchException``, which
+    its ``GradientAccumulation`` raises before the step). on_batch_end still runs, with
+    ``learn.step_skipped`` True (no step was taken)."""
+
+
 class CancelTrainException(Exception):
     """Raised by a callback to stop training early; on_train_end still runs."""
 
@@ -96,7 +109,7 @@ class LearnerState(Protocol):
     n_epochs: int  # epochs this fit covers (the last one may be cut short by n_steps)
     n_steps: int  # training steps this fit covers: schedules span them
     start_epoch: int  # > 0 when a fit resumed from a checkpoint
-    iteration: int  # training batches so far in this fit
+    iteration: int  # training batches so far in this fit (micro-batches under GradientAccumulation)
     training: bool
     valid_loss: float
     valid_metrics: list[float]

@@ -32,8 +32,10 @@ class EpochResult:
 
 
 class Recorder(Callback):
-    """Keeps, per training batch, the loss, the learning rate, the loss scale the step used (1.0 without
-    scaling) and whether the step was skipped; per epoch, an :class:`EpochResult`. Reset by each fit.
+    """Keeps, per training batch, the loss; per optimizer step (on_step_end), the learning rate, the loss
+    scale the step used (1.0 without scaling) and whether the step was skipped -- one per batch too, unless
+    :class:`~mixprec.callbacks.GradientAccumulation` steps once per several; per epoch, an
+    :class:`EpochResult`. Reset by each fit.
 
     The per-batch lists are filled at each epoch end (and at the end of training), from values kept on the
     device meanwhile: recording costs a few syncs per epoch, not per step.
