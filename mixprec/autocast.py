@@ -205,6 +205,18 @@ def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -
 _Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None", Any]
 
 
+def _refuse_export() -> None:
+    # torch.export (non-strict) records the region as torch's autocast around ops traced in fp32: the
+    # program it writes computes other dtypes than the eager run (an fp16 output where eager gave fp32, or
+    # a failed dtype check when run). An error now beats a program that is wrong later.
+    raise AutocastError(
+        "torch.export of code inside a mixprec.autocast region (mixprec.autocast, or a model initialize'd at "
+        "O1) is not supported: the exported program would compute other dtypes than the eager run.",
+        "export the fp32 model: mixprec.amp.restore(model) after training an initialize'd model (the "
+        "program then runs in fp32), or export code that uses torch.autocast itself.",
+    )
+
+
 class autocast:  # noqa: N801 - lower case like torch.autocast, which it replaces
     """Drop-in for ``torch.autocast`` that applies a mixprec cast policy (see the module docstring).
 
@@ -272,6 +284,8 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         return region_for(made, self.device, self.fast_dtype, self._cache_enabled)
 
     def __enter__(self) -> autocast:
+        if self._enabled and torch.compiler.is_exporting():
+            _refuse_export()
         if torch.compiler.is_compiling():
             if TRACEABLE_ENTER:
                 return self._enter_compiled()

@@ -570,3 +570,21 @@ def test_half_compute_writes_out_tensors() -> None:
         returned = torch.mm(a, b, out=out)
     assert returned is out
     torch.testing.assert_close(out, (a.double() @ b.double()).half(), rtol=1e-3, atol=1e-3)
+
+
+def test_torch_export_inside_a_region_is_refused_and_a_restored_model_exports() -> None:
+    """torch.export (non-strict) of an O1 model wrote a program returning fp16 where eager returned fp32,
+    and of a region followed by .float() one that failed its own dtype check when run. Refused now, with
+    the way out: the restored fp32 model exports and runs as eager."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level="O1", verbosity=0)
+    x = torch.randn(2, 8)
+    with pytest.raises(AutocastError, match="restore"):
+        torch.export.export(model, (x,))
+    mixprec.amp.restore(model)
+    exported = torch.export.export(model, (x,)).module()
+    assert torch.equal(exported(x), model(x))
