@@ -206,14 +206,15 @@ _Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None", Any]
 
 
 def _refuse_export() -> None:
-    # torch.export (non-strict) records the region as torch's autocast around ops traced in fp32: the
-    # program it writes computes other dtypes than the eager run (an fp16 output where eager gave fp32, or
-    # a failed dtype check when run). An error now beats a program that is wrong later.
+    # torch.export (non-strict) records this object's region as torch's autocast around ops traced in
+    # fp32: the program computes other dtypes than the eager run (a failed dtype check when run). An
+    # error now beats a program that is wrong later. A prepared model's forward enters the region's
+    # compiled_contexts instead, which export records as they run.
     raise AutocastError(
-        "torch.export of code inside a mixprec.autocast region (mixprec.autocast, or a model initialize'd at "
-        "O1) is not supported: the exported program would compute other dtypes than the eager run.",
-        "export the fp32 model: mixprec.amp.restore(model) after training an initialize'd model (the "
-        "program then runs in fp32), or export code that uses torch.autocast itself.",
+        "torch.export of code inside a `with mixprec.autocast(...)` block is not supported: the exported "
+        "program would compute other dtypes than the eager run.",
+        "export a model mixprec.initialize prepared (O1-O3: its region exports), the fp32 model "
+        "(mixprec.amp.restore(model)), or code that uses torch.autocast itself.",
     )
 
 
@@ -317,6 +318,20 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
             raise
         self._frames.append((torch_region, region, mode, rules, tracing))
         return self
+
+    def compiled_contexts(self) -> tuple[Any, Any]:
+        """The region as two context managers Dynamo can resume after a graph break: torch's autocast and
+        the policy's torch-function mode. Dynamo cannot resume this class itself: after a break inside
+        it, it ran the rest of the code outside the region, in fp32. For compiled code only (no fp32
+        modules: they need hooks Dynamo cannot trace)."""
+        mode = compiled_mode(
+            _mode_of, (self.policy or DEFAULT_POLICY).compile_key, self.device, self.fast_dtype,
+            self._cache_enabled, registry_version(),
+        ) if self._enabled else None
+        torch_region = torch.autocast(
+            self.device, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
+        )
+        return torch_region, (mode if mode is not None else contextlib.nullcontext())
 
     def _enter_compiled(self) -> autocast:
         policy = self.policy if self.policy is not None else DEFAULT_POLICY

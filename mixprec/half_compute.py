@@ -19,6 +19,7 @@ its own rules), pass straight through.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -137,6 +138,12 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         mode.__enter__()
         self._modes.append(mode)
         return self
+
+    def compiled_contexts(self) -> tuple[Any, Any]:
+        """The region as two context managers Dynamo can resume after a graph break (it cannot resume
+        this class: it would run the rest of the forward outside the region). For compiled code only."""
+        mode = compiled_mode(_mode, self.device_type, self.dtype, registry_version())
+        return contextlib.nullcontext(), mode
 
     def __exit__(self, *exc: Any) -> None:
         self._modes.pop().__exit__(*exc)

@@ -147,6 +147,12 @@ def _forward_in_region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     region entered this way into one graph (a region entered in a pre-hook and left in a post-hook made
     AOTAutograd refuse graphs whose ops switch autocast off, e.g. an fp32 loss inside forward)."""
     make, inner = getattr(self, _REGION_ATTR)
+    if torch.compiler.is_compiling():
+        # contexts Dynamo can resume after a graph break in the forward (a loss computed by a library
+        # function, a print): around the region object itself it ran the rest of the forward outside it
+        outer, mode = make().compiled_contexts()
+        with outer, mode:
+            return inner(*args, **kwargs)
     with make():
         return inner(*args, **kwargs)
 

@@ -572,19 +572,24 @@ def test_half_compute_writes_out_tensors() -> None:
     torch.testing.assert_close(out, (a.double() @ b.double()).half(), rtol=1e-3, atol=1e-3)
 
 
-def test_torch_export_inside_a_region_is_refused_and_a_restored_model_exports() -> None:
+def test_torch_export_of_an_o1_model_matches_eager_and_of_a_region_block_is_refused() -> None:
     """torch.export (non-strict) of an O1 model wrote a program returning fp16 where eager returned fp32,
-    and of a region followed by .float() one that failed its own dtype check when run. Refused now, with
-    the way out: the restored fp32 model exports and runs as eager."""
+    and of a ``with mixprec.autocast`` block followed by .float() one that failed its own dtype check when
+    run. The model's region now exports as it runs; the block is refused, naming the ways out."""
     import mixprec
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, opt_level="O1", verbosity=0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    model = mixprec.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
     x = torch.randn(2, 8)
-    with pytest.raises(AutocastError, match="restore"):
-        torch.export.export(model, (x,))
-    mixprec.amp.restore(model)
     exported = torch.export.export(model, (x,)).module()
     assert torch.equal(exported(x), model(x))
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with autocast("cpu", dtype=torch.bfloat16):
+                y = model[0](x)
+            return y.float()
+
+    with pytest.raises(AutocastError, match="initialize prepared"):
+        torch.export.export(Block(), (x,))

@@ -279,3 +279,33 @@ def test_a_pickled_prepared_model_loads_back_in_its_region_and_checkpoints_in_it
     prepare(plain, RECIPES[name], "cpu")
     for a, b in zip(grads(plain), want, strict=True):  # the reference: the same model, not checkpointed
         assert torch.equal(a, b)
+
+
+class _Breaking(nn.Module):
+    """A forward with a graph break in it, as Hugging Face's GPT-2 has where it computes its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.norm, self.b = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_compiled_o1_model_keeps_its_region_across_a_graph_break() -> None:
+    """Dynamo cannot resume a Python context manager after a graph break inside it: it ran the rest of the
+    forward outside the region, in fp32 (an O1 model gave fp32's outputs exactly), and a second model of
+    the other half dtype then failed to compile ("mutate the autocast state"). The compiled forward now
+    enters contexts Dynamo resumes: the last GEMM's output is a half value, as in eager."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.bfloat16, torch.float16):
+        model = _Breaking()
+        prepare(model, RECIPES["O1"].with_half_dtype(dtype), "cpu")
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model)(x)
+        assert torch.equal(compiled, compiled.to(dtype).float())  # computed in half (fp32 values are not)
+        torch.testing.assert_close(compiled, eager, atol=2 * torch.finfo(dtype).eps, rtol=0)
