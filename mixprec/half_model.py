@@ -175,13 +175,15 @@ def _forward_after_load(model: nn.Module) -> _ModelForward:
 
 def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     make = getattr(self, _REGION_ATTR)[0]
-    if any(_BLOCK_ATTR in m.__dict__ for m in self.modules()):  # a half model's submodules were wrapped
-        _SubmoduleForwards(self, make)
+    records = [m.__dict__[_BLOCK_ATTR] for m in self.modules() if _BLOCK_ATTR in m.__dict__]
+    if records:  # the submodules were wrapped: again, of the same kind
+        _SubmoduleForwards(self, make, half_model=records[0][2] if len(records[0]) > 2 else True)
     self.__dict__["forward"] = _ModelForward(_forward_in_region, self)
     return _forward_in_region(self, *args, **kwargs)
 
 
-_BLOCK_ATTR = "_mixprec_block"  # on a half model's submodule: (make the region, the forward as it was)
+# on a prepared model's submodule: (make the region, the forward as it was, whether the model is half)
+_BLOCK_ATTR = "_mixprec_block"
 
 
 def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -194,13 +196,20 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     regions, :func:`mixprec.checkpoint_context`) it only calls the forward; compiled code traces the
     recompute itself.
 
+    An O1 model's submodules (fp32 weights) re-enter only while autograd runs a backward, i.e. in a
+    recompute: called outside the forward otherwise (a model's ``encode_image``), they run in fp32 as an
+    fp32 model's would. Its recompute needs the region where the region has a Python layer (emulated
+    half GEMMs, a custom policy): torch restores only its own autocast state.
+
     A ``with`` block, so an interrupt (Ctrl-C in a notebook) still leaves the region; one function bound
     to each module, so torch.compile of each block separately shares one graph (an object per module was a
     guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
     region."""
-    make, own = self.__dict__[_BLOCK_ATTR]
+    make, own, half_model = self.__dict__[_BLOCK_ATTR]
     inner = own if own is not None else type(self).forward.__get__(self)
     if torch.compiler.is_compiling() or in_any_region():
+        return inner(*args, **kwargs)
+    if not half_model and torch._C._current_graph_task_id() == -1:  # O1, not in a backward: fp32
         return inner(*args, **kwargs)
     with make():
         return inner(*args, **kwargs)
@@ -212,7 +221,7 @@ _submodule_forward.__name__ = "forward"  # a pickled module's bound method is lo
 class _SubmoduleForwards:
     """Wraps a model's submodules' forwards in :func:`_submodule_forward`, and takes them out: a handle."""
 
-    def __init__(self, model: nn.Module, make: MakeRegion) -> None:
+    def __init__(self, model: nn.Module, make: MakeRegion, half_model: bool) -> None:
         # a submodule another prepare already wrapped (shared by two models) or made a model of its own
         # (prepared before its parent) keeps that: it is in a region either way
         # containers without a forward (ModuleList, ModuleDict) are never called
@@ -221,7 +230,7 @@ class _SubmoduleForwards:
         for m in self.wrapped:
             # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
             # looked up per call, so the module pickles and follows a later patch of its class
-            m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m))
+            m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m), half_model)
             m.__dict__["forward"] = types.MethodType(_submodule_forward, m)
 
     def remove(self) -> None:
@@ -340,8 +349,8 @@ def prepare(
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
     make = region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
-    if recipe.casts_model:  # a half model's submodules, for a checkpoint's recompute (_submodule_forward)
-        hooks.append(_SubmoduleForwards(model, make))  # type: ignore[arg-type]
+    # the submodules, for a checkpoint's recompute (_submodule_forward)
+    hooks.append(_SubmoduleForwards(model, make, half_model=recipe.casts_model))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)
     if out_dtype is not None:
         hooks.append(model.register_forward_hook(CastOutputs(out_dtype)))
