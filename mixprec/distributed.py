@@ -30,7 +30,9 @@ import torch.distributed as dist
 
 from mixprec.errors import ConfigError, DistributedError
 
-__all__ = ["DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch", "LAUNCH_TIMEOUT"]
+__all__ = [
+    "DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch", "LAUNCH_TIMEOUT", "broadcast_masters",
+]
 
 # device type -> the collective backend for it
 BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
@@ -123,6 +125,28 @@ def teardown() -> None:
     """Leave the process group (if any); call it once at the end of every process."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@torch.no_grad()
+def broadcast_masters(optimizer: Any, src: int = 0) -> None:
+    """Give every rank ``src``'s fp32 master weights (and the half weights they round to).
+
+    DistributedDataParallel broadcasts rank 0's model when it is built, i.e. the half weights under O2;
+    each rank's masters take those values at the next step, but their fp32 bits below the half value are
+    each rank's own (from its own initialisation), so replicas seeded differently drift apart. Call this
+    after wrapping the model in DDP (``initialize``, then DDP, then this), or seed every rank alike. A
+    no-op for an optimizer without masters."""
+    from mixprec.master import MasterWeights
+
+    if not isinstance(optimizer, MasterWeights):
+        return
+    views = list(optimizer.master_views())
+    if views:
+        flat = torch.cat([v.reshape(-1) for v in views])  # one collective, not one per parameter
+        dist.broadcast(flat, src=src)
+        pieces = flat.split([v.numel() for v in views])
+        torch._foreach_copy_(views, [piece.view_as(v) for piece, v in zip(pieces, views, strict=True)])
+    optimizer.copy_master_to_model()
 
 
 def free_port(host: str = LOCALHOST) -> int:

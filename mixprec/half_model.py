@@ -12,6 +12,7 @@ numerically sensitive ops kept in fp32); fp32 weights with a cast policy (O1) ru
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import types
 from collections.abc import Callable
@@ -165,6 +166,10 @@ class _ModelForward(functools.partial):
     def __reduce__(self) -> tuple[Any, ...]:
         return _forward_after_load, (self.args[0],)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModelForward:
+        # the copy's submodules keep their wrapped forwards (deepcopy rebinds bound methods): no re-wrap
+        return _ModelForward(self.func, copy.deepcopy(self.args[0], memo))
+
 
 def _forward_after_load(model: nn.Module) -> _ModelForward:
     """What an unpickled model's ``forward`` is rebuilt as: its first call wraps the submodules again
@@ -174,6 +179,8 @@ def _forward_after_load(model: nn.Module) -> _ModelForward:
 
 
 def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():  # compiled code traces a recompute itself; wrap at the first eager call
+        return _forward_in_region(self, *args, **kwargs)
     make = getattr(self, _REGION_ATTR)[0]
     records = [m.__dict__[_BLOCK_ATTR] for m in self.modules() if _BLOCK_ATTR in m.__dict__]
     if records:  # the submodules were wrapped: again, of the same kind
@@ -319,6 +326,9 @@ class HalfModel:
         of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one."""
         for handle in self.handles:
             handle.remove()
+        for m in masters:
+            if m is not None:
+                m.take_model_edits()  # a model loaded since the last step (the best epoch's weights)
         values = {id(p): v for m in masters if m is not None
                   for p, v in zip(m.model_params(), m.master_views(), strict=True)}  # fmt: skip
         model_to_float(self.converted, values)

@@ -10,8 +10,9 @@ half model, GradScaler and MasterWeights that the other interfaces use. The even
 :mod:`mixprec.callbacks.core`, and so is the state a callback reads (``LearnerState``).
 
 Gradient accumulation: ``callbacks=[GradientAccumulation(n_acc)]`` (fastai v2's).
-Real models: ``fit(steps=...)`` counts optimizer steps; ``loss_func=None`` takes the loss from models that
-return ``(logits, loss)``; ``opt_func`` may build its own param groups, or ``wd=`` splits decay/no-decay.
+Real models: ``fit(steps=...)`` counts optimizer steps (batches under GradientAccumulation);
+``loss_func=None`` takes the loss from models that return ``(logits, loss)``; ``opt_func`` may build
+its own param groups, or ``wd=`` splits decay/no-decay.
 Checkpoints: ``fit(..., checkpoint="run.pt")`` saves at every epoch end; ``fit(..., resume="run.pt")``
 continues from it, bit for bit (see :class:`~mixprec.callbacks.Checkpoint`).
 """
@@ -349,6 +350,7 @@ class Learner:
             self.iteration += 1
 
     def _train_batch(self, xb: Tensor, yb: Tensor) -> None:
+        self.loss = None  # type: ignore[assignment]  # until this batch computes one (a cancel may come first)
         try:
             self._forward(xb, yb, events=True)
             self.loss_grad = self.loss
@@ -428,7 +430,12 @@ class Learner:
         # would wait for the device at every batch.
         sums: list[Tensor] = []
         for xb, yb in dl:
-            self._forward(xb, yb, events)
+            try:
+                self._forward(xb, yb, events)
+            except CancelBatchException:  # fastai's meaning in validation too: this batch is left out
+                if events:
+                    self._event("on_batch_end")
+                continue
             n = len(self.yb)
             total += n
             values = [self.loss, *(metric(self.pred, self.yb) for metric in self.metrics)]

@@ -427,7 +427,7 @@ class MasterWeights(torch.optim.Optimizer):
         Gradients are copied from the model first unless the scaler already did so in this iteration. A
         model parameter written since the last step (``model.load_state_dict`` after wrapping, a DDP
         broadcast, an in-place edit) first gives its master its new value."""
-        self._take_model_edits()
+        self.take_model_edits()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -464,7 +464,10 @@ class MasterWeights(torch.optim.Optimizer):
         holes.restore()
         self.copy_master_to_model()
 
-    def _take_model_edits(self) -> None:
+    def take_model_edits(self) -> None:
+        """Give the masters the model's values where the model was written since the masters last wrote
+        it (``model.load_state_dict``, an in-place edit): :meth:`step`, :meth:`state_dict` and
+        ``HalfModel.restore`` call it first."""
         for g in self._groups:
             g.take_model_edits()
 
@@ -501,7 +504,7 @@ class MasterWeights(torch.optim.Optimizer):
         """The wrapped optimizer's state (``state``, ``param_groups``: a plain optimizer of the fp32 model
         loads it, as apex O2 checkpoints allowed) plus the fp32 masters, so a resume never rounds through
         half."""
-        self._take_model_edits()  # a model loaded since the last step: its values are the masters'
+        self.take_model_edits()  # a model loaded since the last step: its values are the masters'
         with self._guard.own():
             inner = self.optimizer.state_dict()
         masters = [v.detach().clone() for v in self.master_views()]

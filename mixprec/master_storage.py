@@ -62,7 +62,7 @@ class GroupMasters:
     flat_grad: torch.Tensor | None = None
     holes: list[int] = field(default_factory=list)  # flat members without a gradient in this step
     # each model parameter's version counter when the masters last wrote it (or were made from it): one
-    # that moved since was written by someone else (model.load_state_dict, a DDP broadcast, an edit)
+    # that moved since was written by someone else (model.load_state_dict, DDP's broadcast, an edit)
     versions: list[int] = field(default_factory=list)
 
     def record_versions(self) -> None:
@@ -70,15 +70,17 @@ class GroupMasters:
 
     @torch.no_grad()
     def take_model_edits(self) -> None:
-        """Masters of model parameters written since :meth:`record_versions` take the model's value,
-        which their next rounding would overwrite otherwise. An exact upcast: the fp32 bits below the half
-        value are gone, as in apex, whose masters are made from the model at the first step. A write that
-        left the value the master rounds to keeps the master as it is."""
+        """Masters of model parameters written since :meth:`record_versions` take the model's values,
+        which their next rounding would overwrite otherwise: element by element, each changed element's
+        exact upcast (its fp32 bits below the half value are gone, as in apex, whose masters are made from
+        the model at the first step); an element still at the value its master rounds to keeps its master,
+        so a write of a few rows (an Embedding's max_norm, a clamp) leaves the others' fp32 bits alone.
+        Writes through ``.data`` do not move a version counter and are not seen."""
         now = [p._version for p in self.model]
         if now != self.versions:  # one list comparison in the usual case: nothing written
             for p, master, old, new in zip(self.model, self.views, self.versions, now, strict=True):
-                if new != old and not torch.equal(master.to(p.dtype), p):
-                    master.copy_(p)
+                if new != old:
+                    master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
         self.versions = now
 
     def shadow(self) -> list[torch.Tensor]:

@@ -925,3 +925,18 @@ def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) ->
     assert torch.equal(model(x), plain(x))  # an fp32 model again: fp32 output, no region
     with pytest.raises(ConfigError, match="initialize returned"):
         amp.restore(model)
+
+
+def test_restore_keeps_weights_loaded_after_the_last_step() -> None:
+    """Loading the best epoch's weights, then restoring: restore wrote the last step's masters over them."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    best = {k: v.clone() for k, v in nn.Linear(4, 4).state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    with mixprec.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    model.load_state_dict(best)
+    amp.restore(model)
+    assert torch.equal(model.weight, best["weight"].half().float())  # the loaded weights, as held in fp16

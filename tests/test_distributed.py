@@ -82,8 +82,37 @@ def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
     except ImportError as exc:  # torch without torch.distributed.fsdp.fully_shard
         out["fsdp2"] = f"unavailable: {exc}"
         return out
+    out["o2_ddp_masters"] = _o2_ddp_masters(info)
     out["fsdp2"] = fsdp.train(info, steps, half=True, fault_step=fault_step, fault_rank=1)
     out["o2_after_fully_shard"] = _o2_after_fully_shard()
+    return out
+
+
+def _o2_ddp_masters(info: DistInfo) -> dict[str, list[float]]:
+    """O2 in apex's order (initialize, then DDP) with each rank seeded differently: DDP's broadcast makes
+    the half weights rank 0's, broadcast_masters the fp32 masters too. Returns this rank's masters and
+    weights after three steps, per variant."""
+    import mixprec
+
+    out = {}
+    for sync in (False, True):
+        torch.manual_seed(info.rank)  # other initial weights on each rank
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if sync:
+            distributed.broadcast_masters(opt)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            loss = ddp(torch.randn(4, 8, generator=g)).float().square().mean()
+            with mixprec.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        values = [*opt.master_views(), *(p.float() for p in model.parameters())]
+        out["synced" if sync else "ddp only"] = torch.cat([v.detach().reshape(-1) for v in values]).tolist()
+        mixprec.amp.reset()
     return out
 
 
@@ -147,6 +176,14 @@ def test_o2_refuses_a_model_fsdp2_sharded_and_names_its_mixed_precision_policy(
     for r in spawned:
         assert "FSDP2 shards" in r["o2_after_fully_shard"]
         assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in r["o2_after_fully_shard"]
+
+
+def test_broadcast_masters_makes_o2_replicas_identical_under_ddp(spawned: list[dict[str, Any]]) -> None:
+    """DDP broadcasts the half weights only: ranks seeded differently kept their own fp32 masters' low
+    bits and their models drifted apart. With broadcast_masters the ranks stay identical."""
+    rank0, rank1 = (r["o2_ddp_masters"] for r in spawned)
+    assert rank0["ddp only"] != rank1["ddp only"]  # the drift the function removes
+    assert rank0["synced"] == rank1["synced"]
 
 
 def test_a_ranks_mixprec_error_keeps_its_problem_and_its_fix() -> None:

@@ -329,3 +329,14 @@ def test_torch_checkpoint_of_an_o1_model_with_a_python_layer_gives_the_same_grad
     checkpointed = _o1_grads(_CHECKPOINTS[kind], torch.float16)
     for a, b in zip(plain, checkpointed, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_deep_copy_of_a_prepared_model_compiles_into_one_graph() -> None:
+    """deepcopy went through pickle's rule for the model's forward, whose first call re-wraps submodules:
+    ``torch.compile(deepcopy(model), fullgraph=True)`` (an EMA copy, AveragedModel) failed to trace it."""
+    model = _Checkpointed(lambda blocks, h: blocks(h))
+    prepare(model, RECIPES["O2"].with_half_dtype(torch.bfloat16), "cpu")
+    x = torch.randn(4, 8)
+    copied = deepcopy(model)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(copied, fullgraph=True)(x), model(x), atol=2**-7, rtol=0)

@@ -12,6 +12,7 @@ import mixprec
 from mixprec.callbacks import (
     EVENTS,
     Callback,
+    CancelBatchException,
     CancelStepException,
     CancelTrainException,
     MixedPrecision,
@@ -229,3 +230,27 @@ def test_learner_trains_a_model_with_batchnorm_in_fp16() -> None:
     learn = Learner(data, model, metrics=[accuracy], silent=True).to_fp16()
     learn.fit_one_cycle(2, 1e-2)
     assert learn.recorder.epochs[-1].metric("accuracy") > 0.5  # learns (10 classes: chance is 0.1)
+
+
+class _SkipOddBatches(Callback):
+    """fastai's way to skip a batch: CancelBatchException in on_batch_begin, in training and validation."""
+
+    def __init__(self) -> None:
+        self.seen = {True: 0, False: 0}
+
+    def on_batch_begin(self) -> None:
+        self.seen[self.training] += 1
+        if self.seen[self.training] % 2:
+            raise CancelBatchException()
+
+
+def test_a_batch_cancelled_before_its_loss_is_skipped_in_training_and_validation() -> None:
+    """Cancelled in on_batch_begin, the Recorder crashed on the first batch (no loss yet) and logged the
+    previous batch's loss for the others; cancelled in validation, the exception escaped fit."""
+    learn = _learner(batch_size=256)
+    skip = _SkipOddBatches()
+    learn.fit(1, lr=1e-3, callbacks=[skip])
+    batches = len(learn.data.train)
+    assert len(learn.recorder.losses) == batches - (batches + 1) // 2  # only the batches that ran
+    assert len(set(learn.recorder.losses)) == len(learn.recorder.losses)  # none logged twice
+    assert skip.seen[False] == len(learn.data.valid)  # validation saw every batch and skipped the odd ones

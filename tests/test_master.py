@@ -322,3 +322,20 @@ def test_a_write_that_keeps_the_half_value_keeps_the_masters_fp32_bits() -> None
     opt.step()  # no gradients: nothing moves, the masters must stay exactly
     for m, b in zip(opt.master_views(), before, strict=True):
         assert torch.equal(m, b)
+
+
+def test_a_write_of_some_elements_keeps_the_others_fp32_bits() -> None:
+    """Writing a few elements (an Embedding's max_norm renormalises rows in its forward; a clamp) took the
+    whole tensor's upcast into its master: every other element lost its fp32 bits at every step, and the
+    weight trained as if it had no master. Only the changed elements take the model's value."""
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = MasterWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    master = next(opt.master_views())
+    with torch.no_grad():
+        master.mul_(1 + 2.0**-12)  # bits below bf16 (its half ulp is 2**-9 relative): still the same rounding
+        model.weight[0].mul_(2.0)  # an edit of row 0 only
+    before = master.clone()
+    opt.zero_grad()
+    opt.step()  # no gradients: the masters only take the edit
+    assert torch.equal(master[0], model.weight[0].float())  # the edited row: the model's value
+    assert torch.equal(master[1:], before[1:])  # the others keep their fp32 bits

@@ -72,7 +72,7 @@ class Recorder(Callback):
         self._scaler_saw.append(scaler_saw_step(self.learn.scaler, self.opt))
 
     def on_batch_end(self) -> None:
-        if self.training:
+        if self.training and self.loss is not None:  # None: the batch was cancelled before its loss
             self._losses.append(self.loss.detach())
 
     def _flush(self) -> None:
