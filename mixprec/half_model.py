@@ -163,6 +163,18 @@ class _ModelForward(functools.partial):
     method, so that the model pickles: pickle stores a bound method as a lookup of its name, which on
     loading finds the class's forward, not this one. ``copy.deepcopy`` rebinds it to the copy."""
 
+    __name__ = "forward"
+
+    @property
+    def __self__(self) -> nn.Module:  # as a bound method's: the model
+        return self.args[0]
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The forward the region wraps: ``inspect.signature(model.forward)`` follows it and shows the
+        model's own parameters (Hugging Face's Trainer reads them to drop unused dataset columns)."""
+        return getattr(self.args[0], _REGION_ATTR)[1]
+
     def __reduce__(self) -> tuple[Any, ...]:
         return _forward_after_load, (self.args[0],)
 

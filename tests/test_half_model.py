@@ -340,3 +340,26 @@ def test_a_deep_copy_of_a_prepared_model_compiles_into_one_graph() -> None:
     copied = deepcopy(model)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(copied, fullgraph=True)(x), model(x), atol=2**-7, rtol=0)
+
+
+class _Named(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(input_ids)
+
+
+@pytest.mark.parametrize("name", ["O1", "O2"])
+def test_a_prepared_models_forward_shows_the_models_own_signature(name: str) -> None:
+    """``inspect.signature(model.forward)`` showed ``(*args, **kwargs)``: Hugging Face's Trainer reads it to
+    keep the dataset columns the model takes, and dropped them all."""
+    import inspect
+
+    model = _Named()
+    want = inspect.signature(model.forward)
+    prepare(model, RECIPES[name], "cpu")
+    for m in (model, deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert inspect.signature(m.forward) == want
+        assert m.forward.__self__ is m
