@@ -138,7 +138,16 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
     no-op for an optimizer without masters."""
     from mixprec.master import MasterWeights
 
+    if isinstance(optimizer, (list, tuple)):
+        raise ConfigError("broadcast_masters takes one optimizer, got a list.",
+                          "call it once per optimizer: for opt in optimizers: broadcast_masters(opt).")
     if not isinstance(optimizer, MasterWeights):
+        if getattr(optimizer, "_mixprec_replaced_at", None) is not None:  # initialize wrapped it
+            raise ConfigError(
+                "this optimizer was replaced by the one mixprec.initialize returned, which holds the fp32 "
+                "masters.",
+                "pass the optimizer initialize returned: model, opt = mixprec.initialize(model, opt, ...).",
+            )
         return
     views = list(optimizer.master_views())
     if views:

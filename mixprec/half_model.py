@@ -170,6 +170,10 @@ class _ModelForward(functools.partial):
         return self.args[0]
 
     @property
+    def __func__(self) -> Any:  # as a bound method's: what __self__ is passed to (Dynamo reads the pair)
+        return self.func
+
+    @property
     def __wrapped__(self) -> Any:
         """The forward the region wraps: ``inspect.signature(model.forward)`` follows it and shows the
         model's own parameters (Hugging Face's Trainer reads them to drop unused dataset columns)."""
@@ -216,22 +220,28 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     recompute itself.
 
     An O1 model's submodules (fp32 weights) re-enter only while autograd runs a backward, i.e. in a
-    recompute: called outside the forward otherwise (a model's ``encode_image``), they run in fp32 as an
-    fp32 model's would. Its recompute needs the region where the region has a Python layer (emulated
-    half GEMMs, a custom policy): torch restores only its own autocast state.
+    recompute (or a backward hook that calls one): called outside the forward otherwise (a model's
+    ``encode_image``), they run in fp32 as an fp32 model's would. Its recompute needs the region where the
+    region has a Python layer (emulated half GEMMs, a custom policy): torch restores only its own
+    autocast state.
 
     A ``with`` block, so an interrupt (Ctrl-C in a notebook) still leaves the region; one function bound
     to each module, so torch.compile of each block separately shares one graph (an object per module was a
     guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
     region."""
     make, own, half_model = self.__dict__[_BLOCK_ATTR]
-    inner = own if own is not None else type(self).forward.__get__(self)
     if torch.compiler.is_compiling() or in_any_region():
-        return inner(*args, **kwargs)
+        return _own_call(self, own, args, kwargs)
     if not half_model and torch._C._current_graph_task_id() == -1:  # O1, not in a backward: fp32
-        return inner(*args, **kwargs)
+        return _own_call(self, own, args, kwargs)
     with make():
-        return inner(*args, **kwargs)
+        return _own_call(self, own, args, kwargs)
+
+
+def _own_call(module: nn.Module, own: Any, args: Any, kwargs: Any) -> Any:
+    # The class's forward called with the module, not a bound method made here: at a graph break Dynamo
+    # rebuilds a bound method as ``module.forward``, which is the wrapper: it called itself forever.
+    return own(*args, **kwargs) if own is not None else type(module).forward(module, *args, **kwargs)
 
 
 _submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name

@@ -44,7 +44,7 @@ from mixprec.callbacks import (
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
-from mixprec.scaler import GradScaler
+from mixprec.scaler import GradScaler, OptState
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -360,8 +360,23 @@ class Learner:
         except CancelBatchException:
             # fastai's meaning: the rest of this batch is skipped, zero_grad included, so its gradients stay
             # for the next batch to add to (GradientAccumulation); no step was taken.
+            self._check_not_unscaled()
             self._cancelled = True
         self._event("on_batch_end")
+
+    def _check_not_unscaled(self) -> None:
+        """A batch cancelled after the scaler unscaled its gradients (into the masters) would leave the
+        next batch adding scaled gradients to unscaled ones, and the scaler refusing a second unscale."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        state = self.scaler._per_optimizer_states.get(id(self._optimizer))
+        if state is not None and state["stage"] is OptState.UNSCALED:
+            raise ConfigError(
+                "CancelBatchException was raised after the loss scaler unscaled this batch's gradients "
+                "(MixedPrecision's on_backward_end, order 100, had run).",
+                "raise it from a callback ordered before MixedPrecision (order < 100, as GradientAccumulation"
+                " is), or raise CancelStepException to skip the step and clear the gradients.",
+            )
 
     def _forward(self, xb: Tensor, yb: Tensor, events: bool) -> None:
         device = self.device
@@ -443,6 +458,11 @@ class Learner:
             sums.append(batch)
             if events:
                 self._event("on_batch_end")
+        if total == 0 and len(dl) > 0:
+            raise ConfigError(
+                "Every validation batch was cancelled (CancelBatchException): no loss to report.",
+                "let at least one validation batch run (check self.training in the callback).",
+            )
         if total == 0:
             raise ConfigError("The validation set is empty.", "build the data with a valid_pct > 0.")
         loss_sum, *metric_sums = torch.stack(sums).sum(0).tolist()

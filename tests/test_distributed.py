@@ -244,3 +244,18 @@ def test_each_process_gets_a_gpu_of_its_own_or_the_cpu(
     assert devices == expected
     assert bool(caught) is warns
     assert all("--nproc_per_node 1" in str(w.message) for w in caught)
+
+
+def test_broadcast_masters_refuses_the_optimizer_initialize_replaced_or_a_list() -> None:
+    """Given the optimizer built before initialize (O2 returns a new one) or a list, it did nothing, and
+    the ranks drifted apart unnoticed."""
+    import mixprec
+
+    model = torch.nn.Linear(4, 4)
+    built = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, built, "O2", verbosity=0)
+    with pytest.raises(ConfigError, match="initialize returned"):
+        distributed.broadcast_masters(built)
+    with pytest.raises(ConfigError, match="once per optimizer"):
+        distributed.broadcast_masters([opt])
+    mixprec.amp.reset()

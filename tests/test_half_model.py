@@ -360,6 +360,31 @@ def test_a_prepared_models_forward_shows_the_models_own_signature(name: str) -> 
     model = _Named()
     want = inspect.signature(model.forward)
     prepare(model, RECIPES[name], "cpu")
+    x = torch.randn(2, 4)
     for m in (model, deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert inspect.signature(m.forward) == want
         assert m.forward.__self__ is m
+        # a bound method's protocol, which Dynamo's get_traced_fn reads: __func__ called with __self__
+        assert torch.equal(m.forward.__func__(m.forward.__self__, x), m(x))
+
+
+class _BreakingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # a print, an .item(), Hugging Face's checkpointing call
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("name", ["O1", "O2"])
+def test_a_graph_break_inside_a_wrapped_block_compiles(name: str) -> None:
+    """At a graph break inside a block, Dynamo rebuilt the block's bound class forward as
+    ``block.forward``, the wrapper itself, which then called itself until RecursionError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _BreakingBlock(), nn.Linear(16, 4))
+    prepare(model, RECIPES[name].with_half_dtype(torch.bfloat16), "cpu")
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model)(x), model(x), atol=2**-6, rtol=0)

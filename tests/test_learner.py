@@ -254,3 +254,27 @@ def test_a_batch_cancelled_before_its_loss_is_skipped_in_training_and_validation
     assert len(learn.recorder.losses) == batches - (batches + 1) // 2  # only the batches that ran
     assert len(set(learn.recorder.losses)) == len(learn.recorder.losses)  # none logged twice
     assert skip.seen[False] == len(learn.data.valid)  # validation saw every batch and skipped the odd ones
+
+
+class _CancelAfterUnscale(Callback):
+    order = MixedPrecision.order + 1  # after MixedPrecision's on_backward_end unscaled the gradients
+
+    def on_backward_end(self) -> None:
+        raise CancelBatchException()
+
+
+class _CancelEveryValidationBatch(Callback):
+    def on_batch_begin(self) -> None:
+        if not self.training:
+            raise CancelBatchException()
+
+
+def test_a_batch_cancelled_after_unscaling_or_every_validation_batch_cancelled_is_refused_clearly() -> None:
+    """The first made the next batch fail with the scaler's "unscale_() has already been called"; the
+    second said the validation set was empty."""
+    learn = _learner(batch_size=256).to_fp16()
+    with pytest.raises(ConfigError, match="order < 100"):
+        learn.fit(1, lr=1e-3, callbacks=[_CancelAfterUnscale()])
+    learn = _learner(batch_size=256)
+    with pytest.raises(ConfigError, match="Every validation batch was cancelled"):
+        learn.fit(1, lr=1e-3, callbacks=[_CancelEveryValidationBatch()])
