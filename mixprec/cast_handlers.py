@@ -83,7 +83,11 @@ def _rounded(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not eligible(t, device_type):
             return t
-        if _cacheable_leaf(t, region):
+        # Parameters only, not every leaf that requires grad (torch's rule, kept for native casts above): a
+        # reentrant checkpoint's recompute makes its block's input such a leaf, and one shared rounding
+        # summed that input's gradients in fp32 where the forward (one rounding per use) summed them in
+        # half: other gradients than without the checkpoint.
+        if isinstance(t, torch.nn.Parameter) and _cacheable_leaf(t, region):
             return cache.get(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
         return round_to_half(t, dtype)
 
