@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -246,6 +247,24 @@ def _own_call(module: nn.Module, own: Any, args: Any, kwargs: Any) -> Any:
 
 _submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name
 
+# One forward per class, calling _submodule_forward: its __wrapped__ is the class's forward, so
+# inspect.signature shows the block's own parameters (Hugging Face reads them: a PEFT model's Trainer to
+# keep dataset columns, generate() to check keyword arguments). Per class, not per module: blocks of one
+# class share it, and torch.compile of each block shares one graph.
+_BLOCK_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def _block_forward(cls: type) -> Callable[..., Any]:
+    fn = _BLOCK_FORWARDS.get(cls)
+    if fn is None:
+        # _submodule_forward's own code in a function object of the class's: no extra call per module
+        fn = types.FunctionType(_submodule_forward.__code__, _submodule_forward.__globals__, "forward")
+        fn.__doc__ = _submodule_forward.__doc__
+        fn.__wrapped__ = cls.forward  # type: ignore[attr-defined]  # only what inspect follows
+        fn._mixprec_block = True  # type: ignore[attr-defined]
+        _BLOCK_FORWARDS[cls] = fn
+    return fn
+
 
 class _SubmoduleForwards:
     """Wraps a model's submodules' forwards in :func:`_submodule_forward`, and takes them out: a handle."""
@@ -260,7 +279,7 @@ class _SubmoduleForwards:
             # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
             # looked up per call, so the module pickles and follows a later patch of its class
             m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m), half_model)
-            m.__dict__["forward"] = types.MethodType(_submodule_forward, m)
+            m.__dict__["forward"] = types.MethodType(_block_forward(type(m)), m)
 
     def remove(self) -> None:
         for m in self.wrapped:
@@ -274,7 +293,7 @@ class _SubmoduleForwards:
 
 
 def _has_block_forward(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _submodule_forward
+    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "_mixprec_block", False)
 
 
 def _has_forward(module: nn.Module) -> bool:

@@ -421,3 +421,17 @@ def test_reentrant_checkpoint_of_a_block_using_its_input_thrice_emulated(dtype: 
         patch.setenv("MIXPREC_HALF_ARITHMETIC", "emulated")
         for a, b in zip(grads(False), grads(True), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["O1", "O2"])
+def test_a_wrapped_blocks_forward_shows_the_blocks_own_signature(name: str) -> None:
+    """Blocks showed ``(*args, **kwargs)``: a PEFT-wrapped model's Trainer reads its base model's forward
+    (a submodule) to keep dataset columns, and generate() checks keyword arguments against it."""
+    import inspect
+
+    model = nn.Sequential(_Named(), nn.Linear(4, 4))
+    want = inspect.signature(model[0].forward)
+    prepare(model, RECIPES[name], "cpu")
+    assert "forward" in model[0].__dict__  # wrapped
+    for m in (model, deepcopy(model)):
+        assert inspect.signature(m[0].forward) == want
