@@ -608,8 +608,10 @@ def restore(model: nn.Module) -> nn.Module:
     half = next((h for h in state.models if h.model is model), None)
     if half is None:
         raise ConfigError(
-            f"{type(model).__name__} is not a model the last mixprec.initialize returned.",
-            "pass the model initialize returned (or call restore before initializing other models).",
+            f"{type(model).__name__} is not a model the last mixprec.initialize prepared (or it was restored "
+            "already).",
+            "pass the model initialize returned, before initializing other models; a model loaded with "
+            "torch.load holds no optimizer state to restore from: restore before saving.",
         )
     half.restore(*(opt for opt in state.optimizers if isinstance(opt, MasterWeights)))
     for scaler in state.scalers:

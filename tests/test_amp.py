@@ -923,7 +923,7 @@ def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) ->
     plain.load_state_dict(model.state_dict())
     x = torch.randn(3, 4)
     assert torch.equal(model(x), plain(x))  # an fp32 model again: fp32 output, no region
-    with pytest.raises(ConfigError, match="initialize returned"):
+    with pytest.raises(ConfigError, match="restored already"):
         amp.restore(model)
 
 

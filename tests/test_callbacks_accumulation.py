@@ -241,3 +241,16 @@ def test_it_runs_before_mixed_precision_whatever_order_it_was_added_in() -> None
     names = [type(cb).__name__ for cb in learn.callbacks]
     assert names.index("GradientAccumulation") < names.index("MixedPrecision")
     assert acc.order == mixprec.MixedPrecision.order - 4  # fastai's MixedPrecision.order - 4
+
+
+def test_an_n_acc_that_is_not_a_multiple_warns_once_and_two_accumulators_are_refused() -> None:
+    """With batches of 8 and n_acc=12 each step counts 16 samples, and its gradient is 16/12 of the mean:
+    fastai's rule, silent before. Two accumulators in one fit each divided the loss and cancelled steps
+    on their own count (one step in 8 batches, matching neither)."""
+    learn = _learner(32, 8, GradientAccumulation(n_acc=12))
+    with pytest.warns(UserWarning, match="16/12 times the mean") as caught:
+        learn.fit(1, lr=0.1)
+    assert len([w for w in caught if "GradientAccumulation" in str(w.message)]) == 1
+    learn = _learner(32, 8, GradientAccumulation(n_acc=16))
+    with pytest.raises(ConfigError, match="two GradientAccumulation callbacks"):
+        learn.fit(1, lr=0.1, callbacks=[GradientAccumulation(n_acc=32)])

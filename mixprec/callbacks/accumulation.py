@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -62,9 +63,18 @@ class GradientAccumulation(Callback):
             )
         self.n_acc = int(n_acc)
         self.count = 0
+        self._warned = False
 
     def on_train_begin(self) -> None:
         self.count = 0  # before a Checkpoint (order 200) restores a resumed fit's count
+        self._warned = False
+        others = [c for c in self.learn.callbacks if isinstance(c, GradientAccumulation) and c is not self]
+        if others:
+            raise ConfigError(
+                f"two GradientAccumulation callbacks in one fit ({self!r} and {others[0]!r}): each would "
+                "divide the loss and cancel steps on its own count.",
+                "keep one: pass it either to Learner(callbacks=...) or to fit(callbacks=...).",
+            )
 
     def on_backward_begin(self) -> None:
         # Not in place: learn.loss_grad is learn.loss (the logged loss) until a callback replaces it. The
@@ -75,6 +85,14 @@ class GradientAccumulation(Callback):
         self.count += len(self.yb)
         if self.count < self.n_acc:
             raise CancelBatchException()  # keep the gradients: no unscale, step, update or zero_grad
+        if self.count != self.n_acc and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"GradientAccumulation(n_acc={self.n_acc}) counted {self.count} samples at this step "
+                f"(batches of {len(self.yb)}): its gradient is {self.count}/{self.n_acc} times the mean over "
+                "them, fastai's rule. An n_acc that is a multiple of the batch size gives the mean itself.",
+                stacklevel=2,
+            )
         self.count = 0
 
     def on_train_end(self) -> None:
