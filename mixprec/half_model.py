@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import types
 import weakref
 from collections.abc import Callable
@@ -206,7 +207,8 @@ def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any
     return _forward_in_region(self, *args, **kwargs)
 
 
-# on a prepared model's submodule: (make the region, the forward as it was, whether the model is half)
+# on a prepared model's submodule: (make the region, the forward as it was, whether the model is half,
+# whether the class's forward is a plain function)
 _BLOCK_ATTR = "_mixprec_block"
 
 
@@ -230,19 +232,29 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     to each module, so torch.compile of each block separately shares one graph (an object per module was a
     guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
     region."""
-    make, own, half_model = self.__dict__[_BLOCK_ATTR]
+    make, own, half_model, plain = self.__dict__[_BLOCK_ATTR]
     if torch.compiler.is_compiling() or in_any_region():
-        return _own_call(self, own, args, kwargs)
+        return _own_call(self, own, plain, args, kwargs)
     if not half_model and torch._C._current_graph_task_id() == -1:  # O1, not in a backward: fp32
-        return _own_call(self, own, args, kwargs)
+        return _own_call(self, own, plain, args, kwargs)
     with make():
-        return _own_call(self, own, args, kwargs)
+        return _own_call(self, own, plain, args, kwargs)
 
 
-def _own_call(module: nn.Module, own: Any, args: Any, kwargs: Any) -> Any:
-    # The class's forward called with the module, not a bound method made here: at a graph break Dynamo
-    # rebuilds a bound method as ``module.forward``, which is the wrapper: it called itself forever.
-    return own(*args, **kwargs) if own is not None else type(module).forward(module, *args, **kwargs)
+def _own_call(module: nn.Module, own: Any, plain: bool, args: Any, kwargs: Any) -> Any:
+    # A plain class forward is called with the module, not as a bound method made here: at a graph break
+    # Dynamo rebuilt a bound method as ``module.forward``, the wrapper, which called itself forever. Any
+    # other kind (a classmethod, a descriptor) is bound by its own __get__, as attribute lookup would.
+    if own is not None:
+        return own(*args, **kwargs)
+    cls = type(module)
+    if plain:
+        return cls.forward(module, *args, **kwargs)
+    return inspect.getattr_static(cls, "forward").__get__(module, cls)(*args, **kwargs)
+
+
+def _plain_forward(module: nn.Module) -> bool:
+    return isinstance(inspect.getattr_static(type(module), "forward", None), types.FunctionType)
 
 
 _submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name
@@ -273,12 +285,13 @@ class _SubmoduleForwards:
         # a submodule another prepare already wrapped (shared by two models) or made a model of its own
         # (prepared before its parent) keeps that: it is in a region either way
         # containers without a forward (ModuleList, ModuleDict) are never called
-        subs = [m for m in model.modules() if m is not model]
+        # a TorchScript module runs no Python forward to wrap (and answers no __dict__ questions)
+        subs = [m for m in model.modules() if m is not model and not isinstance(m, torch.jit.ScriptModule)]
         self.wrapped = [m for m in subs if not _is_wrapped(m) and _has_forward(m)]
         for m in self.wrapped:
             # the instance's own forward (a patch, torch.compile's) if it had one, else None: the class's is
             # looked up per call, so the module pickles and follows a later patch of its class
-            m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m), half_model)
+            m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m), half_model, _plain_forward(m))
             m.__dict__["forward"] = types.MethodType(_block_forward(type(m)), m)
 
     def remove(self) -> None:

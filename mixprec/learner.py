@@ -370,12 +370,13 @@ class Learner:
         if self.scaler is None or not self.scaler.is_enabled():
             return
         state = self.scaler._per_optimizer_states.get(id(self._optimizer))
-        if state is not None and state["stage"] is OptState.UNSCALED:
+        if state is not None and state["stage"] is not OptState.READY:  # unscaled, or stepped already
             raise ConfigError(
                 "CancelBatchException was raised after the loss scaler unscaled this batch's gradients "
-                "(MixedPrecision's on_backward_end, order 100, had run).",
-                "raise it from a callback ordered before MixedPrecision (order < 100, as GradientAccumulation"
-                " is), or raise CancelStepException to skip the step and clear the gradients.",
+                "(MixedPrecision's on_backward_end, order 100, had run) or stepped.",
+                "raise it before the step, from a callback ordered before MixedPrecision (order < 100, as "
+                "GradientAccumulation is) in on_backward_end at the latest, or raise CancelStepException to "
+                "skip the step and clear the gradients.",
             )
 
     def _forward(self, xb: Tensor, yb: Tensor, events: bool) -> None:
@@ -444,10 +445,12 @@ class Learner:
         # Sums stay on the device (fp64: many batches), converted once at the end: a float() per batch
         # would wait for the device at every batch.
         sums: list[Tensor] = []
+        cancelled = 0
         for xb, yb in dl:
             try:
                 self._forward(xb, yb, events)
             except CancelBatchException:  # fastai's meaning in validation too: this batch is left out
+                cancelled += 1
                 if events:
                     self._event("on_batch_end")
                 continue
@@ -458,7 +461,7 @@ class Learner:
             sums.append(batch)
             if events:
                 self._event("on_batch_end")
-        if total == 0 and len(dl) > 0:
+        if total == 0 and cancelled:
             raise ConfigError(
                 "Every validation batch was cancelled (CancelBatchException): no loss to report.",
                 "let at least one validation batch run (check self.training in the callback).",

@@ -435,3 +435,20 @@ def test_a_wrapped_blocks_forward_shows_the_blocks_own_signature(name: str) -> N
     assert "forward" in model[0].__dict__  # wrapped
     for m in (model, deepcopy(model)):
         assert inspect.signature(m[0].forward) == want
+
+
+class _ClassmethodForward(nn.Module):
+    @classmethod
+    def forward(cls, x: torch.Tensor) -> torch.Tensor:  # odd, but it runs on an unprepared module
+        return x * 2
+
+
+def test_a_block_with_a_classmethod_forward_or_a_torchscript_block_prepares_and_runs() -> None:
+    """Calling the class's forward with the module skipped the descriptor protocol: a classmethod forward
+    got the module as an extra argument. A TorchScript submodule made prepare fail on its __dict__."""
+    scripted = torch.jit.script(nn.Linear(4, 4))
+    for name in ("O1", "O2"):
+        model = nn.Sequential(nn.Linear(4, 4), _ClassmethodForward(), nn.Linear(4, 4))
+        prepare(model, RECIPES[name], "cpu")
+        assert model(torch.randn(2, 4)).shape == (2, 4)
+        prepare(nn.Sequential(nn.Linear(4, 4), scripted), RECIPES[name], "cpu")

@@ -278,3 +278,17 @@ def test_a_batch_cancelled_after_unscaling_or_every_validation_batch_cancelled_i
     learn = _learner(batch_size=256)
     with pytest.raises(ConfigError, match="Every validation batch was cancelled"):
         learn.fit(1, lr=1e-3, callbacks=[_CancelEveryValidationBatch()])
+
+
+class _CancelAfterTheStep(Callback):
+    order = MixedPrecision.order - 10
+
+    def on_step_end(self) -> None:
+        raise CancelBatchException()
+
+
+def test_a_batch_cancelled_after_the_step_is_refused_clearly() -> None:
+    """The scaler had stepped: the next batch failed with "unscale_() is being called after step()"."""
+    learn = _learner(batch_size=256).to_fp16()
+    with pytest.raises(ConfigError, match="before the step"):
+        learn.fit(1, lr=1e-3, callbacks=[_CancelAfterTheStep()])
