@@ -292,3 +292,15 @@ def test_a_batch_cancelled_after_the_step_is_refused_clearly() -> None:
     learn = _learner(batch_size=256).to_fp16()
     with pytest.raises(ConfigError, match="before the step"):
         learn.fit(1, lr=1e-3, callbacks=[_CancelAfterTheStep()])
+
+
+class _Empty(torch.utils.data.IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(())
+
+
+def test_an_empty_validation_loader_without_a_length_is_named() -> None:
+    """A check for cancelled batches called len() on the loader: an iterable dataset's has none."""
+    learn = _learner(batch_size=256)
+    with pytest.raises(ConfigError, match="validation set is empty"):
+        learn.validate(torch.utils.data.DataLoader(_Empty(), batch_size=4))
