@@ -139,7 +139,7 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
     from mixprec.master import MasterWeights
 
     if isinstance(optimizer, (list, tuple)):
-        raise ConfigError("broadcast_masters takes one optimizer, got a list.",
+        raise ConfigError(f"broadcast_masters takes one optimizer, got a {type(optimizer).__name__}.",
                           "call it once per optimizer: for opt in optimizers: broadcast_masters(opt).")
     if not isinstance(optimizer, MasterWeights):
         if getattr(optimizer, "_mixprec_replaced_at", None) is not None:  # initialize wrapped it
