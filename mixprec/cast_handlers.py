@@ -83,11 +83,14 @@ def _rounded(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not eligible(t, device_type):
             return t
-        # Parameters only, not every leaf that requires grad (torch's rule, kept for native casts above): a
-        # reentrant checkpoint's recompute makes its block's input such a leaf, and one shared rounding
-        # summed that input's gradients in fp32 where the forward (one rounding per use) summed them in
-        # half: other gradients than without the checkpoint.
-        if isinstance(t, torch.nn.Parameter) and _cacheable_leaf(t, region):
+        # Every leaf that requires grad (torch's rule: parameters, and torch.func's plain-tensor ones), but
+        # in a backward only parameters: a reentrant checkpoint's recompute makes its block's input such a
+        # leaf, and one shared rounding summed that input's gradients in fp32 where the forward (one
+        # rounding per use) had summed them in half: other gradients than without the checkpoint.
+        # (_cacheable_leaf first: it is False in compiled code, which must not call the graph-task query)
+        if _cacheable_leaf(t, region) and (
+            isinstance(t, torch.nn.Parameter) or torch._C._current_graph_task_id() == -1
+        ):
             return cache.get(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
         return round_to_half(t, dtype)
 

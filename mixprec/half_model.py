@@ -259,21 +259,24 @@ def _plain_forward(module: nn.Module) -> bool:
 
 _submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name
 
-# One forward per class, calling _submodule_forward: its __wrapped__ is the class's forward, so
-# inspect.signature shows the block's own parameters (Hugging Face reads them: a PEFT model's Trainer to
-# keep dataset columns, generate() to check keyword arguments). Per class, not per module: blocks of one
-# class share it, and torch.compile of each block shares one graph.
+# One forward per class: _submodule_forward's code in a function object whose __signature__ is the class's
+# forward's, so inspect.signature shows the block's own parameters (Hugging Face reads them: a PEFT model's
+# Trainer to keep dataset columns, generate() to check keyword arguments). Per class, not per module:
+# blocks of one class share it, and torch.compile of each block shares one graph. Keyed weakly, and
+# holding no reference to the class (a forward that calls super() would, through its __class__ cell): a
+# class made per instance is freed with its instances. Made again when the class's forward is replaced.
 _BLOCK_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 def _block_forward(cls: type) -> Callable[..., Any]:
+    raw = inspect.getattr_static(cls, "forward", None)
     fn = _BLOCK_FORWARDS.get(cls)
-    if fn is None:
-        # _submodule_forward's own code in a function object of the class's: no extra call per module
+    if fn is None or fn._mixprec_block != id(raw):  # type: ignore[attr-defined]
         fn = types.FunctionType(_submodule_forward.__code__, _submodule_forward.__globals__, "forward")
         fn.__doc__ = _submodule_forward.__doc__
-        fn.__wrapped__ = cls.forward  # type: ignore[attr-defined]  # only what inspect follows
-        fn._mixprec_block = True  # type: ignore[attr-defined]
+        if isinstance(raw, types.FunctionType):  # (self, ...): a bound method's signature drops self
+            fn.__signature__ = inspect.signature(raw)  # type: ignore[attr-defined]
+        fn._mixprec_block = id(raw)  # type: ignore[attr-defined]  # marks it; the forward it was made for
         _BLOCK_FORWARDS[cls] = fn
     return fn
 
@@ -306,7 +309,7 @@ class _SubmoduleForwards:
 
 
 def _has_block_forward(module: nn.Module) -> bool:
-    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "_mixprec_block", False)
+    return hasattr(getattr(module.__dict__.get("forward"), "__func__", None), "_mixprec_block")
 
 
 def _has_forward(module: nn.Module) -> bool:

@@ -452,3 +452,64 @@ def test_a_block_with_a_classmethod_forward_or_a_torchscript_block_prepares_and_
         prepare(model, RECIPES[name], "cpu")
         assert model(torch.randn(2, 4)).shape == (2, 4)
         prepare(nn.Sequential(nn.Linear(4, 4), scripted), RECIPES[name], "cpu")
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.lin(x))  # one weight, two uses
+
+
+def test_functional_call_with_plain_tensors_matches_the_module_call_emulated() -> None:
+    """Caching the emulation's rounding for parameters only made torch.func's plain-tensor parameters
+    round once per use: other gradients than the module call's, and a copy per use."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MIXPREC_HALF_ARITHMETIC", "emulated")
+        model = _Twice()
+        prepare(model, RECIPES["O1"].with_half_dtype(torch.bfloat16), "cpu")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+        model(x).square().mean().backward()
+        want = [p.grad for p in model.parameters()]
+        params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+        torch.func.functional_call(model, params, (x,)).square().mean().backward()
+        for p, w in zip(params.values(), want, strict=True):
+            assert torch.equal(p.grad, w)
+
+
+def test_a_class_made_per_instance_is_freed_and_a_patched_forward_shows_its_signature() -> None:
+    """The per-class forward held the class's forward, whose super() cell holds the class: a class made
+    per instance lived forever. A class forward patched after a first prepare kept the old signature."""
+    import gc
+    import inspect
+    import weakref
+
+    def make() -> nn.Module:
+        class PerInstance(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x)
+
+        return PerInstance(4, 4)
+
+    model = nn.Sequential(make())
+    prepare(model, RECIPES["O2"], "cpu")
+    gone = weakref.ref(type(model[0]))
+    del model
+    gc.collect()
+    assert gone() is None
+
+    class Patched(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    prepare(nn.Sequential(Patched()), RECIPES["O2"], "cpu")
+
+    def forward(self: nn.Module, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        return x + shift
+
+    Patched.forward = forward  # type: ignore[method-assign]  # a flash-attention style patch
+    model = nn.Sequential(Patched())
+    prepare(model, RECIPES["O2"], "cpu")
+    assert list(inspect.signature(model[0].forward).parameters) == ["x", "shift"]
