@@ -15,10 +15,10 @@ or :func:`checkpoint`, which passes it for you::
     y = checkpoint(block, x)  # the same
 
 ``checkpoint_context`` records the mixprec regions in force when the segment's forward runs and
-re-enters exactly those for its recompute. A half model (O2, ``to_fp16``, ``to_bf16``) needs neither for
-its modules: each submodule re-enters the model's region when called outside it
-(``half_model._submodule_forward``), so torch's checkpoint of either kind, and ``checkpoint_sequential``,
-recompute its blocks as the forward ran them.
+re-enters exactly those for its recompute. A model mixprec prepared (``initialize`` at O1-O3, ``to_fp16``,
+``to_bf16``) needs neither for its modules: each submodule re-enters the model's region when called
+outside it in a recompute (``half_model._submodule_forward``), so torch's checkpoint of either kind, and
+``checkpoint_sequential``, recompute its blocks as the forward ran them.
 
 **Reentrant checkpointing (``use_reentrant=True``) offers no context hook and is not supported under an
 autocast region with a Python layer** (CPU fp16 with emulated GEMMs, custom policies), nor for a half

@@ -324,29 +324,31 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         the policy's torch-function mode. Dynamo cannot resume this class itself: after a break inside
         it, it ran the rest of the code outside the region, in fp32. For compiled code only (no fp32
         modules: they need hooks Dynamo cannot trace)."""
-        mode = compiled_mode(
-            _mode_of, (self.policy or DEFAULT_POLICY).compile_key, self.device, self.fast_dtype,
-            self._cache_enabled, registry_version(),
-        ) if self._enabled else None
         torch_region = torch.autocast(
             self.device, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
         )
+        mode = self._compiled_mode()
         return torch_region, (mode if mode is not None else contextlib.nullcontext())
 
-    def _enter_compiled(self) -> autocast:
-        policy = self.policy if self.policy is not None else DEFAULT_POLICY
+    def _compiled_mode(self) -> Any:
         # Reading the registry version here makes it a guard: a new registration recompiles. A disabled
         # region has no mode (its device may be one no policy plans for).
-        mode = compiled_mode(
+        if not self._enabled:
+            return None
+        policy = self.policy if self.policy is not None else DEFAULT_POLICY
+        return compiled_mode(
             _mode_of, policy.compile_key, self.device, self.fast_dtype, self._cache_enabled,
             registry_version(),
-        ) if self._enabled else None
+        )
+
+    def _enter_compiled(self) -> autocast:
+        mode = self._compiled_mode()
         torch_region = torch.amp._enter_autocast(
             self.device, self.fast_dtype, self._enabled, self._cache_enabled
         )
-        if mode is not None and self._enabled:
+        if mode is not None:
             mode.__enter__()
-        self._compiled_frames.append((torch_region, mode if self._enabled else None))
+        self._compiled_frames.append((torch_region, mode))
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -202,7 +202,7 @@ def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any
     make = getattr(self, _REGION_ATTR)[0]
     records = [m.__dict__[_BLOCK_ATTR] for m in self.modules() if _BLOCK_ATTR in m.__dict__]
     if records:  # the submodules were wrapped: again, of the same kind
-        _SubmoduleForwards(self, make, half_model=records[0][2] if len(records[0]) > 2 else True)
+        _SubmoduleForwards(self, make, half_model=records[0][2])
     self.__dict__["forward"] = _ModelForward(_forward_in_region, self)
     return _forward_in_region(self, *args, **kwargs)
 
@@ -228,10 +228,10 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     region has a Python layer (emulated half GEMMs, a custom policy): torch restores only its own
     autocast state.
 
-    A ``with`` block, so an interrupt (Ctrl-C in a notebook) still leaves the region; one function bound
-    to each module, so torch.compile of each block separately shares one graph (an object per module was a
-    guard that failed from block to block); the module's own forward pre-hooks run before it, outside the
-    region."""
+    A ``with`` block, so an interrupt (Ctrl-C in a notebook) still leaves the region; one function per
+    module class (:func:`_block_forward`), so torch.compile of each block separately shares one graph (an
+    object per module was a guard that failed from block to block); the module's own forward pre-hooks run
+    before it, outside the region."""
     make, own, half_model, plain = self.__dict__[_BLOCK_ATTR]
     if torch.compiler.is_compiling() or in_any_region():
         return _own_call(self, own, plain, args, kwargs)
@@ -257,8 +257,6 @@ def _plain_forward(module: nn.Module) -> bool:
     return isinstance(inspect.getattr_static(type(module), "forward", None), types.FunctionType)
 
 
-_submodule_forward.__name__ = "forward"  # a pickled module's bound method is looked up by this name
-
 # One forward per class: _submodule_forward's code in a function object whose __signature__ is the class's
 # forward's, so inspect.signature shows the block's own parameters (Hugging Face reads them: a PEFT model's
 # Trainer to keep dataset columns, generate() to check keyword arguments). Per class, not per module:
@@ -272,6 +270,7 @@ def _block_forward(cls: type) -> Callable[..., Any]:
     raw = inspect.getattr_static(cls, "forward", None)
     fn = _BLOCK_FORWARDS.get(cls)
     if fn is None or fn._mixprec_block != id(raw):  # type: ignore[attr-defined]
+        # named "forward": pickle stores a module's bound method as a lookup of this name
         fn = types.FunctionType(_submodule_forward.__code__, _submodule_forward.__globals__, "forward")
         fn.__doc__ = _submodule_forward.__doc__
         if isinstance(raw, types.FunctionType):  # (self, ...): a bound method's signature drops self
@@ -383,11 +382,10 @@ class HalfModel:
         of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one."""
         for handle in self.handles:
             handle.remove()
-        for m in masters:
-            if m is not None:
-                m.take_model_edits()  # a model loaded since the last step (the best epoch's weights)
-        values = {id(p): v for m in masters if m is not None
-                  for p, v in zip(m.model_params(), m.master_views(), strict=True)}  # fmt: skip
+        held = [m for m in masters if m is not None]
+        for m in held:
+            m.take_model_edits()  # a model loaded since the last step (the best epoch's weights)
+        values = {id(p): v for m in held for p, v in zip(m.model_params(), m.master_views(), strict=True)}
         model_to_float(self.converted, values)
         self.handles, self.converted = [], []
 

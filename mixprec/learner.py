@@ -360,11 +360,11 @@ class Learner:
         except CancelBatchException:
             # fastai's meaning: the rest of this batch is skipped, zero_grad included, so its gradients stay
             # for the next batch to add to (GradientAccumulation); no step was taken.
-            self._check_not_unscaled()
+            self._check_cancelled_before_step()
             self._cancelled = True
         self._event("on_batch_end")
 
-    def _check_not_unscaled(self) -> None:
+    def _check_cancelled_before_step(self) -> None:
         """A batch cancelled after the scaler unscaled its gradients (into the masters) would leave the
         next batch adding scaled gradients to unscaled ones, and the scaler refusing a second unscale."""
         if self.scaler is None or not self.scaler.is_enabled():
