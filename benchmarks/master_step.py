@@ -13,6 +13,10 @@ What each moves per parameter (bytes, read + written):
                        = ~30, one pass over memory; plus the scaler's inf check of the bf16 grads (2)
   compile_step=True    one compiled loop: bf16 grad (2), master, moments (12 + 12), bf16 weight (2)
                        = 28, one pass; plus the scaler's inf check (2) when a scaler is used
+  split, native        LowPrecisionOptimizer(AdamW, "split"): the fp32 master held as the bf16 weight
+                       plus an int16 low half (14 B/param in all); one native loop (mixprec/split_adam.c):
+                       bf16 grad (2), both halves (4 + 4), moments (8 + 8) = 26, one pass
+  split, generic       the same masters, stepped by rebuilding fp32 copies per chunk: several passes
 The target: the master step no slower than torch's fused fp32 AdamW (ratio <= 1.0). Rows behind a
 GradScaler are also compared with torch's fused step behind torch's own GradScaler ("same scaling").
 
@@ -34,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mixprec.hardware import hardware_line, synchronize
+from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
 from mixprec.scaler import GradScaler
 
@@ -98,6 +103,13 @@ def _master_step(
     return step
 
 
+def _split_step(shapes: list[tuple[int, ...]], device: str, kernel: str) -> Step:
+    """The split fp32 masters (bf16 weight + int16 low half) stepped by AdamW, no scaler (bf16 needs none)."""
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(_params(shapes, torch.bfloat16, device), lr=1e-3), "split",
+                                kernel=kernel)
+    return lambda: opt.step()
+
+
 def _round_robin(steps: dict[str, Step], repeats: int, device: str) -> dict[str, float]:
     """Median ms per configuration, one step of each in turn per round (after one warm-up round)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -139,6 +151,11 @@ def main() -> None:
         "MasterWeights(AdamW, master_grads=False, compile_step=True), no scaler (bf16 needs none)":
             _master_step(shapes, dev, False, False, compile_step=True, scaled=False),
     }
+    if dev == "cpu":  # the native split step is a CPU loop
+        steps["split masters (bf16 + int16 low half), native one-pass step, no scaler"] = _split_step(
+            shapes, dev, "native")
+        steps["split masters (bf16 + int16 low half), generic step, no scaler"] = _split_step(
+            shapes, dev, "generic")
     ms = _round_robin(steps, args.repeats, dev)
     fused, foreach = ms["torch AdamW(fused=True), fp32 params"], ms["torch AdamW(foreach=True), fp32 params"]
     fused_scaled = ms["torch AdamW(fused=True), fp32 params + torch GradScaler"]
@@ -153,10 +170,11 @@ def main() -> None:
     console = Console(width=160)  # wide enough for the labels when printed to a file
     console.print(hardware_line())
     console.print(table)
-    best = min(t for label, t in ms.items() if label.startswith("MasterWeights")) / fused
+    best = min(t for label, t in ms.items() if label.startswith(("MasterWeights", "split"))) / fused
     verdict = "meets" if best <= 1.0 else "MISSES"
     print(f"best master step / torch fused fp32 AdamW = {best:.2f}: {verdict} the target <= 1.0")
-    ours = [r for label, r in alike.items() if label.startswith("MasterWeights") and not _unscaled(label)]
+    ours = [r for label, r in alike.items() if label.startswith(("MasterWeights", "split"))
+            and not _unscaled(label)]
     scaled = min(ours)
     print(f"best master step + GradScaler / torch fused fp32 AdamW + torch's GradScaler = {scaled:.2f}")
 

@@ -104,7 +104,8 @@ def _groups(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
 @pytest.mark.parametrize("opt_name", OPTS)
 def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str, device: str) -> None:
     """Two param groups (different lr), a StepLR schedule, chunks smaller than a group: the 16+16 master is
-    the fp32 optimizer's weight bit for bit, and the bf16 weight is that master rounded to nearest."""
+    the fp32 optimizer's weight bit for bit, and the bf16 weight is that master rounded to nearest. The
+    generic step (the native Adam step's own reference is tests/test_split_adam.py)."""
     init = [t.to(device) for t in _groups(BF16)]
     half = [nn.Parameter(t.clone()) for t in init]
     ref = [nn.Parameter(t.float()) for t in init]
@@ -112,7 +113,7 @@ def test_split_reconstructs_the_fp32_optimizer_bit_for_bit(opt_name: str, device
     def build(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
         return OPTS[opt_name]([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003}])
 
-    opt = LowPrecisionOptimizer(build(half), "split", chunk_numel=100)
+    opt = LowPrecisionOptimizer(build(half), "split", chunk_numel=100, kernel="generic")
     ref_opt = build(ref)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, ref_opt)]
     ptrs = [p.data_ptr() for p in half]
@@ -155,7 +156,7 @@ def test_split_is_bit_exact_for_every_torch_optim_optimizer(name: str) -> None:
     init = _groups(BF16)
     half = [nn.Parameter(t.clone()) for t in init]
     ref = [nn.Parameter(t.float()) for t in init]
-    opt = LowPrecisionOptimizer(EVERY_OPTIMIZER[name](half), "split", chunk_numel=100)
+    opt = LowPrecisionOptimizer(EVERY_OPTIMIZER[name](half), "split", chunk_numel=100, kernel="generic")
     ref_opt = EVERY_OPTIMIZER[name](ref)
     for i in range(4):
         g = torch.Generator().manual_seed(i)

@@ -71,12 +71,22 @@ def run(args: argparse.Namespace) -> int:
     decisions = [hardware.half_arithmetic(args.device, d, args.arithmetic) for d in hardware.HALF_DTYPES]
     rates = _rates(args.device) if args.measure else {}
     console.print(_table(decisions, rates))
+    if args.device == "cpu":
+        console.print(_split_step_line())
     console.print(
         f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes) or per dtype, e.g. "
         f"{hardware.ENV_VAR}=fp16=emulated,bf16=native; or "
         "mixprec.hardware.half_arithmetic(device, dtype, override=...)."
     )
     return 0
+
+
+def _split_step_line() -> str:
+    from mixprec.split_adam import library_error
+
+    error = library_error()  # builds the loop once on this machine (about a second), then reads the cache
+    what = "native one-pass loop (mixprec/split_adam.c)" if error is None else f"generic step ({error})"
+    return f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}"
 
 
 def _rates(device_type: str) -> dict[torch.dtype, float]:
