@@ -401,6 +401,16 @@ def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
                 f"{replaced_at!r}), then scale_loss(loss, opt) and opt.step() (wrap an optimizer in LARC "
                 "before initialize, not after).",
             )
+        from mixprec.low_precision import LowPrecisionOptimizer  # imports amp's neighbours: here, lazily
+
+        if isinstance(opt, LowPrecisionOptimizer):
+            raise ConfigError(
+                f"scale_loss got optimizers[{i}], a LowPrecisionOptimizer: scale_loss scales for, and skips "
+                "the steps of, the optimizers mixprec.initialize returned, and this wrapper was built after.",
+                "bf16 needs no loss scale: call loss.backward() and opt.step() directly "
+                "(docs/low-precision.md, O2 with split masters); for fp16 use a mixprec.GradScaler: "
+                "scaler.scale(loss).backward(), scaler.step(opt), scaler.update().",
+            )
         masters = " and, with the model's weights in half precision, no fp32 masters" if (
             state.recipe.uses_masters) else ""
         raise ConfigError(

@@ -49,6 +49,7 @@ the why-comments on the bit-level numerics.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -259,10 +260,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             reproducible, and so that data-parallel replicas, which see identical gradients, round alike.
         chunk_numel: at most this many elements are converted to fp32 at once (see DEFAULT_CHUNK_NUMEL).
         kernel: ``"auto"`` steps mode ``"split"`` with :mod:`mixprec.split_adam`'s one native pass where it
-            can run (torch's Adam/AdamW on contiguous CPU tensors, not ``fused=True``) and the generic step
-            elsewhere. The native pass is torch's Adam arithmetic with a correctly rounded sqrt (torch's
-            CPU sqrt is one ulp off in ~0.6% of elements), so its masters match the generic step's within
-            a few ulps. ``"native"`` raises where it cannot run, naming why; ``"generic"`` never uses it
+            can run (torch's Adam/AdamW, fused or not, on dense CPU tensors; no amsgrad, tensor settings or
+            step hooks) and the generic step elsewhere, with a warning once per reason. The native pass is
+            torch's Adam arithmetic with a correctly rounded sqrt (torch's CPU sqrt is one ulp off in ~0.6%
+            of elements), so its masters match the generic step's within a few ulps. ``"native"`` raises
+            where it cannot run, naming why; ``"generic"`` never uses it
             (torch's own numbers, bit for bit).
 
     It *is* a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the wrapped optimizer's and
@@ -312,6 +314,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self._extras: dict[Tensor, Tensor] = {}
         self._native = NativeSplitAdam(optimizer, self._extras)
+        self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
         self._generators: dict[str, torch.Generator] = {}
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -390,7 +393,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return loss
 
     def _native_applies(self) -> bool:
-        """Whether this step runs split_adam's one pass (same numbers as the generic step, one pass)."""
+        """Whether this step runs split_adam's one pass (torch's Adam arithmetic, correctly rounded sqrt).
+        Where it cannot for an Adam/AdamW, kernel='native' raises and 'auto' warns once per reason: the
+        generic step is several times slower, which a user should hear about."""
         if self.kernel == "generic" or self.mode is not UpdateMode.SPLIT or self.state_dtype is not None:
             return False
         for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
@@ -399,6 +404,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if reason is not None and self.kernel == "native":
             raise ConfigError(f"kernel='native' cannot step this optimizer: {reason}.",
                               "use kernel='auto' (the generic step where the native one cannot run).")
+        adam = isinstance(self.inner, (torch.optim.Adam, torch.optim.AdamW))
+        if reason is not None and adam and reason not in self._fallbacks:
+            self._fallbacks.add(reason)
+            warnings.warn(f"LowPrecisionOptimizer(mode='split') steps generically, several times slower than "
+                          f"its native Adam step, because {reason}. Pass kernel='generic' to choose that "
+                          "step without this warning.", UserWarning, stacklevel=3)
         return reason is None
 
     def _chunks(self) -> list[list[list[Tensor]]]:

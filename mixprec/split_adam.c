@@ -27,7 +27,9 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static inline float join(uint16_t high, int16_t low) {
-    int32_t bits = (int32_t)((uint32_t)high << 16) + (int32_t)low; /* low in [-2**15, 2**15) */
+    /* high * 2**16 + low, low in [-2**15, 2**15): in uint32, which wraps where int32 would overflow (NaN
+     * payloads next to the sign bit) */
+    uint32_t bits = ((uint32_t)high << 16) + (uint32_t)(int32_t)low;
     float f;
     memcpy(&f, &bits, 4);
     return f;
@@ -58,11 +60,11 @@ static inline __attribute__((always_inline)) void adam_loop(
         const float denom = sqrtf(v) / bc2_sqrt + eps;
         const float updated = p + (step_size * m) / denom;                    /* addcdiv_ */
         /* Split again: high = round-half-away(bits / 2**16), low = the rest, in [-2**15, 2**15). */
-        int32_t bits;
+        uint32_t bits;
         memcpy(&bits, &updated, 4);
-        const int32_t upper = (int32_t)(((uint32_t)bits + 0x8000u) & 0xFFFF0000u);
-        high[i] = (uint16_t)((uint32_t)upper >> 16);
-        low[i] = (int16_t)(bits - upper);
+        const uint32_t upper = (bits + 0x8000u) & 0xFFFF0000u;
+        high[i] = (uint16_t)(upper >> 16);
+        low[i] = (int16_t)(uint16_t)(bits - upper); /* the rest, in [-2**15, 2**15) as two's complement */
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
     }
@@ -85,7 +87,11 @@ static void adam_tensor(int64_t n, uint16_t *high, int16_t *low, const uint16_t 
 void split_adam_step(int64_t n_tensors, void **high, void **low, void **grad, void **exp_avg,
                      void **exp_avg_sq, const int64_t *numel, const float *coef, const int32_t *flags,
                      float inv_scale, int32_t n_threads) {
-#pragma omp parallel num_threads(n_threads)
+    int64_t total = 0;
+    for (int64_t t = 0; t < n_tensors; ++t) total += numel[t];
+    /* Threads only for enough work, as torch's parallel_for (its grain is 32768 elements): waking a team
+     * for a few small tensors costs more than it saves, and a lot when another process holds a core. */
+#pragma omp parallel num_threads(n_threads) if (total >= 32768)
     for (int64_t t = 0; t < n_tensors; ++t) {
         adam_tensor(numel[t], (uint16_t *)high[t], (int16_t *)low[t], (const uint16_t *)grad[t],
                     (float *)exp_avg[t], (float *)exp_avg_sq[t], coef + t * N_COEF, inv_scale, flags[t]);

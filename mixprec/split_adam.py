@@ -8,19 +8,28 @@ each element, and writes the halves and the moments back -- 26 bytes per paramet
 fp32 AdamW moves 28 -- so the step of a model that holds 14 bytes per parameter runs faster than torch's
 fastest step on fp32 weights (benchmarks/master_step.py).
 
-Its arithmetic is torch's ``_single_tensor_adam`` (what ``Adam``/``AdamW`` run on the CPU unless asked for
-``fused=True``), operation by operation, with one difference: its square root is correctly rounded, where
-torch's CPU ``sqrt`` (MKL's vector math, above ~100 elements) is one ulp off in ~0.6% of elements. So the
-masters equal torch's Adam on fp32 masters bit for bit when that sqrt is made exact, and are within a few
-ulps of it as it is (tests/test_split_adam.py). The wrapper uses it in place of the wrapped optimizer's
+Its arithmetic is torch's ``_single_tensor_adam`` (what ``Adam``/``AdamW`` run on the CPU by default),
+operation by operation, with one difference: its square root is correctly rounded, where torch's CPU
+``sqrt`` (MKL's vector math, above ~100 elements) is one ulp off in ~0.6% of elements. So the masters equal
+torch's Adam on fp32 masters bit for bit when that sqrt is made exact, and are within a few ulps of it as
+it is (tests/test_split_adam.py). Torch's ``fused=True`` CPU kernel computes the same, correctly rounded
+sqrt included, except in the scalar tail of each tensor (under 16 elements), so an optimizer built with
+``fused=True`` is stepped here too. The wrapper uses it in place of the wrapped optimizer's
 step wherever it can (:meth:`NativeSplitAdam.reason` says when not); ``kernel="generic"`` keeps torch's
 own numbers.
 
 The loop is C, compiled once per machine with ``$CC`` (else ``cc``, ``gcc``, ``clang``; torch.compile
-needs one too) into ``$MIXPREC_CACHE_DIR`` (default ``~/.cache/mixprec``) and called through ctypes: it
-includes no torch header, so it builds in well under a second (a torch C++ extension: ~20 s). It links the
-OpenMP runtime torch has already loaded, so it shares torch's threads. Without a compiler the wrapper
-keeps its generic step: the same masters up to that sqrt rounding, several times slower.
+needs one too) into ``$MIXPREC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mixprec`` or ``~/.cache/mixprec``)
+and called through ctypes: it includes no torch header, so it builds in well under a second (a torch C++
+extension: ~20 s). On Linux it links the OpenMP runtime torch has loaded (whatever its wheel named it), so
+it runs on torch's threads rather than a second pool; a compiler without OpenMP builds it single-threaded
+(``mixprec info`` says so). Without a compiler the wrapper keeps its generic step, and warns: the same
+masters up to that sqrt rounding, several times slower.
+
+Raw pointers are only as safe as their checks: every step, before the loop runs, each parameter's memory,
+dtype and size, its low half, moments and step count are compared with what the pointer tables were made
+from (:class:`_Plan`), and anything that moved is checked and planned anew; a pickled or copied wrapper
+plans anew. tests/test_split_adam_safety.py moves memory every way a user can.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,20 +52,21 @@ import torch
 
 from mixprec.master_kernel import _columns, _settings, decay_kind
 
-__all__ = ["NativeSplitAdam", "library_error"]
+__all__ = ["NativeSplitAdam", "library_error", "library_threads"]
 
 SOURCE = Path(__file__).with_name("split_adam.c")
 # -ffp-contract=off: the compiler may add no fused multiply-add the source does not write (torch's roundings
 # are matched one by one); -fno-math-errno lets sqrtf vectorise (it sets no errno; IEEE results unchanged);
 # -march=native: the library is built on, and cached for, the machine that runs it.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-OPENMP = ["-fopenmp"]  # dropped (one thread) where the compiler has no OpenMP, e.g. Apple's clang
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"]
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 # Per-tensor flags, as split_adam.c numbers them.
 _DECOUPLED, _L2, _MAXIMIZE, _SCALED = 1, 2, 4, 8
 _DECAY_FLAG = {"none": 0, "decoupled": _DECOUPLED, "l2": _L2}
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
-_LIBRARY: dict[str, Any] = {}  # "lib": the loaded library, or "error": why there is none
+# "lib": the loaded library, "threads": which threads it runs on (words); or "error": why there is none
+_LIBRARY: dict[str, Any] = {}
 
 
 def _cache_dir() -> Path:
@@ -65,35 +76,70 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixprec"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The compiler command: $CC as the shell would split it ("ccache gcc"), else the first one found."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
-def _build(compiler: str) -> Path:
-    """Compile split_adam.c into the cache (once per source, compiler, flags and CPU), return its path."""
-    source = SOURCE.read_bytes()
+def _torch_openmp() -> str | None:
+    """The OpenMP runtime torch has loaded (Linux: its libgomp, whatever its wheel renamed it to: in
+    torch/lib or torch.libs), so that the loop links that one and shares torch's threads instead of
+    starting a second pool; None where there is none to find (other libraries' runtimes do not count:
+    scikit-learn loads its own)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    home = Path(torch.__file__).resolve().parent
+    homes = (home / "lib", home.with_name("torch.libs"))
+    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
+    torchs = sorted(p for p in paths if Path(p).resolve().parent in homes)
+    return torchs[0] if len(torchs) == 1 else None
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        raise OSError(f"the C compiler {shlex.join(command[:1])!r} cannot be run ({e.strerror}): set $CC to "
+                      "one that can") from None
+
+
+def _build(compiler: list[str]) -> tuple[Path, str]:
+    """Compile split_adam.c into the cache, once per source, compiler (and its version), flags, OpenMP
+    runtime and CPU; return its path and which threads it runs on."""
+    version = _run([*compiler, "--version"]).stdout.splitlines()[:1]
+    openmp = _torch_openmp()
     cpu = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
-    recipe = (source, compiler, FLAGS, OPENMP, cpu, platform.machine())
-    key = hashlib.sha256(repr(recipe).encode()).hexdigest()
-    target = _cache_dir() / f"split_adam-{key[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for extra in (OPENMP, []):
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            try:
-                run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", str(out), "-lm"],
-                                     capture_output=True, text=True)
-            except OSError as e:
-                raise OSError(f"the C compiler {compiler!r} cannot be run ({e.strerror}): set $CC to one "
-                              "that can") from None
+    recipe = (SOURCE.read_bytes(), compiler, version, FLAGS, openmp, cpu, platform.machine())
+    key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:16]
+    # with OpenMP linked against torch's runtime (or the compiler's own where torch's is not found), then
+    # without OpenMP (one thread: e.g. Apple's clang has none)
+    linked = [openmp, f"-Wl,-rpath,{Path(openmp).parent}"] if openmp else ["-fopenmp"]
+    tries = {True: [["-fopenmp"], linked], False: [[], []]}
+    target = {threads: _cache_dir() / f"split_adam-{key}-{'omp' if threads else 'serial'}.so"
+              for threads in tries}
+    label = {True: "torch's OpenMP threads" if openmp else "the compiler's OpenMP threads",
+             False: "one thread: the C compiler has no OpenMP"}
+    for threads in tries:
+        if target[threads].exists():
+            return target[threads], label[threads]
+    target[True].parent.mkdir(parents=True, exist_ok=True)
+    error = "(no output)"
+    for threads, (compile_flags, link_flags) in tries.items():
+        with tempfile.TemporaryDirectory(dir=target[threads].parent) as tmp:
+            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / target[threads].name
+            run = _run([*compiler, *FLAGS, *compile_flags, "-c", str(SOURCE), "-o", str(obj)])
             if run.returncode == 0:
-                os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
-                return target
-            errors.append(run.stderr.strip().splitlines()[-1:] or ["(no output)"])
-    raise OSError(f"{compiler} could not build {SOURCE.name}: {errors[-1][0]}; set $CC to another compiler")
+                run = _run([*compiler, "-shared", str(obj), *link_flags, "-o", str(out), "-lm"])
+            if run.returncode == 0:
+                os.replace(out, target[threads])  # atomic; a concurrent build of this key writes the same
+                return target[threads], label[threads]
+            error = (run.stderr.strip().splitlines() or [error])[-1]
+    raise OSError(f"{shlex.join(compiler)} could not build {SOURCE.name}: {error}; set $CC to another one")
 
 
 def _library() -> Any | None:
@@ -102,11 +148,12 @@ def _library() -> Any | None:
         try:
             if compiler is None:
                 raise OSError("no C compiler found (set $CC, or install gcc or clang)")
-            lib = ctypes.CDLL(str(_build(compiler)))
+            path, threads = _build(compiler)
+            lib = ctypes.CDLL(str(path))
             fn = lib.split_adam_step
             fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int32]
             fn.restype = None
-            _LIBRARY["lib"] = lib
+            _LIBRARY.update(lib=lib, threads=threads)
         except OSError as e:
             _LIBRARY["error"] = str(e)
     return _LIBRARY.get("lib")
@@ -118,12 +165,28 @@ def library_error() -> str | None:
     return _LIBRARY.get("error")
 
 
+def library_threads() -> str:
+    """Which threads the built loop runs on, in words (torch's OpenMP threads where it could link them)."""
+    _library()
+    return _LIBRARY.get("threads", "none: not built")
+
+
 def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the native step cannot stand in for this optimizer's step (None: it can), checked every step.
+    Hooks and tensor settings change what a step does or how its scalars round; amsgrad, capturable and
+    differentiable are other algorithms or contracts."""
     if type(optimizer) not in SUPPORTED:
         return f"it implements Adam and AdamW, not {type(optimizer).__name__}"
-    for key in ("fused", "amsgrad", "capturable", "differentiable"):
+    # fused=True is stepped too: torch's fused CPU kernel is this arithmetic with a correctly rounded sqrt
+    # (bit for bit on its vectorised path; its scalar tail rounds the second moment once more)
+    for key in ("amsgrad", "capturable", "differentiable"):
         if any(g.get(key) for g in optimizer.param_groups):
             return f"the optimizer has {key}=True"
+    for g in optimizer.param_groups:
+        values = [g[k] for k in _HYPERPARAMETERS if k != "betas"] + list(g["betas"])
+        if any(isinstance(v, torch.Tensor) for v in values):
+            # torch computes the step size and bias corrections of tensor settings in fp32 tensor arithmetic
+            return "a hyperparameter (lr, betas, eps, weight_decay) is a tensor"
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return "the optimizer has step hooks (the native step does not call its step)"
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -133,20 +196,15 @@ def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return library_error()
 
 
-def _tensor_reason(p: torch.Tensor, state: dict[str, Any]) -> str | None:
-    if p.device.type != "cpu" or not p.is_contiguous():
-        return f"a parameter of shape {tuple(p.shape)} is not a contiguous CPU tensor"
-    moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
-    if any(m is not None and (m.dtype != torch.float32 or not m.is_contiguous()) for m in moments):
-        return f"the Adam state of a parameter of shape {tuple(p.shape)} is not contiguous fp32"
-    return None
-
-
-def _grad_reason(params: Sequence[torch.Tensor]) -> str | None:
-    for p in params:
-        if not p.grad.is_contiguous():  # type: ignore[union-attr]
-            return f"the gradient of a parameter of shape {tuple(p.shape)} is not contiguous"
-    return None
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of dimensions
+    (contiguous, channels_last, a transposed contiguous tensor, ...)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -160,61 +218,95 @@ def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
+def _member_reason(p: torch.Tensor, low: torch.Tensor | None, state: dict[str, Any]) -> str | None:
+    """Why the loop cannot update ``p`` through raw pointers (None: it can): every tensor it touches must
+    be on the CPU, of the dtype the loop reads, as many elements as ``p``, dense, laid out as ``p``."""
+    where = f"a parameter of shape {tuple(p.shape)}"
+    if p.device.type != "cpu" or p.dtype is not torch.bfloat16 or not _dense(p):
+        return f"{where} is not a dense bf16 CPU tensor ({p.dtype}, {p.device}, strides {p.stride()})"
+    if low is None or low.dtype is not torch.int16 or low.shape != p.shape or low.stride() != p.stride():
+        return f"{where} has no int16 low half of its shape and layout (was it replaced after wrapping?)"
+    tensors = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+    if any(t is not None and (t.dtype is not torch.float32 or t.device != p.device or t.shape != p.shape
+                              or t.stride() != p.stride()) for t in tensors):
+        return f"the Adam state of {where} is not fp32 of its shape and layout"
+    step = state.get("step")
+    if step is not None and (not isinstance(step, torch.Tensor) or step.dim() != 0 or step.is_cuda):
+        return f"the step count of {where} is not a 0-dim CPU tensor"
+    return None
+
+
+def _grad_reason(params: Sequence[torch.Tensor]) -> str | None:
+    for p in params:
+        g = p.grad
+        if g.dtype is not torch.bfloat16 or g.shape != p.shape or g.stride() != p.stride():  # type: ignore[union-attr]
+            return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
+    return None
+
+
 def _pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
 
 
 @dataclass
 class _Plan:
-    """What the loop reads of the parameters a step updates, kept between steps: the C code writes through
-    raw pointers, so a plan holds the tensors it points into (none is freed under it) and is used only
-    while each parameter's data, low half and moments are still those tensors (:meth:`current`)."""
+    """The pointer tables of one set of parameters, kept between steps while :func:`_key` of the set is
+    unchanged: the same parameters in the same groups, each still at the same memory as its low half,
+    moments and step count. Anything that moves a tensor's memory (``p.data = ...``, ``share_memory_()``,
+    a loaded state, ``.data`` swapped under a state tensor) changes the key and makes a new plan, checked
+    anew, so the loop never writes through a stale pointer."""
 
+    key: list[tuple[int, ...]]
+    held: list[list[torch.Tensor]]  # the tensors the tables point into: alive, so no id in `key` is reused
     params: list[torch.Tensor]
-    held: list[tuple[torch.Tensor, ...]]  # per parameter: its data, low half, exp_avg, exp_avg_sq
     steps: list[torch.Tensor]
     groups: list[int]
     tables: list[np.ndarray]  # pointers to the data, low halves, exp_avg, exp_avg_sq
     numel: np.ndarray
 
-    def current(self, optimizer: torch.optim.Optimizer, lows: dict[torch.Tensor, torch.Tensor]) -> bool:
-        state = optimizer.state
-        for p, (data, low, m, v) in zip(self.params, self.held, strict=True):
-            st = state.get(p)
-            moved = st is None or p.data_ptr() != data.data_ptr() or p.shape != data.shape
-            if moved or lows.get(p) is not low or st.get("exp_avg") is not m or st.get("exp_avg_sq") is not v:
-                return False
-        return True
+
+def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
+         lows: dict[torch.Tensor, torch.Tensor]) -> list[tuple[int, ...]]:
+    """Per member: what its plan entry depends on (identities, memory addresses, dtypes, sizes)."""
+    key = []
+    for k, p in members:
+        st, low = optimizer.state.get(p) or {}, lows.get(p)
+        m, v, step = st.get("exp_avg"), st.get("exp_avg_sq"), st.get("step")
+        key.append((k, id(p), p.data_ptr(), hash(p.dtype), p.numel(), id(low),
+                    -1 if low is None else low.data_ptr(), id(m), -1 if m is None else m.data_ptr(),
+                    id(v), -1 if v is None else v.data_ptr(), id(step)))
+    return key
 
 
 def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
           lows: dict[torch.Tensor, torch.Tensor]) -> _Plan | str:
     """A plan for ``members`` (group index, parameter), or why the native step cannot update them."""
-    held = []
+    if len({id(p) for _, p in members}) != len(members):
+        return "a parameter is listed twice"
     for _, p in members:
-        reason = _tensor_reason(p, optimizer.state.get(p, {}))
+        reason = _member_reason(p, lows.get(p), optimizer.state.get(p) or {})
         if reason is not None:
             return reason
-        st = _state(optimizer, p)
-        held.append((p.data, lows[p], st["exp_avg"], st["exp_avg_sq"]))
+    states = [_state(optimizer, p) for _, p in members]
     params = [p for _, p in members]
-    tables = [_pointers([h[i] for h in held]) for i in range(4)]
-    numel = np.array([p.numel() for p in params], dtype=np.int64)
-    steps = [optimizer.state[p]["step"] for p in params]
-    return _Plan(params, held, steps, [k for k, _ in members], tables, numel)
+    held = [[p for p in params], [lows[p] for p in params], [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states]]
+    return _Plan(_key(optimizer, members, lows), held, params, [s["step"] for s in states],
+                 [k for k, _ in members], [_pointers(ts) for ts in held],
+                 np.array([p.numel() for p in params], dtype=np.int64))
 
 
 class NativeSplitAdam:
-    """The native step of one ``LowPrecisionOptimizer``: checks, plans and runs the loop. ``reason()``
-    before each ``step()``; ``forget()`` when the optimizer's state is replaced (a load)."""
+    """The native step of one ``LowPrecisionOptimizer``: checks, plans and runs the loop. :meth:`reason`
+    before each :meth:`step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, lows: dict[torch.Tensor, torch.Tensor]) -> None:
         self.optimizer, self.lows = optimizer, lows
         self._plan: _Plan | None = None
-        self._members: list[tuple[int, torch.Tensor]] = []
 
-    def forget(self) -> None:
-        self._plan = None
+    def __getstate__(self) -> dict[str, Any]:
+        # raw addresses mean nothing in a copy (a pickle, deepcopy): it plans anew on its first step
+        return {**self.__dict__, "_plan": None}
 
     def reason(self) -> str | None:
         """Why this step cannot run natively, or None (then :meth:`step` runs it)."""
@@ -222,27 +314,23 @@ class NativeSplitAdam:
         if reason is not None:
             return reason
         groups = self.optimizer.param_groups
-        self._members = [(k, p) for k, g in enumerate(groups) for p in g["params"] if p.grad is not None]
-        reason = _grad_reason([p for _, p in self._members])
+        members = [(k, p) for k, g in enumerate(groups) for p in g["params"] if p.grad is not None]
+        reason = _grad_reason([p for _, p in members])
         if reason is not None:
             return reason
-        plan = self._plan
-        same = plan is not None and len(plan.params) == len(self._members) and all(
-            p is q for (_, p), q in zip(self._members, plan.params, strict=True))
-        if not (same and plan.current(self.optimizer, self.lows)):  # type: ignore[union-attr]
-            made = _plan(self.optimizer, self._members, self.lows) if self._members else None
+        if self._plan is None or _key(self.optimizer, members, self.lows) != self._plan.key:
+            made = _plan(self.optimizer, members, self.lows)
+            self._plan = made if isinstance(made, _Plan) else None
             if isinstance(made, str):
-                self._plan = None
                 return made
-            self._plan = made
         return None
 
     @torch.no_grad()
     def step(self, inv_scale: float | None) -> None:
-        """One Adam/AdamW step of the parameters :meth:`reason` found with a gradient, gradients multiplied
-        by ``inv_scale`` first when given."""
+        """One Adam/AdamW step of the parameters :meth:`reason` planned for, gradients multiplied by
+        ``inv_scale`` first when given."""
         plan, lib = self._plan, _library()
-        if plan is None or not self._members:
+        if plan is None or not plan.params:
             return
         torch._foreach_add_(plan.steps, 1.0)  # torch counts the step before using it
         counts = torch.stack(plan.steps).tolist()
@@ -263,3 +351,6 @@ class NativeSplitAdam:
             exp_avg_sq.ctypes.data, plan.numel.ctypes.data, coef.ctypes.data, flags.ctypes.data,
             1.0 if inv_scale is None else inv_scale, torch.get_num_threads(),
         )
+        # an LR scheduler built on the wrapped optimizer checks that its step ran (torch patches step() to
+        # set this); the native step stands in for it
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]

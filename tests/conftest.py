@@ -121,3 +121,16 @@ def arithmetic(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
         monkeypatch.setenv(hardware.ENV_VAR, value)
 
     return force
+
+
+@pytest.fixture
+def exact_sqrt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's Tensor.sqrt correctly rounded for fp32 (sqrt in fp64, rounded once: exact for fp32), as the
+    native split step's sqrtf is; torch's CPU sqrt (MKL) is one ulp off in ~0.6% of elements. The reference
+    of tests/test_split_adam*.py: torch's own Adam, made to round its sqrt once."""
+    sqrt = torch.Tensor.sqrt
+
+    def rounded_once(self: torch.Tensor) -> torch.Tensor:
+        return sqrt(self.double()).float() if self.dtype is torch.float32 else sqrt(self)
+
+    monkeypatch.setattr(torch.Tensor, "sqrt", rounded_once)

@@ -82,10 +82,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _split_step_line() -> str:
-    from mixprec.split_adam import library_error
+    from mixprec.split_adam import library_error, library_threads
 
     error = library_error()  # builds the loop once on this machine (about a second), then reads the cache
-    what = "native one-pass loop (mixprec/split_adam.c)" if error is None else f"generic step ({error})"
+    what = f"native one-pass loop (mixprec/split_adam.c, {library_threads()})" if error is None else (
+        f"generic step ({error})")
     return f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}"
 
 
