@@ -49,11 +49,13 @@ the why-comments on the bit-level numerics.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,6 +178,9 @@ def _load_split(c: _Chunk) -> None:
     bits, low = c.master.view(torch.int32), c.scratch.view(torch.int32)
     torch._foreach_copy_(c.views(bits), [h.view(torch.int16) for h in c.halves])  # sign-extends the high half
     torch._foreach_copy_(c.views(low), c.extras)
+    # A zero high half never has a negative low half (the sum would be a NaN) unless a zero was written over
+    # a trained weight (re-initialised, pruned, loaded): the master is then that zero. split_adam.c agrees.
+    low.masked_fill_(((bits & 0x7FFF) == 0) & (low < 0), 0)
     bits.bitwise_left_shift_(16).add_(low)  # fp32 bits = high * 2**16 + low, low in [-2**15, 2**15)
 
 
@@ -243,6 +248,16 @@ def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """An optimizer state tensor shaped like its parameter (momentum, Adam's moments), not a step count."""
     moment = isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
     return moment and key != "step"
+
+
+def _callers_level() -> int:
+    """The stacklevel of the first frame outside mixprec and torch (scaler.step, LR schedulers' step
+    wrappers and no_grad decorators sit between the user's line and the warning)."""
+    inside = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ----------------------------------------------------------------------------------- the wrapper
@@ -371,6 +386,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return self._generators[key]
 
     # ------------------------------------------------------------------ the step
+    # Not traced: Dynamo shows the optimizer's groups with capturable=True while it traces a step (so the
+    # native step would refuse), and the pointer checks and the C call are no graph anyway.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient. Syncs once to read ``found_inf`` when a GradScaler
@@ -398,9 +416,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         generic step is several times slower, which a user should hear about."""
         if self.kernel == "generic" or self.mode is not UpdateMode.SPLIT or self.state_dtype is not None:
             return False
-        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
-            _check_grad(p)
         reason = self._native.reason()
+        if reason is not None:  # a gradient the generic step refuses too (sparse, another dtype) raises here
+            for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+                _check_grad(p)
         if reason is not None and self.kernel == "native":
             raise ConfigError(f"kernel='native' cannot step this optimizer: {reason}.",
                               "use kernel='auto' (the generic step where the native one cannot run).")
@@ -409,7 +428,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._fallbacks.add(reason)
             warnings.warn(f"LowPrecisionOptimizer(mode='split') steps generically, several times slower than "
                           f"its native Adam step, because {reason}. Pass kernel='generic' to choose that "
-                          "step without this warning.", UserWarning, stacklevel=3)
+                          "step without this warning.", UserWarning, stacklevel=_callers_level())
         return reason is None
 
     def _chunks(self) -> list[list[list[Tensor]]]:

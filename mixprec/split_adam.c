@@ -29,6 +29,10 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline float join(uint16_t high, int16_t low) {
     /* high * 2**16 + low, low in [-2**15, 2**15): in uint32, which wraps where int32 would overflow (NaN
      * payloads next to the sign bit) */
+    /* A split never pairs a zero high half with a negative low half (that would be a NaN); it appears when
+     * a zero is written over a trained weight (re-initialised, pruned, loaded): the master is that zero.
+     * split_adam.py's generic load (_load_split in low_precision.py) reads it the same way. */
+    if ((high & 0x7FFFu) == 0 && low < 0) low = 0;
     uint32_t bits = ((uint32_t)high << 16) + (uint32_t)(int32_t)low;
     float f;
     memcpy(&f, &bits, 4);

@@ -127,7 +127,12 @@ def _build(compiler: list[str]) -> tuple[Path, str]:
     for threads in tries:
         if target[threads].exists():
             return target[threads], label[threads]
-    target[True].parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target[True].parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=target[True].parent).cleanup()
+    except OSError as e:
+        raise OSError(f"the build cache {target[True].parent} is not writable ({e.strerror}): set "
+                      "MIXPREC_CACHE_DIR to a writable directory") from None
     error = "(no output)"
     for threads, (compile_flags, link_flags) in tries.items():
         with tempfile.TemporaryDirectory(dir=target[threads].parent) as tmp:
@@ -199,12 +204,20 @@ def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of dimensions
     (contiguous, channels_last, a transposed contiguous tensor, ...)."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
         if size != 1 and stride != expected:
             return False
         expected *= size
     return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same strides wherever a stride matters (a dimension of size 1 has any)."""
+    return a.shape == b.shape and (a.stride() == b.stride() or all(
+        sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n > 1))
 
 
 def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -218,29 +231,30 @@ def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
+def _like(p: torch.Tensor, t: Any, dtype: torch.dtype) -> Any:
+    """``t`` laid out as ``p`` where it holds the right values in another dense layout (the model moved
+    to channels_last after wrapping; moments a generic step made contiguous): copied once, when planning."""
+    if (isinstance(t, torch.Tensor) and t.dtype is dtype and t.device == p.device and t.shape == p.shape
+            and not _same_layout(t, p)):
+        return torch.empty_like(p, dtype=dtype).copy_(t)
+    return t
+
+
 def _member_reason(p: torch.Tensor, low: torch.Tensor | None, state: dict[str, Any]) -> str | None:
     """Why the loop cannot update ``p`` through raw pointers (None: it can): every tensor it touches must
     be on the CPU, of the dtype the loop reads, as many elements as ``p``, dense, laid out as ``p``."""
     where = f"a parameter of shape {tuple(p.shape)}"
     if p.device.type != "cpu" or p.dtype is not torch.bfloat16 or not _dense(p):
         return f"{where} is not a dense bf16 CPU tensor ({p.dtype}, {p.device}, strides {p.stride()})"
-    if low is None or low.dtype is not torch.int16 or low.shape != p.shape or low.stride() != p.stride():
-        return f"{where} has no int16 low half of its shape and layout (was it replaced after wrapping?)"
+    if low is None or low.dtype is not torch.int16 or not _same_layout(low, p):
+        return f"{where} has no int16 low half of its shape (was it replaced after wrapping?)"
     tensors = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
-    if any(t is not None and (t.dtype is not torch.float32 or t.device != p.device or t.shape != p.shape
-                              or t.stride() != p.stride()) for t in tensors):
-        return f"the Adam state of {where} is not fp32 of its shape and layout"
+    if any(t is not None and (t.dtype is not torch.float32 or t.device != p.device or not _same_layout(t, p))
+           for t in tensors):
+        return f"the Adam state of {where} is not fp32 of its shape"
     step = state.get("step")
     if step is not None and (not isinstance(step, torch.Tensor) or step.dim() != 0 or step.is_cuda):
         return f"the step count of {where} is not a 0-dim CPU tensor"
-    return None
-
-
-def _grad_reason(params: Sequence[torch.Tensor]) -> str | None:
-    for p in params:
-        g = p.grad
-        if g.dtype is not torch.bfloat16 or g.shape != p.shape or g.stride() != p.stride():  # type: ignore[union-attr]
-            return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
     return None
 
 
@@ -256,7 +270,7 @@ class _Plan:
     a loaded state, ``.data`` swapped under a state tensor) changes the key and makes a new plan, checked
     anew, so the loop never writes through a stale pointer."""
 
-    key: list[tuple[int, ...]]
+    key: list[tuple[Any, ...]]
     held: list[list[torch.Tensor]]  # the tensors the tables point into: alive, so no id in `key` is reused
     params: list[torch.Tensor]
     steps: list[torch.Tensor]
@@ -266,15 +280,23 @@ class _Plan:
 
 
 def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
-         lows: dict[torch.Tensor, torch.Tensor]) -> list[tuple[int, ...]]:
-    """Per member: what its plan entry depends on (identities, memory addresses, dtypes, sizes)."""
-    key = []
+         lows: dict[torch.Tensor, torch.Tensor]) -> list[tuple[Any, ...]] | str:
+    """Per member: what its plan entry depends on (identities, memory addresses, dtype, size); or why a
+    gradient cannot be read by the loop. One pass: the per-step cost of the native step's checks (~1 us a
+    parameter)."""
+    key, state, none, bf16 = [], optimizer.state, {}, torch.bfloat16
     for k, p in members:
-        st, low = optimizer.state.get(p) or {}, lows.get(p)
-        m, v, step = st.get("exp_avg"), st.get("exp_avg_sq"), st.get("step")
-        key.append((k, id(p), p.data_ptr(), hash(p.dtype), p.numel(), id(low),
-                    -1 if low is None else low.data_ptr(), id(m), -1 if m is None else m.data_ptr(),
-                    id(v), -1 if v is None else v.data_ptr(), id(step)))
+        g = p.grad
+        if g.dtype is not bf16 or g.layout is not torch.strided or (  # type: ignore[union-attr]
+                g.stride() != p.stride() and not _same_layout(g, p)):  # type: ignore[union-attr]
+            return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
+        st = state.get(p, none)
+        low, m, v = lows.get(p), st.get("exp_avg"), st.get("exp_avg_sq")
+        # ids, not tensors (== on tensors compares values): the plan holds every tensor it names, so none
+        # of these ids can be reused by another object while the plan lives
+        key.append((k, id(p), p.data_ptr(), p.dtype, p.shape, id(low), id(m), id(v), id(st.get("step")),
+                    None if low is None or m is None or v is None else (
+                        low.data_ptr(), m.data_ptr(), v.data_ptr())))
     return key
 
 
@@ -284,6 +306,12 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
     if len({id(p) for _, p in members}) != len(members):
         return "a parameter is listed twice"
     for _, p in members:
+        if p.dtype is torch.bfloat16 and _dense(p):
+            if p in lows:
+                lows[p] = _like(p, lows[p], torch.int16)
+            st = optimizer.state.get(p)
+            for k in ("exp_avg", "exp_avg_sq") if st else ():
+                st[k] = _like(p, st.get(k), torch.float32)  # type: ignore[index]
         reason = _member_reason(p, lows.get(p), optimizer.state.get(p) or {})
         if reason is not None:
             return reason
@@ -291,9 +319,10 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
     params = [p for _, p in members]
     held = [[p for p in params], [lows[p] for p in params], [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states]]
-    return _Plan(_key(optimizer, members, lows), held, params, [s["step"] for s in states],
-                 [k for k, _ in members], [_pointers(ts) for ts in held],
-                 np.array([p.numel() for p in params], dtype=np.int64))
+    key = _key(optimizer, members, lows)
+    assert not isinstance(key, str)  # the gradients were checked before planning
+    return _Plan(key, held, params, [s["step"] for s in states], [k for k, _ in members],
+                 [_pointers(ts) for ts in held], np.array([p.numel() for p in params], dtype=np.int64))
 
 
 class NativeSplitAdam:
@@ -315,10 +344,10 @@ class NativeSplitAdam:
             return reason
         groups = self.optimizer.param_groups
         members = [(k, p) for k, g in enumerate(groups) for p in g["params"] if p.grad is not None]
-        reason = _grad_reason([p for _, p in members])
-        if reason is not None:
-            return reason
-        if self._plan is None or _key(self.optimizer, members, self.lows) != self._plan.key:
+        key = _key(self.optimizer, members, self.lows)
+        if isinstance(key, str):
+            return key
+        if self._plan is None or key != self._plan.key:
             made = _plan(self.optimizer, members, self.lows)
             self._plan = made if isinstance(made, _Plan) else None
             if isinstance(made, str):
@@ -332,7 +361,7 @@ class NativeSplitAdam:
         plan, lib = self._plan, _library()
         if plan is None or not plan.params:
             return
-        torch._foreach_add_(plan.steps, 1.0)  # torch counts the step before using it
+        torch._foreach_add_(plan.steps, 1)  # torch counts the step before using it (int or float counts)
         counts = torch.stack(plan.steps).tolist()
         groups = self.optimizer.param_groups
         settings = [_settings(g) for g in groups]
@@ -344,13 +373,17 @@ class NativeSplitAdam:
         kind = [_DECAY_FLAG[decay_kind(g)] | (_MAXIMIZE if g["maximize"] else 0) for g in groups]
         scaled = 0 if inv_scale is None else _SCALED
         flags = np.array([kind[k] | scaled for k in plan.groups], dtype=np.int32)
-        grads = _pointers([p.grad for p in plan.params])  # type: ignore[misc]
+        # held until the loop returns: ctypes lets go of the GIL, and another thread's zero_grad(set_to_none)
+        # would free the gradients under it
+        grad_tensors = [p.grad for p in plan.params]
+        grads = _pointers(grad_tensors)  # type: ignore[arg-type]
         high, low, exp_avg, exp_avg_sq = plan.tables
         lib.split_adam_step(
             len(plan.params), high.ctypes.data, low.ctypes.data, grads.ctypes.data, exp_avg.ctypes.data,
             exp_avg_sq.ctypes.data, plan.numel.ctypes.data, coef.ctypes.data, flags.ctypes.data,
             1.0 if inv_scale is None else inv_scale, torch.get_num_threads(),
         )
+        del grad_tensors
         # an LR scheduler built on the wrapped optimizer checks that its step ran (torch patches step() to
         # set this); the native step stands in for it
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

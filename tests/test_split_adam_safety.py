@@ -297,3 +297,204 @@ def test_a_scheduler_on_the_wrapped_optimizer_sees_its_step() -> None:
         warnings.simplefilter("error")
         opt.step()
         sched.step()
+
+
+# ================================================================== a second review's cases
+def _train(model: nn.Module, opt: LowPrecisionOptimizer, x: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+
+def _generic_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "steps generically" in str(w.message)]
+
+
+# ------------------------------------------------------------------ 1. zeros written into trained weights
+@pytest.mark.parametrize("kernel", ["native", "generic"])
+def test_a_weight_zeroed_after_training_keeps_a_finite_master_and_trains(kernel: str) -> None:
+    """nn.init.zeros_ (re-initialising a layer), masking/pruning, or loading a checkpoint with zero biases
+    writes bf16 +0.0 over a weight whose low half is negative (about half of them after any step).
+    0x0000 << 16 plus a negative low half wraps to 0xFFFFxxxx: a NaN master. The next step splits that NaN
+    into high 0x0000, low -0x8000 again, so the weight shows 0.0 forever (frozen, silently) while
+    master_values() -- the docs' "fp32 weights at the end" -- holds NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(BF16)
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "split", kernel=kernel)
+    x = torch.randn(8, 64, dtype=BF16)
+    _train(model, opt, x, 3)
+    assert (opt.extra_tensors()[1] < 0).any()  # the precondition: some negative low halves
+    nn.init.zeros_(model.bias)
+    assert not opt.master_values()[1].isnan().any(), "zeroed weights read back as NaN masters"
+    _train(model, opt, x, 10)
+    assert (model.bias != 0).all(), "zeroed weights never move again"
+
+
+def test_loading_model_weights_keeps_each_master_within_half_a_bf16_spacing() -> None:
+    """docs/low-precision.md: 'Loading only the model's weights later keeps the old low halves: each master
+    is then within half a bf16 spacing of the loaded value' -- loaded zeros included (they read as NaN
+    masters before)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(BF16)
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "split")
+    x = torch.randn(8, 64, dtype=BF16)
+    _train(model, opt, x, 3)
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded["bias"][::2] = 0  # a checkpoint with some zero biases
+    model.load_state_dict(loaded)
+    for master, value in zip(opt.master_values(), [loaded["weight"], loaded["bias"]], strict=True):
+        spacing = (value.float().abs() * 2**-7).clamp_min(2**-133)  # bf16 spacing below |value|, at least
+        assert ((master - value.float()).abs() <= spacing).all()
+
+
+# ------------------------------------------------------------------ 2. torch.compile
+def test_a_compiled_step_runs_the_native_pass_without_a_false_reason() -> None:
+    """torch.compile(train_step) with opt.step() inside: Dynamo presents param_groups with capturable=True
+    while it traces an optimizer (torch/_dynamo/variables/optimizer.py, _set_capturable), so the native
+    step is refused 'because the optimizer has capturable=True' -- a setting the user never made -- and the
+    compiled generic step runs: several times slower, other numbers (hundreds of ulps from eager)."""
+    def run(compiled: bool) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        ps = [nn.Parameter(torch.randn(64, 32, generator=g).to(BF16)),
+              nn.Parameter(torch.randn(64, generator=g).to(BF16))]
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(ps, lr=1e-2), "split")
+
+        def step() -> None:
+            opt.step()
+
+        f = torch.compile(step) if compiled else step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(3):
+                gg = torch.Generator().manual_seed(10 + i)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gg).to(BF16)
+                f()
+        assert _generic_warnings(caught) == [], _generic_warnings(caught)
+        return opt.master_values()
+
+    torch._dynamo.reset()
+    eager, compiled = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+# ------------------------------------------------------------------ 3. the fallback warning's location
+def test_the_fallback_warning_points_at_the_callers_line() -> None:
+    """stacklevel=3 counts _native_applies, step, and then lands in torch/utils/_contextlib.py (the
+    no_grad decorator) -- below it is torch's step wrapper, then the user's line."""
+    p = nn.Parameter(torch.randn(10).to(BF16))
+    opt = LowPrecisionOptimizer(torch.optim.AdamW([p], amsgrad=True), "split")
+    p.grad = torch.randn(10).to(BF16)
+    with pytest.warns(UserWarning, match="steps generically") as record:
+        opt.step()
+    assert [w.filename for w in record if "steps generically" in str(w.message)] == [__file__]
+
+
+# ------------------------------------------------------------------ 4. layouts refused for no reason
+def test_a_gradient_whose_strides_differ_only_in_size_one_dims_steps_natively() -> None:
+    """_grad_reason compares every stride, but the stride of a size-1 dim is meaningless (_dense ignores
+    it, and torch's AccumulateGrad keeps such a gradient as autograd made it). A (64, 1) weight used
+    transposed gets a grad with strides (1, 64) against its (1, 1): the whole model steps generically."""
+    w = nn.Parameter(torch.randn(64, 1).to(BF16))
+    (w.t() * torch.randn(8, 64, dtype=BF16)).float().sum().backward()
+    assert w.grad is not None and w.grad.stride() != w.stride()  # as autograd made it
+    opt = LowPrecisionOptimizer(torch.optim.AdamW([w], lr=1e-2), "split", kernel="native")
+    opt.step()  # ConfigError: "the gradient of a parameter of shape (64, 1) is not bf16 laid out as it"
+
+
+def test_a_zero_element_parameter_does_not_send_the_model_to_the_generic_step() -> None:
+    """nn.Linear(0, 8) (a feature group of size 0) has an (8, 0) weight with strides (1, 1): _dense says
+    'not dense' (a size-0 dim's stride is meaningless too), and every parameter steps generically."""
+    empty = nn.Linear(0, 8).to(BF16)
+    dense = nn.Linear(16, 8).to(BF16)
+    ps = list(empty.parameters()) + list(dense.parameters())
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    LowPrecisionOptimizer(torch.optim.AdamW(ps, lr=1e-2), "split", kernel="native").step()
+
+
+def test_channels_last_after_wrapping_steps_natively() -> None:
+    """model.to(memory_format=torch.channels_last) after the wrapper was built: p.data is replaced by a
+    channels_last copy, the low half (made with the old layout) no longer has p's strides, and the native
+    step is refused for good ('was it replaced after wrapping?'). The values are right -- only the memory
+    order differs -- so the plan could lay the low half (and moments) out like p once, instead."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 8, 3).to(BF16)
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "split", kernel="native")
+    model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, dtype=BF16).to(memory_format=torch.channels_last)
+    _train(model, opt, x, 2)  # ConfigError
+
+
+def test_a_checkpoint_of_generic_steps_resumes_natively_for_channels_last_weights() -> None:
+    """The generic step lends torch contiguous fp32 views, so the moments torch makes there are contiguous
+    even for a channels_last weight. A run begun generically (kernel='generic', a machine without a C
+    compiler, one step under a hook) and resumed where the native step runs is refused for good: 'the Adam
+    state ... is not fp32 of its shape and layout'."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 8, 3).to(BF16).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, dtype=BF16).to(memory_format=torch.channels_last)
+    first = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "split", kernel="generic")
+    _train(model, first, x, 1)
+    resumed = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "split", kernel="native")
+    resumed.load_state_dict(first.state_dict())
+    _train(model, resumed, x, 1)  # ConfigError
+
+
+# ------------------------------------------------------------------ 5. a step count torch accepts
+def test_an_integer_step_count_is_stepped_as_torch_steps_it() -> None:
+    """opt.state[p]['step'] = torch.tensor(0) (restarting bias correction): torch's AdamW and the generic
+    step accept an int64 count; the native step passes the checks and then raises in
+    torch._foreach_add_(steps, 1.0): 'result type Float can't be cast to the desired output type Long'."""
+    p = nn.Parameter(torch.randn(100).to(BF16))
+    opt = LowPrecisionOptimizer(torch.optim.AdamW([p], lr=1e-2), "split")
+    p.grad = torch.randn(100).to(BF16)
+    opt.step()
+    opt.state[p]["step"] = torch.tensor(0)
+    opt.step()
+    assert opt.state[p]["step"].item() == 1
+
+
+# ------------------------------------------------------------------ 6. an unwritable cache
+def test_an_unusable_cache_dir_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A read-only or uncreatable cache ($HOME read-only in a container, a shared cache) falls back with
+    '[Errno 30] Read-only file system: '/path/tmpab12cd'' as the reason: a temporary name, no word that
+    it is the build cache or that MIXPREC_CACHE_DIR moves it. (Root ignores chmod 555; a path under a
+    regular file fails for root too.)"""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(blocker / "cache"))
+    error = library_error()
+    assert error is None or "MIXPREC_CACHE_DIR" in error, error
+
+
+# ------------------------------------------------------------------ 7. gradients freed during the loop
+def test_gradients_dropped_by_another_thread_during_the_step_are_not_read_after_free() -> None:
+    """step() passes raw gradient pointers to ctypes, which releases the GIL, and holds no reference to the
+    gradients (the list given to _pointers is a temporary). zero_grad(set_to_none=True) from another thread
+    while the loop runs frees them (large blocks are unmapped): a segfault. torch's own fused AdamW, whose
+    kernel holds its tensor arguments, survives the same race."""
+    code = textwrap.dedent("""
+        import threading, time, torch
+        from torch import nn
+        from mixprec.low_precision import LowPrecisionOptimizer
+        ps = [nn.Parameter(torch.randn(4096, 4096).to(torch.bfloat16)) for _ in range(2)]
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(ps), "split", kernel="native")
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        for _ in range(5):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            t = threading.Thread(target=opt.step)
+            t.start()
+            time.sleep(0.003)
+            opt.zero_grad(set_to_none=True)
+            t.join()
+        print("survived")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "survived" in run.stdout, f"child died with {run.returncode}"
