@@ -49,6 +49,7 @@ the why-comments on the bit-level numerics.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -253,7 +254,8 @@ def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
 def _callers_level() -> int:
     """The stacklevel of the first frame outside mixprec and torch (scaler.step, LR schedulers' step
     wrappers and no_grad decorators sit between the user's line and the warning)."""
-    inside = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+    # with the separator: torchvision's files start with torch's folder name, a user's mixprec_x/ with ours
+    inside = (str(Path(__file__).parent) + os.sep, str(Path(torch.__file__).parent) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1

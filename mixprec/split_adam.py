@@ -287,8 +287,9 @@ def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor
     key, state, none, bf16 = [], optimizer.state, {}, torch.bfloat16
     for k, p in members:
         g = p.grad
-        if g.dtype is not bf16 or g.layout is not torch.strided or (  # type: ignore[union-attr]
-                g.stride() != p.stride() and not _same_layout(g, p)):  # type: ignore[union-attr]
+        # the shape too: a (1, n) tensor has an (m, n) one's strides, and the loop reads p.numel() elements
+        if g.dtype is not bf16 or g.layout is not torch.strided or g.shape != p.shape or (  # type: ignore[union-attr]
+                g.device != p.device or (g.stride() != p.stride() and not _same_layout(g, p))):  # type: ignore[union-attr]
             return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
         st = state.get(p, none)
         low, m, v = lows.get(p), st.get("exp_avg"), st.get("exp_avg_sq")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mixprec import split_adam
+from mixprec.errors import ConfigError
 from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.split_adam import library_error
 
@@ -498,3 +499,82 @@ def test_gradients_dropped_by_another_thread_during_the_step_are_not_read_after_
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "survived" in run.stdout, f"child died with {run.returncode}"
+
+
+# ================================================================== a third review's cases
+# ------------------------------------------------------------------ a gradient of another shape
+def test_a_gradient_resized_to_another_shape_with_the_same_strides_is_refused() -> None:
+    """resize_ keeps the storage (so the read stays in bounds here), but the loop steps rows 1-2 with
+    stale memory instead of refusing: the (1, 3) gradient has the (3, 3) parameter's strides (3, 1)."""
+    p = nn.Parameter(torch.randn(3, 3).to(BF16))
+    opt = LowPrecisionOptimizer(torch.optim.AdamW([p], lr=1e-2), "split", kernel="native")
+    p.grad = torch.ones(3, 3, dtype=BF16)
+    opt.step()
+    p.grad.resize_(1, 3)
+    assert p.grad.shape != p.shape and p.grad.stride() == p.stride()
+    with pytest.raises(ConfigError, match="gradient"):
+        opt.step()
+
+
+def test_a_gradient_replaced_by_a_smaller_tensor_is_not_read_past_its_end() -> None:
+    """p.grad.data = a (1, 4096) tensor (the setter checks shapes, .data does not): the loop reads 16M
+    elements from a 4096-element buffer -- a segfault. Run in a child so a regression fails here."""
+    code = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from mixprec.errors import ConfigError
+        from mixprec.low_precision import LowPrecisionOptimizer
+        p = nn.Parameter(torch.zeros(4096, 4096).to(torch.bfloat16))
+        opt = LowPrecisionOptimizer(torch.optim.AdamW([p], lr=1e-2), "split", kernel="native")
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        p.grad.data = torch.zeros(1, 4096, dtype=torch.bfloat16)
+        try:
+            opt.step()
+            print("stepped")
+        except ConfigError:
+            print("refused")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "refused" in run.stdout, (run.returncode, run.stdout, run.stderr[-500:])
+
+
+# ------------------------------------------------------------------ the warning's frame
+def _prefixes() -> list[str]:
+    return [str(ROOT / "mixprec_experiments" / "train.py"),  # a user's sibling of the package directory
+            str(Path(torch.__file__).parent) + "vision_user_train.py"]  # '<site-packages>/torchvision...'
+
+
+@pytest.mark.parametrize("filename", _prefixes(), ids=["mixprec-prefix", "torch-prefix"])
+def test_the_fallback_warning_points_at_a_user_file_whose_path_extends_a_package_path(filename: str) -> None:
+    p = nn.Parameter(torch.randn(10).to(BF16))
+    opt = LowPrecisionOptimizer(torch.optim.AdamW([p], amsgrad=True), "split")
+    p.grad = torch.randn(10).to(BF16)
+    # user code as if it lived in `filename` (no file is written: the frame's co_filename is what counts)
+    code = compile("def train(opt):\n    opt.step()\n", filename, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        scope["train"](opt)
+    assert [w.filename for w in record if "steps generically" in str(w.message)] == [filename]
+
+
+# ------------------------------------------------------------------ the documented zero rule
+@pytest.mark.parametrize("kernel", ["native", "generic"])
+def test_a_zero_written_over_a_trained_weight_reads_as_zero_or_a_subnormal(kernel: str) -> None:
+    """docs/low-precision.md, Resuming: '(a zero written over a weight reads as 0 or a subnormal below
+    2**-133)': a stale non-negative low half is kept under a zero high half (a review found the docs'
+    first wording, 'exactly zero', untrue)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64).to(BF16)
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(lin.parameters(), lr=1e-3), "split", kernel=kernel)
+    for _ in range(3):
+        lin(torch.randn(8, 64, dtype=BF16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    nn.init.zeros_(lin.weight)
+    master = opt.master_values()[0]
+    assert (master.abs() < 2.0**-133).all() and not master.isnan().any()
+    assert (master == 0).any()
