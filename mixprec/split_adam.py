@@ -13,10 +13,10 @@ operation by operation, with one difference: its square root is correctly rounde
 ``sqrt`` (MKL's vector math, above ~100 elements) is one ulp off in ~0.6% of elements. So the masters equal
 torch's Adam on fp32 masters bit for bit when that sqrt is made exact, and are within a few ulps of it as
 it is (tests/test_split_adam.py). Torch's ``fused=True`` CPU kernel computes the same, correctly rounded
-sqrt included, except in the scalar tail of each tensor (under 16 elements), so an optimizer built with
-``fused=True`` is stepped here too. The wrapper uses it in place of the wrapped optimizer's
-step wherever it can (:meth:`NativeSplitAdam.reason` says when not); ``kernel="generic"`` keeps torch's
-own numbers.
+sqrt included (the same masters in every case tried); only its scalar tail (the last <16 elements of a
+thread's share) rounds the second moment once more, by an ulp. So ``fused=True`` is stepped here too.
+The wrapper uses it in place of the wrapped optimizer's step wherever it can
+(:meth:`NativeSplitAdam.reason` says when not); ``kernel="generic"`` keeps torch's own numbers.
 
 The loop is C, compiled once per machine with ``$CC`` (else ``cc``, ``gcc``, ``clang``; torch.compile
 needs one too) into ``$MIXPREC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mixprec`` or ``~/.cache/mixprec``)
