@@ -56,9 +56,9 @@ __all__ = ["NativeSplitAdam", "library_error", "library_threads"]
 
 SOURCE = Path(__file__).with_name("split_adam.c")
 # -ffp-contract=off: the compiler may add no fused multiply-add the source does not write (torch's roundings
-# are matched one by one); -fno-math-errno lets sqrtf vectorise (it sets no errno; IEEE results unchanged);
-# -march=native: the library is built on, and cached for, the machine that runs it.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC"]
+# are matched one by one); -fno-math-errno lets sqrtf vectorise (it sets no errno; IEEE results unchanged).
+# -march=native (in _variants): the library is built on, and cached for, the machine that runs it.
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC"]
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 # Per-tensor flags, as split_adam.c numbers them.
 _DECOUPLED, _L2, _MAXIMIZE, _SCALED = 1, 2, 4, 8
@@ -108,41 +108,58 @@ def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
                       "one that can") from None
 
 
+@dataclass(frozen=True)
+class _Variant:
+    """One way to build the loop, tried in order until the compiler accepts one."""
+
+    name: str  # the cached file's suffix
+    threads: str  # which threads it runs on, in words (mixprec info)
+    compile: tuple[str, ...]  # flags besides FLAGS
+    link: tuple[str, ...]
+
+
+def _variants(openmp: str | None) -> list[_Variant]:
+    """With OpenMP linked against torch's runtime (or the compiler's own where torch's is not found); then
+    without OpenMP (one thread: Apple's clang has none); then without -march=native as well (a compiler
+    that does not know this CPU: portable vector code, still one pass)."""
+    linked = (openmp, f"-Wl,-rpath,{Path(openmp).parent}") if openmp else ("-fopenmp",)
+    threads = "torch's OpenMP threads" if openmp else "the compiler's OpenMP threads"
+    serial = "one thread: the C compiler has no OpenMP"
+    return [_Variant("omp", threads, ("-fopenmp", "-march=native"), linked),
+            _Variant("serial", serial, ("-march=native",), ()),
+            _Variant("portable", serial + " nor -march=native", (), ())]
+
+
 def _build(compiler: list[str]) -> tuple[Path, str]:
     """Compile split_adam.c into the cache, once per source, compiler (and its version), flags, OpenMP
     runtime and CPU; return its path and which threads it runs on."""
     version = _run([*compiler, "--version"]).stdout.splitlines()[:1]
     openmp = _torch_openmp()
     cpu = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
-    recipe = (SOURCE.read_bytes(), compiler, version, FLAGS, openmp, cpu, platform.machine())
+    variants = _variants(openmp)
+    recipe = (SOURCE.read_bytes(), compiler, version, FLAGS, variants, cpu, platform.machine())
     key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:16]
-    # with OpenMP linked against torch's runtime (or the compiler's own where torch's is not found), then
-    # without OpenMP (one thread: e.g. Apple's clang has none)
-    linked = [openmp, f"-Wl,-rpath,{Path(openmp).parent}"] if openmp else ["-fopenmp"]
-    tries = {True: [["-fopenmp"], linked], False: [[], []]}
-    target = {threads: _cache_dir() / f"split_adam-{key}-{'omp' if threads else 'serial'}.so"
-              for threads in tries}
-    label = {True: "torch's OpenMP threads" if openmp else "the compiler's OpenMP threads",
-             False: "one thread: the C compiler has no OpenMP"}
-    for threads in tries:
-        if target[threads].exists():
-            return target[threads], label[threads]
+    cache = _cache_dir()
+    for v in variants:
+        if (cache / f"split_adam-{key}-{v.name}.so").exists():
+            return cache / f"split_adam-{key}-{v.name}.so", v.threads
     try:
-        target[True].parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=target[True].parent).cleanup()
+        cache.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=cache).cleanup()
     except OSError as e:
-        raise OSError(f"the build cache {target[True].parent} is not writable ({e.strerror}): set "
-                      "MIXPREC_CACHE_DIR to a writable directory") from None
+        raise OSError(f"the build cache {cache} is not writable ({e.strerror}): set MIXPREC_CACHE_DIR to a "
+                      "writable directory") from None
     error = "(no output)"
-    for threads, (compile_flags, link_flags) in tries.items():
-        with tempfile.TemporaryDirectory(dir=target[threads].parent) as tmp:
-            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / target[threads].name
-            run = _run([*compiler, *FLAGS, *compile_flags, "-c", str(SOURCE), "-o", str(obj)])
+    for v in variants:
+        target = cache / f"split_adam-{key}-{v.name}.so"
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / target.name
+            run = _run([*compiler, *FLAGS, *v.compile, "-c", str(SOURCE), "-o", str(obj)])
             if run.returncode == 0:
-                run = _run([*compiler, "-shared", str(obj), *link_flags, "-o", str(out), "-lm"])
+                run = _run([*compiler, "-shared", str(obj), *v.link, "-o", str(out), "-lm"])
             if run.returncode == 0:
-                os.replace(out, target[threads])  # atomic; a concurrent build of this key writes the same
-                return target[threads], label[threads]
+                os.replace(out, target)  # atomic; a concurrent build of this key writes the same
+                return target, v.threads
             error = (run.stderr.strip().splitlines() or [error])[-1]
     raise OSError(f"{shlex.join(compiler)} could not build {SOURCE.name}: {error}; set $CC to another one")
 
@@ -287,9 +304,10 @@ def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor
     key, state, none, bf16 = [], optimizer.state, {}, torch.bfloat16
     for k, p in members:
         g = p.grad
-        # the shape too: a (1, n) tensor has an (m, n) one's strides, and the loop reads p.numel() elements
+        # the shape too: a (1, n) tensor has an (m, n) one's strides, and the loop reads p.numel() elements;
+        # on the CPU, as the plan checked the parameter (is_cpu: comparing devices costs ~1 us a tensor)
         if g.dtype is not bf16 or g.layout is not torch.strided or g.shape != p.shape or (  # type: ignore[union-attr]
-                g.device != p.device or (g.stride() != p.stride() and not _same_layout(g, p))):  # type: ignore[union-attr]
+                not g.is_cpu or (g.stride() != p.stride() and not _same_layout(g, p))):  # type: ignore[union-attr]
             return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
         st = state.get(p, none)
         low, m, v = lows.get(p), st.get("exp_avg"), st.get("exp_avg_sq")

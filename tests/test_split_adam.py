@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -356,3 +357,29 @@ def test_scale_loss_tells_a_split_wrapper_what_to_do_instead() -> None:
     with pytest.raises(ConfigError, match=r"a LowPrecisionOptimizer(.|\n)*call loss.backward\(\) and opt"):
         with mixprec.scale_loss(loss, wrapped):
             pass
+
+
+def test_a_compiler_without_march_native_or_openmp_still_builds_a_portable_loop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, exact_sqrt: None
+) -> None:
+    """A compiler that refuses -march=native and -fopenmp (an old or foreign one): the loop is built
+    without both, runs on one thread, and steps with the same numbers."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    assert real is not None
+    picky = tmp_path / "picky-cc"
+    picky.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -march=native|-fopenmp) exit 1;; esac; done\n'
+                     f'exec {real} "$@"\n')
+    picky.chmod(0o755)
+    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(picky))
+    assert split_adam.library_error() is None
+    assert split_adam.library_threads() == "one thread: the C compiler has no OpenMP nor -march=native"
+    half, ref = _pair()
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(half, lr=1e-2), "split", kernel="native")
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for i in range(3):
+        _grads(half, ref, i)
+        opt.step()
+        ref_opt.step()
+    assert all(torch.equal(m, r.detach()) for m, r in zip(opt.master_values(), ref, strict=True))
