@@ -119,20 +119,26 @@ class _Variant:
 
 
 def _variants(openmp: str | None) -> list[_Variant]:
-    """With OpenMP linked against torch's runtime (or the compiler's own where torch's is not found); then
-    without OpenMP (one thread: Apple's clang has none); then without -march=native as well (a compiler
-    that does not know this CPU: portable vector code, still one pass)."""
+    """Best first: OpenMP (linked against torch's runtime, or the compiler's own where torch's is not
+    found) with -march=native; OpenMP without it (a compiler that does not take -march=native, e.g. on
+    POWER); one thread with it (Apple's clang has no OpenMP); one thread without it."""
     linked = (openmp, f"-Wl,-rpath,{Path(openmp).parent}") if openmp else ("-fopenmp",)
     threads = "torch's OpenMP threads" if openmp else "the compiler's OpenMP threads"
     serial = "one thread: the C compiler has no OpenMP"
     return [_Variant("omp", threads, ("-fopenmp", "-march=native"), linked),
+            _Variant("omp-portable", threads + ", without -march=native", ("-fopenmp",), linked),
             _Variant("serial", serial, ("-march=native",), ()),
             _Variant("portable", serial + " nor -march=native", (), ())]
 
 
 def _build(compiler: list[str]) -> tuple[Path, str]:
     """Compile split_adam.c into the cache, once per source, compiler (and its version), flags, OpenMP
-    runtime and CPU; return its path and which threads it runs on."""
+    runtime and CPU; return its path and which threads it runs on.
+
+    A variant the compiler refused leaves a ``.failed`` marker, so later processes use the next one without
+    asking again; a lesser variant is used only while every better one has such a marker. A compile killed
+    by a signal (out of memory, ^C) marks nothing and builds nothing: the next process tries again, rather
+    than a one-off failure leaving a slower loop cached for good. (Delete the cache to retry a refusal.)"""
     version = _run([*compiler, "--version"]).stdout.splitlines()[:1]
     openmp = _torch_openmp()
     cpu = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
@@ -140,9 +146,13 @@ def _build(compiler: list[str]) -> tuple[Path, str]:
     recipe = (SOURCE.read_bytes(), compiler, version, FLAGS, variants, cpu, platform.machine())
     key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:16]
     cache = _cache_dir()
-    for v in variants:
-        if (cache / f"split_adam-{key}-{v.name}.so").exists():
-            return cache / f"split_adam-{key}-{v.name}.so", v.threads
+
+    def path(v: _Variant, suffix: str) -> Path:
+        return cache / f"split_adam-{key}-{v.name}{suffix}"
+
+    for i, v in enumerate(variants):
+        if path(v, ".so").exists() and all(path(w, ".failed").exists() for w in variants[:i]):
+            return path(v, ".so"), v.threads
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryDirectory(dir=cache).cleanup()
@@ -151,17 +161,24 @@ def _build(compiler: list[str]) -> tuple[Path, str]:
                       "writable directory") from None
     error = "(no output)"
     for v in variants:
-        target = cache / f"split_adam-{key}-{v.name}.so"
+        if path(v, ".failed").exists():
+            error = path(v, ".failed").read_text().strip() or error
+            continue
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / target.name
+            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / path(v, ".so").name
             run = _run([*compiler, *FLAGS, *v.compile, "-c", str(SOURCE), "-o", str(obj)])
             if run.returncode == 0:
                 run = _run([*compiler, "-shared", str(obj), *v.link, "-o", str(out), "-lm"])
             if run.returncode == 0:
-                os.replace(out, target)  # atomic; a concurrent build of this key writes the same
-                return target, v.threads
+                os.replace(out, path(v, ".so"))  # atomic; a concurrent build of this key writes the same
+                return path(v, ".so"), v.threads
+            if run.returncode < 0:
+                raise OSError(f"{shlex.join(compiler)} was stopped by signal {-run.returncode} while "
+                              f"building {SOURCE.name}; the next process builds it again")
             error = (run.stderr.strip().splitlines() or [error])[-1]
-    raise OSError(f"{shlex.join(compiler)} could not build {SOURCE.name}: {error}; set $CC to another one")
+            path(v, ".failed").write_text(error + "\n")
+    raise OSError(f"{shlex.join(compiler)} could not build {SOURCE.name}: {error}; set $CC to another one "
+                  f"(and clear {cache})")
 
 
 def _library() -> Any | None:

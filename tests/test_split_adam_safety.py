@@ -578,3 +578,70 @@ def test_a_zero_written_over_a_trained_weight_reads_as_zero_or_a_subnormal(kerne
     master = opt.master_values()[0]
     assert (master.abs() < 2.0**-133).all() and not master.isnan().any()
     assert (master == 0).any()
+
+
+# ================================================================== a fourth review's cases: the build
+_OPENMP = pytest.mark.skipif(
+    library_error() is not None or "OpenMP threads" not in split_adam.library_threads(),
+    reason="needs a native build with OpenMP on this machine",
+)
+
+
+def _wrapper(tmp_path: Path, body: str) -> Path:
+    """A compiler wrapper around the real cc: `body` runs first (sh, with the arguments in "$@")."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    assert real is not None
+    cc = tmp_path / "wrapped-cc"
+    cc.write_text(f"#!/bin/sh\n{body}\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    return cc
+
+
+def _fresh(monkeypatch: pytest.MonkeyPatch, cache: Path, cc: Path) -> None:
+    """As a new process would start: no library loaded, this cache, this compiler."""
+    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(cache))
+    monkeypatch.setenv("CC", str(cc))
+
+
+@_OPENMP
+def test_a_compiler_with_openmp_but_without_march_native_keeps_openmp(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """gcc/clang on POWER (and other compilers that do not know -march=native) have OpenMP: dropping
+    -march=native must not drop the threads too, and `mixprec info` must not say there is no OpenMP (a
+    first version went omp+native -> serial+native -> portable)."""
+    cc = _wrapper(tmp_path, 'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done')
+    _fresh(monkeypatch, tmp_path / "cache", cc)
+    assert split_adam.library_error() is None
+    threads = split_adam.library_threads()
+    assert "no OpenMP" not in threads, threads
+    assert "OpenMP threads" in threads, threads
+
+
+@_OPENMP
+def test_a_transient_openmp_build_failure_is_not_cached_as_one_thread_forever(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first OpenMP compile is killed (OOM killer, ^C of a parallel build): the fallback is built and
+    cached, and every later process with the same, healthy compiler found the serial file first and never
+    tried OpenMP again, in a first version (now a killed compile caches nothing)."""
+    flag = tmp_path / "killed-once"
+    kill_once = f'[ -e {flag} ] || {{ touch {flag}; kill -KILL $$; }}'
+    cc = _wrapper(tmp_path, f'case " $* " in *" -fopenmp "*) {kill_once};; esac')
+    cache = tmp_path / "cache"
+    _fresh(monkeypatch, cache, cc)
+    split_adam.library_error()  # this process may fall back (or fail), as long as nothing degraded is cached
+    assert flag.exists()  # the OpenMP compile was killed once
+    first = split_adam.library_threads()
+    _fresh(monkeypatch, cache, cc)  # a later process: the compiler now builds OpenMP fine
+    assert split_adam.library_error() is None
+    later = split_adam.library_threads()
+    assert "OpenMP threads" in later, (first, later, sorted(p.name for p in cache.iterdir()))
+
+
+@_OPENMP
+def test_the_picky_compiler_test_leaves_the_normal_library_in_place() -> None:
+    """After the tests above swapped _LIBRARY and $CC, the process's library is the normal (OpenMP) one."""
+    assert split_adam.library_error() is None
+    assert "OpenMP threads" in split_adam.library_threads()
