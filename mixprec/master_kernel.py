@@ -33,7 +33,8 @@ import torch
 
 from mixprec.errors import ConfigError
 
-__all__ = ["KernelUnit", "adam_pass", "check_compilable", "record_non_finite_"]
+__all__ = ["KernelUnit", "adam_pass", "check_compilable", "coefficient_rows", "record_non_finite_",
+           "unsupported_flags"]
 
 @dataclass
 class KernelUnit:
@@ -48,10 +49,15 @@ class KernelUnit:
     group: int  # index into the groups' hyperparameter tensors
 
 
+def unsupported_flags(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The Adam settings set in some group that this pass (and split_adam's loop) do not implement."""
+    groups = optimizer.param_groups
+    return [k for k in ("amsgrad", "differentiable", "capturable") if any(g.get(k) for g in groups)]
+
+
 def check_compilable(optimizer: torch.optim.Optimizer) -> None:
     """Raise unless every group is one this pass implements (Adam/AdamW without amsgrad, differentiable)."""
-    unsupported = [k for k in ("amsgrad", "differentiable", "capturable")
-                   if any(g.get(k) for g in optimizer.param_groups)]
+    unsupported = unsupported_flags(optimizer)
     if unsupported:
         raise ConfigError(
             f"compile_step=True implements Adam/AdamW without {', '.join(unsupported)}.",
@@ -67,7 +73,9 @@ COEFFICIENTS = ("step_size", "bias_correction2_sqrt", "decay", "weight_decay", "
                 "one_minus_beta2", "eps")
 
 
-def _columns(lr: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, step: Any, sqrt: Any) -> list[Any]:
+def _columns(
+    lr: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, step: Any, sqrt: Any
+) -> list[Any]:
     """COEFFICIENTS from the settings and the step count: Python floats or fp64 tensors alike."""
     columns = {
         "step_size": lr / (1 - beta1**step),  # lr over the first moment's bias correction
@@ -95,11 +103,19 @@ def coefficients(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) 
     # On the CPU reading a step count costs ~1 us and Python floats beat ~15 tiny tensor ops (~0.4 ms a
     # step right after the pass has streamed the model through the caches). Units that share a group
     # and a step count share a row's arithmetic.
-    settings = [_settings(g) for g in groups]
     steps = {id(u.step): u.step.item() for u in units}  # flat-buffer members share one step tensor
     keys = [(u.group, steps[id(u.step)]) for u in units]
-    rows = {key: _columns(*settings[key[0]], key[1], math.sqrt) for key in set(keys)}
-    return torch.tensor([rows[key] for key in keys], dtype=torch.float32, device=units[0].param.device)
+    return torch.tensor(coefficient_rows(groups, keys, math.sqrt), dtype=torch.float32,
+                        device=units[0].param.device)
+
+
+def coefficient_rows(groups: Sequence[dict[str, Any]], keys: Sequence[tuple[int, float]],
+                     sqrt: Any) -> list[list[float]]:
+    """One row of COEFFICIENTS (Python floats) per (group index, step count) key; keys that repeat share
+    one row's arithmetic. Also split_adam's native step's scalars."""
+    settings = [_settings(g) for g in groups]
+    rows = {key: _columns(*settings[key[0]], key[1], sqrt) for key in set(keys)}
+    return [rows[key] for key in keys]
 
 
 def coefficients_on_device(units: Sequence[KernelUnit], groups: Sequence[dict[str, Any]]) -> torch.Tensor:

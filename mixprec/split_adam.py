@@ -6,7 +6,7 @@ weights and gradients per chunk, runs the wrapped optimizer, and splits the resu
 over memory. Here one loop (``split_adam.c``) reads the bf16 gradient, the two halves and Adam's moments of
 each element, and writes the halves and the moments back -- 26 bytes per parameter, where torch's fused
 fp32 AdamW moves 28 -- so the step of a model that holds 14 bytes per parameter runs faster than torch's
-fastest step on fp32 weights (benchmarks/master_step.py).
+fastest step on fp32 weights (0.86-0.94x on an AMX Xeon with 2 threads, benchmarks/RESULTS.md).
 
 Its arithmetic is torch's ``_single_tensor_adam`` (what ``Adam``/``AdamW`` run on the CPU by default),
 operation by operation, with one difference: its square root is correctly rounded, where torch's CPU
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mixprec.master_kernel import _columns, _settings, decay_kind
+from mixprec.master_kernel import coefficient_rows, decay_kind, unsupported_flags
 
 __all__ = ["NativeSplitAdam", "library_error", "library_threads"]
 
@@ -63,7 +63,6 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 # Per-tensor flags, as split_adam.c numbers them.
 _DECOUPLED, _L2, _MAXIMIZE, _SCALED = 1, 2, 4, 8
 _DECAY_FLAG = {"none": 0, "decoupled": _DECOUPLED, "l2": _L2}
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 # "lib": the loaded library, "threads": which threads it runs on (words); or "error": why there is none
 _LIBRARY: dict[str, Any] = {}
@@ -218,12 +217,11 @@ def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
         return f"it implements Adam and AdamW, not {type(optimizer).__name__}"
     # fused=True is stepped too: torch's fused CPU kernel is this arithmetic with a correctly rounded sqrt
     # (bit for bit on its vectorised path; its scalar tail rounds the second moment once more)
-    for key in ("amsgrad", "capturable", "differentiable"):
-        if any(g.get(key) for g in optimizer.param_groups):
-            return f"the optimizer has {key}=True"
+    unsupported = unsupported_flags(optimizer)
+    if unsupported:
+        return f"the optimizer has {unsupported[0]}=True"
     for g in optimizer.param_groups:
-        values = [g[k] for k in _HYPERPARAMETERS if k != "betas"] + list(g["betas"])
-        if any(isinstance(v, torch.Tensor) for v in values):
+        if any(isinstance(v, torch.Tensor) for v in (g["lr"], g["eps"], g["weight_decay"], *g["betas"])):
             # torch computes the step size and bias corrections of tensor settings in fp32 tensor arithmetic
             return "a hyperparameter (lr, betas, eps, weight_decay) is a tensor"
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
@@ -305,12 +303,17 @@ class _Plan:
     anew, so the loop never writes through a stale pointer."""
 
     key: list[tuple[Any, ...]]
-    held: list[list[torch.Tensor]]  # the tensors the tables point into: alive, so no id in `key` is reused
-    params: list[torch.Tensor]
+    # the tensors the tables point into (parameters, low halves, exp_avg, exp_avg_sq): alive, so no id in
+    # `key` is reused
+    held: list[list[torch.Tensor]]
     steps: list[torch.Tensor]
     groups: list[int]
-    tables: list[np.ndarray]  # pointers to the data, low halves, exp_avg, exp_avg_sq
+    tables: list[np.ndarray]  # pointers into `held`, table by table
     numel: np.ndarray
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.held[0]
 
 
 def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
@@ -353,11 +356,11 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
             return reason
     states = [_state(optimizer, p) for _, p in members]
     params = [p for _, p in members]
-    held = [[p for p in params], [lows[p] for p in params], [s["exp_avg"] for s in states],
+    held = [params, [lows[p] for p in params], [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states]]
     key = _key(optimizer, members, lows)
     assert not isinstance(key, str)  # the gradients were checked before planning
-    return _Plan(key, held, params, [s["step"] for s in states], [k for k, _ in members],
+    return _Plan(key, held, [s["step"] for s in states], [k for k, _ in members],
                  [_pointers(ts) for ts in held], np.array([p.numel() for p in params], dtype=np.int64))
 
 
@@ -400,12 +403,10 @@ class NativeSplitAdam:
         torch._foreach_add_(plan.steps, 1)  # torch counts the step before using it (int or float counts)
         counts = torch.stack(plan.steps).tolist()
         groups = self.optimizer.param_groups
-        settings = [_settings(g) for g in groups]
         # the scalars in fp64 as torch's Python computes them (** 0.5 as torch writes it), then fp32 as
         # its kernels receive them
         keys = list(zip(plan.groups, counts, strict=True))
-        rows = {key: _columns(*settings[key[0]], key[1], lambda x: x**0.5) for key in set(keys)}
-        coef = np.array([rows[key] for key in keys], dtype=np.float32)
+        coef = np.array(coefficient_rows(groups, keys, lambda x: x**0.5), dtype=np.float32)
         kind = [_DECAY_FLAG[decay_kind(g)] | (_MAXIMIZE if g["maximize"] else 0) for g in groups]
         scaled = 0 if inv_scale is None else _SCALED
         flags = np.array([kind[k] | scaled for k in plan.groups], dtype=np.int32)

@@ -55,15 +55,21 @@ def _grads(half: list[nn.Parameter], ref: list[nn.Parameter], seed: int, scale: 
         r.grad = h.grad.float() / scale  # scale: a power of two, so the division is exact
 
 
+def _step_both(opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, half: list[nn.Parameter],
+               ref: list[nn.Parameter], steps: int) -> None:
+    """``steps`` steps of the split wrapper and of the fp32 reference on the same gradients."""
+    for i in range(steps):
+        _grads(half, ref, i)
+        opt.step()
+        ref_opt.step()
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_native_step_is_torch_adam_on_the_fp32_masters_bit_for_bit(name: str, exact_sqrt: None) -> None:
     half, ref = _pair()
     make = OPTIMIZERS[name]
     opt, ref_opt = LowPrecisionOptimizer(make(half), "split", kernel="native"), make(ref)
-    for i in range(6):
-        _grads(half, ref, i)
-        opt.step()
-        ref_opt.step()
+    _step_both(opt, ref_opt, half, ref, 6)
     for m, r in zip(opt.master_values(), ref, strict=True):
         assert torch.equal(m.view(torch.int32), r.detach().view(torch.int32))
     for h, r in zip(half, ref, strict=True):
@@ -79,10 +85,7 @@ def test_native_step_stays_within_a_few_ulps_of_torch_adamw_as_it_is() -> None:
     half, ref = _pair()
     opt = LowPrecisionOptimizer(torch.optim.AdamW(half, lr=1e-3), "split", kernel="native")
     ref_opt = torch.optim.AdamW(ref, lr=1e-3)
-    for i in range(20):
-        _grads(half, ref, i)
-        opt.step()
-        ref_opt.step()
+    _step_both(opt, ref_opt, half, ref, 20)
     for m, r in zip(opt.master_values(), ref, strict=True):
         ulps = (m.view(torch.int32) - r.detach().view(torch.int32)).abs()
         assert ulps.max().item() <= 8
@@ -138,10 +141,7 @@ def test_fused_adamw_is_stepped_natively_with_torchs_fused_numbers() -> None:
     opt = LowPrecisionOptimizer(torch.optim.AdamW(half, lr=1e-2, weight_decay=0.1, fused=True), "split",
                                 kernel="native")
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
-    for i in range(6):
-        _grads(half, ref, i)
-        opt.step()
-        ref_opt.step()
+    _step_both(opt, ref_opt, half, ref, 6)
     ulps = torch.cat([(m.view(torch.int32) - r.detach().view(torch.int32)).abs().flatten()
                       for m, r in zip(opt.master_values(), ref, strict=True)])
     assert ulps.max().item() <= 2
@@ -378,8 +378,5 @@ def test_a_compiler_without_march_native_or_openmp_still_builds_a_portable_loop(
     half, ref = _pair()
     opt = LowPrecisionOptimizer(torch.optim.AdamW(half, lr=1e-2), "split", kernel="native")
     ref_opt = torch.optim.AdamW(ref, lr=1e-2)
-    for i in range(3):
-        _grads(half, ref, i)
-        opt.step()
-        ref_opt.step()
+    _step_both(opt, ref_opt, half, ref, 3)
     assert all(torch.equal(m, r.detach()) for m, r in zip(opt.master_values(), ref, strict=True))
