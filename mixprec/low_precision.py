@@ -53,6 +53,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -331,7 +332,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.seed = seed
         self.chunk_numel = chunk_numel
-        self._extras: dict[Tensor, Tensor] = {}
+        self._extras: dict[Tensor, Tensor] = _buffers_of(optimizer, self.mode, state_dtype)
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
         self._generators: dict[str, torch.Generator] = {}
@@ -339,6 +340,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._adopt(group["params"])
         self._share_inner_bookkeeping()
         self._own_existing_state()
+        _register_buffers(self)
 
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
@@ -365,7 +367,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p in params:
                 extra = spec.extra_dtype(p.dtype)
-                if extra is not None:
+                if extra is not None and p not in self._extras:  # kept: another wrapper's, or re-adopted
                     self._extras[p] = torch.zeros_like(p, dtype=extra)  # the weight is exactly its half value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -628,6 +630,38 @@ def _parse_mode(mode: UpdateMode | str) -> UpdateMode:
     except ValueError:
         names = ", ".join(repr(m.value) for m in UpdateMode)
         raise ConfigError(f"Unknown mode {mode!r}.", f"pick one of {names}.") from None
+
+
+# The buffers a wrapper keeps per weight (split's low halves, kahan's compensations) are per-parameter state
+# like the moments, which live in the wrapped optimizer: they are kept per wrapped optimizer too. A second
+# wrapper of the same optimizer (a notebook cell run again) then continues from them; with buffers of its
+# own, it would step the weights with fresh zero low halves while the first still held the real ones.
+_BufferKey = tuple[UpdateMode, "torch.dtype | None"]
+_BUFFERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[_BufferKey, dict[Tensor, Tensor]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _buffers_of(optimizer: torch.optim.Optimizer, mode: UpdateMode, state_dtype: torch.dtype | None
+                ) -> dict[Tensor, Tensor]:
+    """The per-weight buffers of wrappers of ``optimizer``: new for its first wrapper (registered by
+    :func:`_register_buffers` once that is built), shared after."""
+    held = _BUFFERS.get(optimizer)
+    if held is None:
+        return {}
+    if held[0] != (mode, state_dtype):
+        (was_mode, was_dtype), _ = held
+        raise ConfigError(
+            f"This optimizer is already wrapped by a LowPrecisionOptimizer with mode={was_mode.value!r}, "
+            f"state_dtype={was_dtype}; its buffers cannot serve mode={mode.value!r}, "
+            f"state_dtype={state_dtype}.",
+            "wrap each optimizer in one mode; to change mode, build a new optimizer over the model's "
+            "parameters and wrap that.",
+        )
+    return held[1]
+
+
+def _register_buffers(wrapper: LowPrecisionOptimizer) -> None:
+    _BUFFERS.setdefault(wrapper.inner, ((wrapper.mode, wrapper.state_dtype), wrapper._extras))
 
 
 def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:

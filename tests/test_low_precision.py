@@ -222,6 +222,36 @@ def test_deepcopy_steps_like_the_original() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["split", "kahan"])
+def test_a_second_wrapper_of_the_same_optimizer_continues_from_the_firsts_buffers(mode: str) -> None:
+    """A notebook cell run again wraps the same optimizer twice: the second wrapper must carry on with the
+    first's low halves (compensations), as one wrapper stepped throughout would."""
+    straight = [nn.Parameter(t) for t in _groups(BF16)]
+    _train(LowPrecisionOptimizer(OPTS["adamw"](straight), mode), straight, range(6))
+    params = [nn.Parameter(t) for t in _groups(BF16)]
+    inner = OPTS["adamw"](params)
+    first = LowPrecisionOptimizer(inner, mode)
+    _train(first, params, range(3))
+    second = LowPrecisionOptimizer(inner, mode)
+    _train(second, params, range(3, 6))
+    for a, b in zip(straight, params, strict=True):
+        assert torch.equal(a, b)
+    one = LowPrecisionOptimizer(OPTS["adamw"]([nn.Parameter(t) for t in _groups(BF16)]), mode)
+    _train(one, [p for g in one.param_groups for p in g["params"]], range(6))
+    for a, b in zip(one.master_values(), second.master_values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_wrapping_one_optimizer_in_two_modes_is_refused_and_a_failed_wrap_holds_nothing() -> None:
+    params = [nn.Parameter(torch.ones(2, dtype=FP16))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    with pytest.raises(UnsupportedParameterError):
+        LowPrecisionOptimizer(inner, "split")  # fp16: refused, and nothing is kept for this optimizer
+    LowPrecisionOptimizer(inner, "kahan")
+    with pytest.raises(ConfigError, match="already wrapped by a LowPrecisionOptimizer with mode='kahan'"):
+        LowPrecisionOptimizer(inner, "stochastic")
+
+
 # --------------------------------------------------------------------------------------------- GradScaler
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_grad_scaler_unscales_in_fp32_and_skips_on_inf(dtype: torch.dtype) -> None:
