@@ -67,6 +67,7 @@ from mixprec.skip_step import (
     device_skip_is_safe,
     skips_on_device,
     step_unless_inf,
+    step_with_flags,
 )
 
 __all__ = [
@@ -178,8 +179,8 @@ class GradScaler:
         * a skipped step marks the optimizer as stepped, so an LR scheduler does not warn after a skipped
           first step (torch's does; pytorch#44511) and the schedule advances with the iteration;
         * optimizers whose skipped first step would leave a momentum buffer uninitialized (fused SGD with
-          momentum) are unscaled on the host and stepped only if clean: at a scale that is not a power of
-          two their update can differ from torch's in the last bit (torch divides inside the kernel);
+          momentum) are stepped only if clean, decided on the host (one sync): torch's kernel would skip
+          on the device and leave the buffer garbage; a clean step is torch's (its kernel unscales);
         * ``state_dict()`` holds more keys (hysteresis, skip counts, history); either class loads the
           other's; the class is not a subclass of torch's (``isinstance`` checks against it fail).
 
@@ -253,6 +254,9 @@ class GradScaler:
         self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(
             _refresh_per_optimizer_state
         )
+        # a disabled scaler's getters return what was passed or set, unchecked (torch's raise AttributeError)
+        self._unchecked = {"growth_factor": growth_factor, "backoff_factor": backoff_factor,
+                           "growth_interval": growth_interval}
         if not self._enabled:
             return  # as torch: a disabled scaler validates nothing, every call is a pass-through
         self._config = ScaleConfig(
@@ -300,15 +304,15 @@ class GradScaler:
 
     @property
     def _growth_factor(self) -> float:
-        return self._config.growth_factor
+        return self._config.growth_factor if self._enabled else self._unchecked["growth_factor"]
 
     @property
     def _backoff_factor(self) -> float:
-        return self._config.backoff_factor
+        return self._config.backoff_factor if self._enabled else self._unchecked["backoff_factor"]
 
     @property
     def _growth_interval(self) -> int:
-        return self._config.growth_interval
+        return self._config.growth_interval if self._enabled else self._unchecked["growth_interval"]
 
     # ------------------------------------------------------------------ lazy device state
     def _lazy_init(self, dev: torch.device) -> DeviceCounters:
@@ -487,18 +491,20 @@ class GradScaler:
             "grad_scaler" in inspect.signature(optimizer.step).parameters
         ):
             return self._step_passing_self(optimizer, state, *args, **kwargs)
-        on_device = skips_on_device(optimizer)  # walks the param groups: once per step
+        # torch's fused optimizers (and a user's with the flag) unscale in their own kernel
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         # unscaled already (unscale_): the kernel divides only by a scale the user put on the optimizer
-        grad_scale = getattr(optimizer, "grad_scale", None) if on_device else None
-        if state["stage"] is OptState.READY and on_device:
+        grad_scale = getattr(optimizer, "grad_scale", None) if fused else None
+        if state["stage"] is OptState.READY and fused:
             self._check_inf_per_device(optimizer)  # the fused kernel unscales: only look for inf/NaN here
             grad_scale = dev.scale * getattr(optimizer, "grad_scale", 1)  # torch: product with the user's
         elif state["stage"] is OptState.READY:
             self._unscale(optimizer)  # not unscale_: nobody reads the model's gradients before this step
-        if not state["found_inf_per_device"] and on_device:
+        if not state["found_inf_per_device"] and fused:
             # no parameter has a gradient, so there is nothing to check or skip: torch calls a fused
-            # optimizer's step all the same (a no-op for parameters without gradients), so we do too
-            retval = optimizer.step(*args, **kwargs)
+            # optimizer's step all the same (a no-op for parameters without gradients), flags set, so we do
+            clean = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
+            retval = step_with_flags(optimizer, clean, grad_scale, optimizer.step, *args, **kwargs)
             state["stage"] = OptState.STEPPED
             return retval
         if not state["found_inf_per_device"]:
@@ -641,21 +647,30 @@ class GradScaler:
         return float(self._state.read("scale")) if self._enabled else 1.0
 
     def get_growth_factor(self) -> float:
-        return self._config.growth_factor
+        return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
+        if not self._enabled:
+            self._unchecked["growth_factor"] = new_factor
+            return
         self._config = self._config.replace(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._config.backoff_factor
+        return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        if not self._enabled:
+            self._unchecked["backoff_factor"] = new_factor
+            return
         self._config = self._config.replace(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._config.growth_interval
+        return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
+        if not self._enabled:
+            self._unchecked["growth_interval"] = new_interval
+            return
         self._config = self._config.replace(growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:

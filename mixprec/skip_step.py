@@ -82,20 +82,37 @@ def step_unless_inf(
     torch). ``grad_scale`` requires the device path: on the host path the gradients must be unscaled.
     ``on_skip`` runs when the host path skips (apex's "Gradient overflow" message: the flag was read
     already, so saying so costs no sync); the device path never knows, so never calls it."""
-    if skips_on_device(optimizer):
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        try:
-            return step_fn(*args, **kwargs)
-        finally:
-            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-    assert grad_scale is None, "scaled gradients need an optimizer that unscales on the device"
+    supports_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    if supports_scaling and device_skip_is_safe(optimizer):
+        return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
+    assert grad_scale is None or supports_scaling, "scaled gradients need an optimizer that unscales them"
     if not found_inf.item():  # the one host sync of the host path
+        if supports_scaling:  # decided here (a skip would be unsafe on the device); its kernel unscales
+            return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
         return step_fn(*args, **kwargs)
     optimizer._opt_called = True  # type: ignore[attr-defined]
     if on_skip is not None:
         on_skip()
     return None
+
+
+def step_with_flags(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    step_fn: Callable[..., T],
+    *args: Any,
+    **kwargs: Any,
+) -> T:
+    """``step_fn`` with ``optimizer.found_inf`` and ``optimizer.grad_scale`` set for its duration: the
+    contract of an optimizer with ``_step_supports_amp_scaling`` (torch's fused ones, or a user's), which
+    reads both in every step torch.amp's GradScaler calls."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    try:
+        return step_fn(*args, **kwargs)
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 class BufferWatch:

@@ -6,6 +6,7 @@ import copy
 import pickle
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -283,6 +284,17 @@ def test_disabled_is_a_pass_through() -> None:
     scaler.step(opt)
     scaler.update()
     assert (scaler.get_scale(), scaler.state_dict(), scaler.skipped_steps) == (1.0, {}, 0)
+
+
+def test_a_disabled_scaler_reports_the_settings_it_was_given_and_set() -> None:
+    """torch's disabled scaler raises AttributeError from these getters; ours returned the defaults
+    (2.0, 0.5, 2000), not what was passed. Unchecked, as a disabled scaler checks nothing."""
+    scaler = GradScaler("cpu", growth_factor=4.0, backoff_factor=0.25, growth_interval=7, enabled=False)
+    settings = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert settings == (4.0, 0.25, 7)
+    scaler.set_growth_factor(-1.0)
+    scaler.set_growth_interval(0)
+    assert (scaler.get_growth_factor(), scaler.get_growth_interval()) == (-1.0, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA fallback")
@@ -577,3 +589,60 @@ def test_an_optimizers_own_grad_scale_reaches_its_kernel_after_unscale_as_in_tor
     passed None, and the update differed."""
     assert torch.equal(_own_grad_scale_after_unscale(GradScaler),
                        _own_grad_scale_after_unscale(torch.amp.GradScaler))
+
+
+def _fused_sgd_momentum_fp16(make: Callable[..., object], init_scale: float) -> torch.Tensor:
+    w = nn.Parameter(torch.linspace(0.5, 2.0, 6, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
+    scaler = make("cpu", init_scale=init_scale)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale((w.float() ** 2).sum()).backward()  # type: ignore[attr-defined]
+        scaler.step(opt)  # type: ignore[attr-defined]
+        scaler.update()  # type: ignore[attr-defined]
+    return w.detach().clone()
+
+
+@pytest.mark.parametrize("init_scale", [1024.0, 1000.0])
+def test_fused_sgd_momentum_over_fp16_parameters_steps_as_in_torch(init_scale: float) -> None:
+    """The first step of a fused SGD with momentum is decided on the host (its device-side skip would leave
+    the buffer garbage); that path unscaled the fp16 gradients itself and refused them (Fp16GradientError)
+    where torch's fused kernel unscales them. Now the kernel unscales: torch's weights bit for bit, at a
+    scale that is no power of two too."""
+    assert torch.equal(_fused_sgd_momentum_fp16(GradScaler, init_scale),
+                       _fused_sgd_momentum_fp16(torch.amp.GradScaler, init_scale))
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """A user's optimizer that unscales by itself: it reads the flags torch.amp's GradScaler sets."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[float, float | None]] = []
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        found_inf, grad_scale = self.found_inf, self.grad_scale  # type: ignore[attr-defined]
+        self.seen.append((float(found_inf), None if grad_scale is None else float(grad_scale)))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_an_optimizer_that_unscales_itself_gets_found_inf_and_grad_scale_as_in_torch(
+    momentum: float, with_grad: bool
+) -> None:
+    """torch sets ``found_inf`` and ``grad_scale`` on an optimizer with ``_step_supports_amp_scaling`` for
+    every step it calls: also with no gradients at all, and for an SGD subclass with momentum on its first
+    (clean) step, which mixprec decides on the host. mixprec called those steps without them."""
+    seen = {}
+    for name, make in _both():
+        w = nn.Parameter(torch.ones(3))
+        opt = _RecordingSGD([w], lr=0.1, momentum=momentum)
+        scaler = make("cpu", init_scale=8.0)
+        loss = scaler.scale((w * 2).sum())  # type: ignore[attr-defined]
+        if with_grad:
+            loss.backward()
+        scaler.step(opt)  # type: ignore[attr-defined]
+        seen[name] = opt.seen  # (no update: with no gradient anywhere, both refuse it)
+    assert seen["mixprec"] == seen["torch"] == [(0.0, 8.0)]
