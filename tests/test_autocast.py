@@ -325,6 +325,16 @@ def test_nesting_and_enabled_false_behave_as_in_torch() -> None:
     assert [d for _, d in expected] == [bf16, fp32, fp16, fp32, bf16, fp32]
 
 
+@pytest.mark.parametrize("setting", [{"enabled": "yes"}, {"enabled": 0}, {"enabled": None},
+                                     {"cache_enabled": 0}])
+def test_settings_that_are_not_bools_raise_typeerror_as_in_torch(setting: dict[str, object]) -> None:
+    """torch raises TypeError on entering ("set_autocast_enabled(): argument 'enabled' (position 2) must
+    be bool, not str"; not run here: its failed entry leaves the thread's autocast state changed); ours
+    read "yes" as True and 0 as False."""
+    with pytest.raises(TypeError, match="must be a bool"), autocast("cpu", **setting):  # type: ignore[arg-type]
+        pass
+
+
 def test_torch_enabled_false_inside_an_emulating_region_is_plain_fp32() -> None:
     lin, x = nn.Linear(4, 4), torch.randn(2, 4)
     with autocast("cpu", torch.float16), torch.autocast("cpu", enabled=False):

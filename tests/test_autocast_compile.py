@@ -57,6 +57,21 @@ def test_compiled_function_entering_autocast_bf16_is_torch_compiled_autocast() -
     assert torch.equal(ours(x), theirs(x))
 
 
+@TRACED
+def test_a_decorated_function_compiles_in_one_graph_as_torchs_decorator() -> None:
+    """``@mixprec.autocast(...)`` on a function torch.compile traces: torch's decorator compiles with
+    fullgraph=True; ours was a region made outside the traced code, which Dynamo refused."""
+    model, x = _mlp(), torch.randn(4, 16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(model(x), -1)
+
+    ours = torch.compile(mixprec.autocast("cpu", torch.bfloat16)(f), fullgraph=True)(x)
+    theirs = torch.compile(torch.autocast("cpu", torch.bfloat16)(f), fullgraph=True)(x)
+    assert ours.dtype is theirs.dtype
+    assert torch.equal(ours, theirs)
+
+
 def test_a_torch_that_cannot_trace_the_region_enters_it_eagerly_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
