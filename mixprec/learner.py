@@ -201,16 +201,20 @@ class Learner:
         the data).
 
         Where this differs from fastai v1's ``to_fp16``, on purpose:
-            * the starting scale: fastai's ``loss_scale=None`` (its default) starts a dynamic scale at 2**16
-              and a static one at 512; here the default is 512 in both modes and ``None`` means no loss
-              scaling (512 already lifts the gradients that underflow in practice, without the first
-              steps being skipped while a 2**16 scale backs off);
+            * the default starting scale: fastai's default ``loss_scale=None`` starts a dynamic scale at
+              2**16 and a static one at 512; here the default is 512 in both modes (512 already lifts the
+              gradients that underflow in practice, without the first steps being skipped while a 2**16
+              scale backs off). An explicit ``None`` follows fastai's rule;
             * the masters start from the model's fp32 values, and ``fit`` ends with the model fp32 again,
               holding them; fastai cast the model to fp16 in ``to_fp16`` and made the masters from that
               rounding, again at every ``fit``;
-            * an overflowing step is skipped outright, as apex and torch.amp skip it; fastai still stepped
-              its optimizer on zeroed gradients (weight decay applied, Adam's moments and step count moved),
-              and at a static scale (or one at 1) applied the inf/NaN;
+            * an overflowing step is skipped outright, as apex and torch.amp skip it; fastai still called
+              its optimizer's step after zeroing the gradients (with torch >= 2, whose ``zero_grad`` sets
+              them to None, that step applies only fastai's own weight decay; with torch 1.x Adam's
+              moments and step count moved too), and at a static scale (or one at 1) applied the inf/NaN;
+            * ``max_scale`` is a ceiling the scale never passes; fastai doubled a scale below it once more
+              (48 -> 96 past a ceiling of 64);
+            * the scale starts anew at every ``fit`` (as fastai v2's); fastai v1 kept it between fits;
             * ``clip`` is one norm over all masters, as torch and apex clip; fastai clipped each parameter
               group (weights; biases and norm layers) on its own.
         """

@@ -48,6 +48,16 @@ def test_two_positional_arguments_are_loss_scale_and_max_noskip() -> None:
     assert (learn.recorder.loss_scales[0], learn.scaler.get_growth_interval()) == (1024.0, 500)
 
 
+@pytest.mark.parametrize(("dynamic", "start"), [(True, 2.0**16), (False, 512.0)])
+def test_loss_scale_none_follows_fastais_rule(dynamic: bool, start: float) -> None:
+    """fastai v1 (fastai/callbacks/fp16.py): ``self.loss_scale = ifnone(loss_scale, 2**16 if dynamic else
+    512)``. mixprec read None as "no loss scaling": fp16 trained unscaled, with no inf/NaN check."""
+    learn = _learner().to_fp16(None, dynamic=dynamic)
+    learn.fit(1, callbacks=[_StopAfter(1)])
+    assert learn.scaler is not None and learn.recorder.loss_scales[0] == start
+    assert learn.mp_cb.recipe.scale.dynamic is dynamic  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("clip", [-1.0, 0.0, math.nan, math.inf])
 def test_a_clip_that_would_invert_or_zero_training_is_refused(clip: float) -> None:
     with pytest.raises(ConfigError, match=r"clip must be a positive, finite gradient norm"):

@@ -87,8 +87,9 @@ class MixedPrecision(Callback):
     Args (fastai v1's ``MixedPrecision``, in its order, ``dtype`` where fastai has ``learn``; mixprec's
     ``master_weights`` and ``keep_bn_fp32`` follow; ignored when ``recipe`` is given):
         dtype: torch.float16 or torch.bfloat16.
-        loss_scale: the initial (dynamic) or fixed (static) loss scale; None: no loss scaling (bf16 has
-            fp32's range and needs none).
+        loss_scale: the initial (dynamic) or fixed (static) loss scale (fp16 only: bf16 has fp32's range
+            and needs none); None: fastai's rule, 2**16 dynamic, 512 static. For fp16 without loss scaling
+            pass a ``recipe`` whose ``scale`` is None.
         max_noskip: clean steps before a dynamic scale doubles.
         dynamic: halve the scale on overflow, double it after ``max_noskip`` clean steps.
         clip: clip the masters' gradient norm to this, after unscaling (also with ``recipe``): one norm
@@ -259,6 +260,11 @@ def fastai_recipe(
     check_scaling_arguments(loss_scale=loss_scale, max_noskip=max_noskip, max_scale=max_scale,
                             min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
     extras = {k: v for k, v in (("min_scale", min_scale), ("skip_limit", skip_limit)) if v is not None}
+    if loss_scale is None:
+        # fastai v1's rule for None (its own default): a dynamic scale from 2**16, a static one at 512.
+        # (None meant "no scaling" here once: an explicit None from fastai code then trained fp16 unscaled,
+        # with no inf/NaN check.)
+        loss_scale = DEFAULT_INIT_SCALE if dynamic else FASTAI_LOSS_SCALE
     return Recipe.fastai(dtype, loss_scale, max_noskip, dynamic, flat_master, max_scale, loss_fp32, **extras)
 
 
