@@ -317,13 +317,12 @@ class _Plan:
 
 
 def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
-         lows: dict[torch.Tensor, torch.Tensor]) -> list[tuple[Any, ...]] | str:
+         lows: dict[torch.Tensor, torch.Tensor], grads: list[torch.Tensor]) -> list[tuple[Any, ...]] | str:
     """Per member: what its plan entry depends on (identities, memory addresses, dtype, size); or why a
-    gradient cannot be read by the loop. One pass: the per-step cost of the native step's checks (~1 us a
-    parameter)."""
+    gradient (``grads``, one per member) cannot be read by the loop. One pass: the per-step cost of the
+    native step's checks (~1 us a parameter)."""
     key, state, none, bf16 = [], optimizer.state, {}, torch.bfloat16
-    for k, p in members:
-        g = p.grad
+    for (k, p), g in zip(members, grads, strict=True):
         # the shape too: a (1, n) tensor has an (m, n) one's strides, and the loop reads p.numel() elements;
         # on the CPU, as the plan checked the parameter (is_cpu: comparing devices costs ~1 us a tensor)
         if g.dtype is not bf16 or g.layout is not torch.strided or g.shape != p.shape or (  # type: ignore[union-attr]
@@ -340,7 +339,7 @@ def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor
 
 
 def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor]],
-          lows: dict[torch.Tensor, torch.Tensor]) -> _Plan | str:
+          lows: dict[torch.Tensor, torch.Tensor], grads: list[torch.Tensor]) -> _Plan | str:
     """A plan for ``members`` (group index, parameter), or why the native step cannot update them."""
     if len({id(p) for _, p in members}) != len(members):
         return "a parameter is listed twice"
@@ -358,7 +357,7 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
     params = [p for _, p in members]
     held = [params, [lows[p] for p in params], [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states]]
-    key = _key(optimizer, members, lows)
+    key = _key(optimizer, members, lows, grads)
     assert not isinstance(key, str)  # the gradients were checked before planning
     return _Plan(key, held, [s["step"] for s in states], [k for k, _ in members],
                  [_pointers(ts) for ts in held], np.array([p.numel() for p in params], dtype=np.int64))
@@ -371,10 +370,15 @@ class NativeSplitAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, lows: dict[torch.Tensor, torch.Tensor]) -> None:
         self.optimizer, self.lows = optimizer, lows
         self._plan: _Plan | None = None
+        # The gradients :meth:`reason` checked, read once: held until the loop returns (ctypes lets go of
+        # the GIL, and another thread's zero_grad(set_to_none) would free them under it), and never read
+        # from the parameters again in between (a gradient gone between two reads was an AttributeError
+        # mid-step, whose traceback's tensors torch's garbage collection then tore down: aborts, segfaults)
+        self._grads: list[torch.Tensor] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # raw addresses mean nothing in a copy (a pickle, deepcopy): it plans anew on its first step
-        return {**self.__dict__, "_plan": None}
+        return {**self.__dict__, "_plan": None, "_grads": []}
 
     def reason(self) -> str | None:
         """Why this step cannot run natively, or None (then :meth:`step` runs it)."""
@@ -382,15 +386,19 @@ class NativeSplitAdam:
         if reason is not None:
             return reason
         groups = self.optimizer.param_groups
-        members = [(k, p) for k, g in enumerate(groups) for p in g["params"] if p.grad is not None]
-        key = _key(self.optimizer, members, self.lows)
+        read = [(k, p, p.grad) for k, g in enumerate(groups) for p in g["params"]]
+        members = [(k, p) for k, p, grad in read if grad is not None]
+        grads = [grad for _, _, grad in read if grad is not None]
+        self._grads = []
+        key = _key(self.optimizer, members, self.lows, grads)
         if isinstance(key, str):
             return key
         if self._plan is None or key != self._plan.key:
-            made = _plan(self.optimizer, members, self.lows)
+            made = _plan(self.optimizer, members, self.lows, grads)
             self._plan = made if isinstance(made, _Plan) else None
             if isinstance(made, str):
                 return made
+        self._grads = grads
         return None
 
     @torch.no_grad()
@@ -399,6 +407,7 @@ class NativeSplitAdam:
         ``inv_scale`` first when given."""
         plan, lib = self._plan, _library()
         if plan is None or not plan.params:
+            self._grads = []
             return
         torch._foreach_add_(plan.steps, 1)  # torch counts the step before using it (int or float counts)
         counts = torch.stack(plan.steps).tolist()
@@ -410,10 +419,8 @@ class NativeSplitAdam:
         kind = [_DECAY_FLAG[decay_kind(g)] | (_MAXIMIZE if g["maximize"] else 0) for g in groups]
         scaled = 0 if inv_scale is None else _SCALED
         flags = np.array([kind[k] | scaled for k in plan.groups], dtype=np.int32)
-        # held until the loop returns: ctypes lets go of the GIL, and another thread's zero_grad(set_to_none)
-        # would free the gradients under it
-        grad_tensors = [p.grad for p in plan.params]
-        grads = _pointers(grad_tensors)  # type: ignore[arg-type]
+        grad_tensors, self._grads = self._grads, []  # those reason() checked: held until the loop returns
+        grads = _pointers(grad_tensors)
         high, low, exp_avg, exp_avg_sq = plan.tables
         lib.split_adam_step(
             len(plan.params), high.ctypes.data, low.ctypes.data, grads.ctypes.data, exp_avg.ctypes.data,

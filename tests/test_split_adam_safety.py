@@ -476,7 +476,10 @@ def test_gradients_dropped_by_another_thread_during_the_step_are_not_read_after_
     """step() passes raw gradient pointers to ctypes, which releases the GIL, and holds no reference to the
     gradients (the list given to _pointers is a temporary). zero_grad(set_to_none=True) from another thread
     while the loop runs frees them (large blocks are unmapped): a segfault. torch's own fused AdamW, whose
-    kernel holds its tensor arguments, survives the same race."""
+    kernel holds its tensor arguments, survives the same race. Then the step read each gradient twice
+    (checking, then pointing at it): one gone in between raised AttributeError mid-step, and torch's
+    garbage collection of that traceback's tensors aborted (an internal assert) or left a segfault for
+    later: this test failed in about half its runs."""
     code = textwrap.dedent("""
         import threading, time, torch
         from torch import nn
@@ -486,11 +489,13 @@ def test_gradients_dropped_by_another_thread_during_the_step_are_not_read_after_
         for p in ps:
             p.grad = torch.randn_like(p)
         opt.step()
-        for _ in range(5):
+        for _ in range(12):
             for p in ps:
                 p.grad = torch.randn_like(p)
             t = threading.Thread(target=opt.step)
             t.start()
+            # during the loop, after the step read the gradients: a zero_grad racing those reads would be
+            # a race on .grad inside torch itself (its fused AdamW crashes there too)
             time.sleep(0.003)
             opt.zero_grad(set_to_none=True)
             t.join()
