@@ -299,12 +299,13 @@ def make_runner(
     if config.kind == "O2 split":
         # torch's default AdamW (single-tensor): the arithmetic the native split step implements
         plain = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fp32 = {p: p.detach() for p in model.parameters()}  # the masters start there, as O2's MasterWeights
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             model, plain = mixprec.initialize(model, plain, "O2", dtype=config.dtype, master_weights=False,
                                               verbosity=0)
         amp_state = amp._STATE
-        opt = LowPrecisionOptimizer(plain, "split")
+        opt = LowPrecisionOptimizer(plain, "split", initial=fp32)
     x, y = workload.batch(batch)
     return Runner(config, compiled, model, opt, x.to(device), y.to(device), amp_state=amp_state)
 

@@ -177,8 +177,11 @@ def initialize(
         originals = {k: v for h in halves for k, v in h.fp32_originals().items()}
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
         opt_list = [_with_masters(opt, originals, recipe) for opt in opt_list]
+        del originals
     else:
         _warn_if_state_underflows(recipe, opt_list)
+    for half in halves:
+        half.release_originals()
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
     for scaler, model in ((s, m) for s in scalers for m in model_list):
         scaler.watch(model)  # a skipped step leaves BatchNorm's running statistics as they were

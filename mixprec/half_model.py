@@ -18,7 +18,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +59,9 @@ class Converted:
     name: str
     is_param: bool
     dtype: torch.dtype  # its dtype before
-    before: torch.Tensor  # its value before (a parameter's old storage: no copy was made)
+    # its value before (a parameter's old storage: no copy was made); None once released (HalfModel:
+    # after the masters are seeded from it, since it is 4 bytes per parameter held for the model's life)
+    before: torch.Tensor | None
 
 
 def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
@@ -89,7 +91,7 @@ def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = Tru
 
 def fp32_originals(converted: list[Converted]) -> dict[torch.Tensor, torch.Tensor]:
     """Each converted parameter's value before the cast: ``MasterWeights(..., initial=...)``."""
-    return {getattr(c.module, c.name): c.before for c in converted if c.is_param}
+    return {getattr(c.module, c.name): c.before for c in converted if c.is_param and c.before is not None}
 
 
 def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] | None = None) -> None:
@@ -376,6 +378,11 @@ class HalfModel:
     def fp32_originals(self) -> dict[torch.Tensor, torch.Tensor]:
         """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
         return fp32_originals(self.converted)
+
+    def release_originals(self) -> None:
+        """Let go of the values the model was cast from: once the fp32 masters are seeded from them (or
+        when none will be), they would hold a second fp32 copy of every weight for the model's life."""
+        self.converted = [replace(c, before=None) for c in self.converted]
 
     def restore(self, *masters: Any) -> None:
         """Remove the hooks and cast the model back; parameters take their fp32 master's value when one

@@ -54,7 +54,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -286,6 +286,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             of elements), so its masters match the generic step's within a few ulps. ``"native"`` raises
             where it cannot run, naming why; ``"generic"`` never uses it
             (torch's own numbers, bit for bit).
+        initial: mode ``"split"`` only: each parameter's exact fp32 starting value (a dict from parameter to
+            tensor, e.g. the fp32 weights a model was cast from): the masters start there, not at the bf16
+            weights' rounding, as ``MasterWeights(..., initial=...)``. Parameters left out start at their
+            bf16 value. A weight whose fp32 value lies exactly between two bf16 values is rounded away from
+            zero (the split layout's rule) where ``.to(torch.bfloat16)`` rounded it to even.
 
     It *is* a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the wrapped optimizer's and
     list the model's half parameters: LR schedulers, ``zero_grad`` and ``GradScaler.unscale_`` see those.
@@ -309,6 +314,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         chunk_numel: int = DEFAULT_CHUNK_NUMEL,
         kernel: str = "auto",
+        initial: Mapping[Tensor, Tensor] | None = None,
     ) -> None:
         _check_wrappable(optimizer)
         self.mode = _parse_mode(mode)
@@ -340,7 +346,32 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._adopt(group["params"])
         self._share_inner_bookkeeping()
         self._own_existing_state()
+        if initial is not None:
+            self._seed_split(initial)
         _register_buffers(self)
+
+    @torch.no_grad()
+    def _seed_split(self, initial: Mapping[Tensor, Tensor]) -> None:
+        """Each named parameter's weight and low half set so that together they are its fp32 value."""
+        if self.mode is not UpdateMode.SPLIT:
+            raise ConfigError(f"initial= seeds the exact fp32 masters of mode='split'; "
+                              f"mode={self.mode.value!r} keeps no exact master.",
+                              "pass initial only with mode='split'.")
+        params = {p for g in self.param_groups for p in g["params"]}
+        for p, value in initial.items():
+            if p not in params:
+                raise ConfigError(f"initial names a tensor of shape {tuple(p.shape)} that is not a "
+                                  "parameter of this optimizer.",
+                                  "key initial by the optimizer's own parameters.")
+            if not (isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape):
+                raise ConfigError(f"initial's value for a parameter of shape {tuple(p.shape)} is not a "
+                                  "floating tensor of that shape.", "pass the fp32 weight itself.")
+            # fp32 bits in the parameter's layout; high = round-half-away(bits / 2**16), low the rest (as
+            # _store_split): the exact fp32 value, the weight its rounding to nearest
+            bits = torch.empty_like(p, dtype=torch.float32).copy_(value).view(torch.int32)
+            bits.add_(1 << 15)
+            p.view(torch.int16).copy_(torch.bitwise_right_shift(bits, 16))
+            self._extras[p].copy_(bits.bitwise_and_((1 << 16) - 1).sub_(1 << 15))
 
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being

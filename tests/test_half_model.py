@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
+import warnings
 from collections.abc import Callable
 from copy import deepcopy
 
@@ -11,6 +13,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+import mixprec
+from mixprec.callbacks import Callback, CancelTrainException
 from mixprec.half_compute import half_compute
 from mixprec.half_model import prepare
 from mixprec.recipe import RECIPES
@@ -513,3 +517,57 @@ def test_a_class_made_per_instance_is_freed_and_a_patched_forward_shows_its_sign
     model = nn.Sequential(Patched())
     prepare(model, RECIPES["O2"], "cpu")
     assert list(inspect.signature(model[0].forward).parameters) == ["x", "shift"]
+
+
+Storages = list  # StorageWeakRef of each fp32 parameter storage the model was built with
+
+
+def _alive(storages: Storages) -> int:
+    gc.collect()
+    return sum(not s.expired() for s in storages)
+
+
+def _initialize(opt_level: str, **overrides: object) -> Callable[[nn.Module, Storages], int]:
+    def run(model: nn.Module, storages: Storages) -> int:
+        opt = torch.optim.AdamW(model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = mixprec.initialize(model, opt, opt_level, dtype=torch.bfloat16, verbosity=0,
+                                            **overrides)
+        with mixprec.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        return _alive(storages)  # model and opt alive: what they hold counts
+
+    return run
+
+
+def _learner(model: nn.Module, storages: Storages) -> int:
+    data = mixprec.synthetic(n=64, input_shape=(8,), n_classes=4, batch_size=16)
+    counted: list[int] = []
+
+    class Count(Callback):  # mid-fit: the fit's end casts the model back and lets go of everything
+        order = 1000
+
+        def on_step_end(self) -> None:
+            counted.append(_alive(storages))
+            raise CancelTrainException()
+
+    mixprec.Learner(data, model, silent=True).to_bf16().fit(1, callbacks=[Count()])
+    return counted[0]
+
+
+@pytest.mark.parametrize(
+    "run", [_initialize("O2"), _initialize("O2", master_weights=False), _initialize("O3"), _learner],
+    ids=["O2", "O2 no masters", "O3", "Learner.to_bf16"])
+def test_a_half_model_lets_go_of_the_fp32_weights_it_was_cast_from(
+    run: Callable[[nn.Module, Storages], int],
+) -> None:
+    """The fp32 storages a model was cast from seed the masters, then nothing needs them. They were kept for
+    the model's life (4 bytes per parameter more than every bytes/param count, which counts what the
+    optimizer and model reach)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    assert run(model, [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]) == 0

@@ -553,3 +553,37 @@ def test_taking_over_a_stepped_adafactor_holds_all_its_state_in_fp32() -> None:
     _tiny_step(model, opt, 1)
     floats = [v for s in opt.state.values() for k, v in s.items() if k != "step" and v.is_floating_point()]
     assert floats and all(v.dtype == torch.float32 for v in floats)
+
+
+def test_split_seeded_with_the_fp32_weights_steps_as_fp32_masters_do(exact_sqrt: None) -> None:
+    """``initial=``: the split masters start at the fp32 values a model was cast from (the benchmark's O2
+    split configuration started at their bf16 rounding and so trained another trajectory than every fp32
+    master configuration). Then its generic step is torch's AdamW on those masters: MasterWeights' masters,
+    bit for bit, given the same gradients (with torch's sqrt correctly rounded: its CPU sqrt is one ulp off
+    in some elements, depending on where they fall in a vector, and the two lay the masters out apart)."""
+    torch.manual_seed(0)
+    fp32 = [torch.randn(64, 33), torch.randn(33) * 1e-3]
+    split_params = [nn.Parameter(t.to(BF16)) for t in fp32]
+    split = LowPrecisionOptimizer(torch.optim.AdamW(split_params, lr=1e-3), "split", kernel="generic",
+                                  initial=dict(zip(split_params, fp32, strict=True)))
+    assert all(torch.equal(m, t) for m, t in zip(split.master_values(), fp32, strict=True))
+    master_params = [nn.Parameter(t.to(BF16)) for t in fp32]
+    masters = MasterWeights(torch.optim.AdamW(master_params, lr=1e-3),
+                            initial=dict(zip(master_params, fp32, strict=True)))
+    for i in range(5):
+        g = torch.Generator().manual_seed(i)
+        grads = [torch.randn(t.shape, generator=g).to(BF16) for t in fp32]
+        for params, opt in ((split_params, split), (master_params, masters)):
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad.clone()
+            opt.step()
+    for a, b in zip(split.master_values(), masters.master_views(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_initial_is_refused_outside_split_and_for_tensors_the_optimizer_does_not_hold() -> None:
+    p = nn.Parameter(torch.ones(3, dtype=BF16))
+    with pytest.raises(ConfigError, match="mode='kahan' keeps no exact master"):
+        LowPrecisionOptimizer(torch.optim.SGD([p], lr=0.1), "kahan", initial={p: torch.ones(3)})
+    with pytest.raises(ConfigError, match="not a parameter of this optimizer"):
+        LowPrecisionOptimizer(torch.optim.SGD([p], lr=0.1), "split", initial={torch.ones(3): torch.ones(3)})

@@ -161,6 +161,7 @@ class MixedPrecision(Callback):
                 mirror_grads=False,  # `clip` clips the fp32 masters; model grads stay as backward left them
                 master_grads=self.recipe.master_grads, compile_step=self.recipe.compile_step,
             )
+        self.half.release_originals()
         # history_size: the Recorder reads an epoch's scales from this ring buffer once per epoch
         history = max(1, len(self.data.train))
         self.learn.scaler = self.scaler = self.recipe.make_scaler(device, history_size=history)
