@@ -18,7 +18,7 @@ from master_step import _params, _round_robin, _shapes  # master_step.py's param
 from rich.console import Console
 from rich.table import Table
 
-from mixprec.hardware import hardware_line
+from mixprec.hardware import hardware_line, load_line
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode, footprint
 from mixprec.master import MasterWeights
 
@@ -61,6 +61,7 @@ def main() -> None:
         table.add_row(label, f"{ms[label]:.1f}", f"{ms[label] / base:.2f}x", f"{per_param:.1f}")
     console = Console()
     console.print(hardware_line())
+    console.print(load_line())
     console.print(table)
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mixprec.hardware import hardware_line, synchronize
+from mixprec.hardware import hardware_line, load_line, synchronize
 from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
 from mixprec.scaler import GradScaler
@@ -169,6 +169,7 @@ def main() -> None:
         table.add_row(label, f"{t:.1f}", f"{t / fused:.2f}x", f"{alike[label]:.2f}x", f"{t / foreach:.2f}x")
     console = Console(width=160)  # wide enough for the labels when printed to a file
     console.print(hardware_line())
+    console.print(load_line())
     console.print(table)
     best = min(t for label, t in ms.items() if label.startswith(("MasterWeights", "split"))) / fused
     verdict = "meets" if best <= 1.0 else "MISSES"

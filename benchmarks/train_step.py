@@ -553,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if args.config is None or c.name in args.config]
     console = Console(width=max(Console().width, 180))
     console.print(f"hardware: {hardware.hardware_line()}")
+    console.print(hardware.load_line())
     malloc = MallocTuning(False, "default glibc malloc (--default-malloc)") if args.default_malloc else (
         keep_freed_memory())
     console.print(f"host allocator: {malloc.reason}")

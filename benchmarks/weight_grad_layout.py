@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from mixprec.hardware import hardware_line
+from mixprec.hardware import hardware_line, load_line
 from mixprec.host_memory import keep_freed_memory
 
 BF16 = torch.bfloat16
@@ -73,15 +73,19 @@ def column_major(linear: nn.Linear) -> None:
     linear.forward = forward  # type: ignore[method-assign]
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def _round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median ms of each of ``fns``, timed one after another in each round: load that comes and goes hits
+    them alike."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def gemm_table(tokens: int, repeats: int) -> Table:
@@ -96,7 +100,7 @@ def gemm_table(tokens: int, repeats: int) -> Table:
         gflop = 2 * tokens * n_in * n_out / 1e9
         products = (lambda x, w, g: x @ w.t(), lambda x, w, g: g @ w, lambda x, w, g: g.t() @ x,
                     lambda x, w, g: x.t().contiguous() @ g)
-        times = [_median_ms(lambda f=f, args=(x, w, g): f(*args), repeats) for f in products]
+        times = _round_robin_ms([lambda f=f, args=(x, w, g): f(*args) for f in products], repeats)
         cells = [f"{t:.2f} ({gflop / t * 1e3:,.0f})" for t in times]
         table.add_row(f"{n_in} x {n_out}", *cells, f"{times[3] / times[2]:.2f}x")
     return table
@@ -157,17 +161,8 @@ def model_table(repeats: int) -> Table:
     for col in ("model", "autograd's linear", "column-major weights", "ratio"):
         table.add_column(col, justify="right")
     for name in MODELS:
-        steps = {layout: training_pass(name, layout) for layout in ("autograd", "column-major")}
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        for fn in steps.values():
-            for _ in range(3):
-                fn()
-        for _ in range(repeats):
-            for k, fn in steps.items():
-                start = time.perf_counter()
-                fn()
-                times[k].append((time.perf_counter() - start) * 1e3)
-        a, c = (statistics.median(times[k]) for k in steps)
+        steps = [training_pass(name, layout) for layout in ("autograd", "column-major")]
+        a, c = _round_robin_ms(steps, repeats)
         table.add_row(name, f"{a:.1f}", f"{c:.1f}", f"{c / a:.2f}x")
     return table
 
@@ -181,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # no page faults per step, as train_step.py
     console = Console(width=150)
     console.print(hardware_line())
+    console.print(load_line())
     console.print(gemm_table(args.tokens, args.repeats))
     if not args.gemms_only:
         console.print(model_table(args.repeats))

@@ -305,3 +305,19 @@ def hardware_line() -> str:
     if torch.cuda.is_available():
         line += f", GPU {torch.cuda.get_device_name()}"
     return line
+
+
+def load_line() -> str:
+    """The machine's load before a benchmark starts, and a warning when other work competes with it: a
+    neighbour holding a core slows some kernels (torch's multi-threaded ones) far more than others, and
+    round-robin timing does not cancel that out (a review saw torch's fused AdamW run 3.4x slower under
+    load while a one-pass loop did not)."""
+    try:
+        one_minute = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on Windows
+        return "load: unknown on this platform"
+    cpus = os.cpu_count() or 1
+    line = f"load average {one_minute:.2f} over {cpus} CPUs"
+    if one_minute > 0.5 * cpus:
+        line += " -- other work is running: ratios between configurations may be skewed, rerun when idle"
+    return line

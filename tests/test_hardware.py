@@ -177,6 +177,16 @@ def test_hardware_line_names_threads_and_torch() -> None:
     assert f"{torch.get_num_threads()} threads" in line and torch.__version__ in line
 
 
+@pytest.mark.parametrize(("load", "warned"), [(0.4, False), (1.5, True)])
+def test_load_line_warns_when_other_work_competes(monkeypatch: pytest.MonkeyPatch, load: float,
+                                                  warned: bool) -> None:
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 2)
+    line = hardware.load_line()
+    assert f"load average {load:.2f} over 2 CPUs" in line
+    assert ("other work is running" in line) is warned
+
+
 @pytest.mark.parametrize("forced", ["native", "emulated"])
 def test_info_command_reports_each_dtype(capsys: pytest.CaptureFixture[str], forced: str) -> None:
     assert main(["info", "--arithmetic", forced]) == 0
