@@ -23,7 +23,7 @@ GradScaler are also compared with torch's fused step behind torch's own GradScal
 Configurations are timed round-robin (one step of each in turn, ``--repeats`` rounds): load drift on a
 shared machine hits all of them alike. Medians.
 
-    python benchmarks/master_step.py [--params 13e6] [--repeats 15] [--device cpu]
+    python benchmarks/master_step.py [--params 13e6] [--repeats 15] [--device cpu] [--threads 1]
 """
 
 from __future__ import annotations
@@ -130,7 +130,14 @@ def main() -> None:
                         help="number of parameters, >= 10M; rounded up to whole blocks of 9.4M")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: torch's); 1 is a control on a shared machine, "
+                             "where a neighbour slows multi-threaded kernels far more than one-thread ones")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads {args.threads}: at least 1")
+        torch.set_num_threads(args.threads)
     if args.params < 10e6:
         parser.error(f"--params {args.params:g}: at least 10e6, so that the tensors do not fit in the caches "
                      "and the step is timed against memory, as training a real model is.")
