@@ -626,7 +626,8 @@ def restore(model: nn.Module) -> nn.Module:
             "pass the model initialize returned, before initializing other models; a model loaded with "
             "torch.load holds no optimizer state to restore from: restore before saving.",
         )
-    half.restore(*(opt for opt in state.optimizers if isinstance(opt, MasterWeights)))
+    # a LARC-style wrapper holds the MasterWeights as its .optim
+    half.restore(*(_inner(opt) for opt in state.optimizers if isinstance(_inner(opt), MasterWeights)))
     for scaler in state.scalers:
         scaler.unwatch(model)
     state.models.remove(half)

@@ -262,7 +262,8 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         for name, value in (("enabled", enabled), ("cache_enabled", cache_enabled)):
             if not isinstance(value, bool) and not (name == "cache_enabled" and value is None):
                 # torch raises this TypeError on entering; "yes" or 0 would otherwise read as a bool
-                raise TypeError(f"{name} must be a bool (got {type(value).__name__})")
+                kind = type(value)
+                raise TypeError(f"{name} must be a bool (got {kind.__module__}.{kind.__qualname__})")
         # torch's rule: None inherits the cache setting in force where the region is made
         inherit = cache_enabled is None
         self._cache_enabled = torch.is_autocast_cache_enabled() if inherit else bool(cache_enabled)
@@ -390,16 +391,17 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # Traced by torch.compile, a region made outside the traced code is a context manager Dynamo
-            # refuses (fullgraph) or breaks the graph around; one made here it traces, as torch's decorator
-            region = self._same_region() if torch.compiler.is_compiling() else self
-            with region:
+            if not torch.compiler.is_compiling():
+                with self:
+                    return fn(*args, **kwargs)
+            # Traced by torch.compile: this object, made outside the traced code, is a context manager
+            # Dynamo refuses (fullgraph) or runs the function outside of (fp32); torch's autocast and the
+            # policy's torch-function mode it traces, and resumes after a graph break, as torch's decorator
+            torch_region, mode = self.compiled_contexts()
+            with torch_region, mode:
                 return fn(*args, **kwargs)
 
         return wrapper
-
-    def _same_region(self) -> autocast:
-        return autocast(self.device, self.fast_dtype, self._enabled, self._cache_enabled, self.policy)
 
     def __repr__(self) -> str:
         policy = self.policy.name if self.policy is not None else "default"

@@ -342,22 +342,24 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
         self._generators: dict[str, torch.Generator] = {}
+        initial_bits = None if initial is None else self._initial_bits(initial)
         for group in optimizer.param_groups:
             self._adopt(group["params"])
         self._share_inner_bookkeeping()
         self._own_existing_state()
-        if initial is not None:
-            self._seed_split(initial)
+        if initial_bits is not None:
+            self._seed_split(initial_bits)
         _register_buffers(self)
 
     @torch.no_grad()
-    def _seed_split(self, initial: Mapping[Tensor, Tensor]) -> None:
-        """Each named parameter's weight and low half set so that together they are its fp32 value."""
+    def _initial_bits(self, initial: Mapping[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """``initial`` checked entry by entry and made fp32 bits in each parameter's layout, before anything
+        is written: a refused ``initial`` leaves the model and a first wrapper's low halves as they were."""
         if self.mode is not UpdateMode.SPLIT:
             raise ConfigError(f"initial= seeds the exact fp32 masters of mode='split'; "
                               f"mode={self.mode.value!r} keeps no exact master.",
                               "pass initial only with mode='split'.")
-        params = {p for g in self.param_groups for p in g["params"]}
+        params = {p for g in self.inner.param_groups for p in g["params"]}
         for p, value in initial.items():
             if p not in params:
                 raise ConfigError(f"initial names a tensor of shape {tuple(p.shape)} that is not a "
@@ -366,12 +368,17 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             if not (isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape):
                 raise ConfigError(f"initial's value for a parameter of shape {tuple(p.shape)} is not a "
                                   "floating tensor of that shape.", "pass the fp32 weight itself.")
-            # fp32 bits in the parameter's layout; high = round-half-away(bits / 2**16), low the rest (as
-            # _store_split): the exact fp32 value, the weight its rounding to nearest
-            bits = torch.empty_like(p, dtype=torch.float32).copy_(value).view(torch.int32)
-            bits.add_(1 << 15)
-            p.view(torch.int16).copy_(torch.bitwise_right_shift(bits, 16))
-            self._extras[p].copy_(bits.bitwise_and_((1 << 16) - 1).sub_(1 << 15))
+        return {p: torch.empty_like(p, dtype=torch.float32).copy_(v).view(torch.int32)
+                for p, v in initial.items()}
+
+    @torch.no_grad()
+    def _seed_split(self, bits: dict[Tensor, Tensor]) -> None:
+        """Each parameter's weight and low half set so that together they are its fp32 value: high =
+        round-half-away(bits / 2**16), low the rest (as _store_split), the weight its rounding to nearest."""
+        for p, b in bits.items():
+            b.add_(1 << 15)
+            p.view(torch.int16).copy_(torch.bitwise_right_shift(b, 16))
+            self._extras[p].copy_(b.bitwise_and_((1 << 16) - 1).sub_(1 << 15))
 
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
@@ -649,6 +656,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         # not an LR scheduler's per-instance step wrapper (not picklable; torch drops it the same way).
         return {k: v for k, v in self.__dict__.items() if k != "step"}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _register_buffers(self)  # a copy (deepcopy, pickle) wraps its own copy of the optimizer
+
     def __repr__(self) -> str:
         n = sum(p.numel() for g in self.param_groups for p in g["params"])
         return (f"LowPrecisionOptimizer(mode={self.mode.value!r}, state_dtype={self.state_dtype}, "
@@ -664,35 +675,49 @@ def _parse_mode(mode: UpdateMode | str) -> UpdateMode:
 
 
 # The buffers a wrapper keeps per weight (split's low halves, kahan's compensations) are per-parameter state
-# like the moments, which live in the wrapped optimizer: they are kept per wrapped optimizer too. A second
-# wrapper of the same optimizer (a notebook cell run again) then continues from them; with buffers of its
-# own, it would step the weights with fresh zero low halves while the first still held the real ones.
+# like the moments, which live in the wrapped optimizer: they are kept per wrapped optimizer too, while a
+# wrapper of it is alive. A second wrapper of the same optimizer (a notebook cell run again) then continues
+# from them; with buffers of its own, it would step the weights with fresh zero low halves while the first
+# still held the real ones. Once no wrapper is left they are let go (2 bytes per parameter).
 _BufferKey = tuple[UpdateMode, "torch.dtype | None"]
-_BUFFERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[_BufferKey, dict[Tensor, Tensor]]] = (
-    weakref.WeakKeyDictionary())
+
+
+@dataclass
+class _Buffers:
+    key: _BufferKey
+    extras: dict[Tensor, Tensor]
+    wrappers: weakref.WeakSet[LowPrecisionOptimizer]
+
+
+_BUFFERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Buffers] = weakref.WeakKeyDictionary()
 
 
 def _buffers_of(optimizer: torch.optim.Optimizer, mode: UpdateMode, state_dtype: torch.dtype | None
                 ) -> dict[Tensor, Tensor]:
-    """The per-weight buffers of wrappers of ``optimizer``: new for its first wrapper (registered by
-    :func:`_register_buffers` once that is built), shared after."""
+    """The per-weight buffers of a live wrapper of ``optimizer``, shared; new ones (registered by
+    :func:`_register_buffers` once the wrapper is built) when there is none."""
     held = _BUFFERS.get(optimizer)
-    if held is None:
+    if held is None or not held.wrappers:
+        _BUFFERS.pop(optimizer, None)
         return {}
-    if held[0] != (mode, state_dtype):
-        (was_mode, was_dtype), _ = held
+    if held.key != (mode, state_dtype):
+        was_mode, was_dtype = held.key
         raise ConfigError(
             f"This optimizer is already wrapped by a LowPrecisionOptimizer with mode={was_mode.value!r}, "
             f"state_dtype={was_dtype}; its buffers cannot serve mode={mode.value!r}, "
             f"state_dtype={state_dtype}.",
             "wrap each optimizer in one mode; to change mode, build a new optimizer over the model's "
-            "parameters and wrap that.",
+            "parameters and wrap that (or let the first wrapper go).",
         )
-    return held[1]
+    return held.extras
 
 
 def _register_buffers(wrapper: LowPrecisionOptimizer) -> None:
-    _BUFFERS.setdefault(wrapper.inner, ((wrapper.mode, wrapper.state_dtype), wrapper._extras))
+    held = _BUFFERS.get(wrapper.inner)
+    if held is None or held.extras is not wrapper._extras:
+        held = _BUFFERS[wrapper.inner] = _Buffers((wrapper.mode, wrapper.state_dtype), wrapper._extras,
+                                                  weakref.WeakSet())
+    held.wrappers.add(wrapper)
 
 
 def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:

@@ -927,6 +927,23 @@ def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) ->
         amp.restore(model)
 
 
+def test_restore_behind_a_larc_style_wrapper_gives_the_masters_values() -> None:
+    """restore looked for MasterWeights among the optimizers initialize returned, not inside a LARC-style
+    wrapper's .optim: the model came back with its fp16-rounded weights."""
+    torch.manual_seed(0)
+    model = _net()
+    larc = _LarcLike(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, larc = mixprec.initialize(model, larc, "O2", verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), larc) as scaled:
+        scaled.backward()
+    larc.step()
+    pairs = [(p, m.detach().clone()) for p, m in zip(larc.optim.model_params(), larc.optim.master_views(),
+                                                     strict=True)]
+    amp.restore(model)
+    assert pairs and all(torch.equal(p, m) for p, m in pairs)
+
+
 def test_restore_keeps_weights_loaded_after_the_last_step() -> None:
     """Loading the best epoch's weights, then restoring: restore wrote the last step's masters over them."""
     torch.manual_seed(0)

@@ -72,6 +72,26 @@ def test_a_decorated_function_compiles_in_one_graph_as_torchs_decorator() -> Non
     assert torch.equal(ours, theirs)
 
 
+@TRACED
+def test_a_decorated_function_keeps_its_region_across_a_graph_break_as_torchs() -> None:
+    """Without fullgraph, a break in a decorated function ran all of it in fp32 (the region is an object
+    made outside the traced code); torch's decorator keeps bf16 on both sides."""
+    def make(decorate: Callable[[Callable[..., object]], Callable[..., object]]) -> Callable[..., object]:
+        @decorate
+        def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            before = torch.mm(x, w)
+            torch._dynamo.graph_break()
+            return before, torch.mm(before.float(), w)
+
+        return f
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    ours = torch.compile(make(mixprec.autocast("cpu", torch.bfloat16)))(x, w)
+    theirs = torch.compile(make(torch.autocast("cpu", torch.bfloat16)))(x, w)
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.bfloat16, torch.bfloat16]  # type: ignore[union-attr]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))  # type: ignore[arg-type]
+
+
 def test_a_torch_that_cannot_trace_the_region_enters_it_eagerly_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -222,7 +222,7 @@ def test_flat_master_trains_like_per_parameter_masters() -> None:
 
 def test_without_master_weights_the_optimizer_updates_half_weights() -> None:
     learn = _cnn_learner()
-    mp = MixedPrecision(torch.float16, loss_scale=None, master_weights=False, keep_bn_fp32=False)
+    mp = MixedPrecision(torch.float16, master_weights=False, keep_bn_fp32=False)
     learn.add_cb(mp)
 
     class Check(Callback):

@@ -247,9 +247,10 @@ def test_wrapping_one_optimizer_in_two_modes_is_refused_and_a_failed_wrap_holds_
     inner = torch.optim.SGD(params, lr=0.1)
     with pytest.raises(UnsupportedParameterError):
         LowPrecisionOptimizer(inner, "split")  # fp16: refused, and nothing is kept for this optimizer
-    LowPrecisionOptimizer(inner, "kahan")
+    kahan = LowPrecisionOptimizer(inner, "kahan")
     with pytest.raises(ConfigError, match="already wrapped by a LowPrecisionOptimizer with mode='kahan'"):
         LowPrecisionOptimizer(inner, "stochastic")
+    del kahan
 
 
 # --------------------------------------------------------------------------------------------- GradScaler
@@ -587,3 +588,45 @@ def test_initial_is_refused_outside_split_and_for_tensors_the_optimizer_does_not
         LowPrecisionOptimizer(torch.optim.SGD([p], lr=0.1), "kahan", initial={p: torch.ones(3)})
     with pytest.raises(ConfigError, match="not a parameter of this optimizer"):
         LowPrecisionOptimizer(torch.optim.SGD([p], lr=0.1), "split", initial={torch.ones(3): torch.ones(3)})
+
+
+def test_a_refused_initial_changes_no_weight_and_no_first_wrappers_low_halves() -> None:
+    """initial= is checked whole before anything is written: a bad second entry had already rewritten the
+    first parameter's weight (and, for a second wrapper, the first wrapper's masters)."""
+    torch.manual_seed(0)
+    fp32 = [torch.randn(5), torch.randn(3)]
+    params = [nn.Parameter(t.to(BF16)) for t in fp32]
+    inner = torch.optim.AdamW(params)
+    first = LowPrecisionOptimizer(inner, "split", initial=dict(zip(params, fp32, strict=True)))
+    masters, weights = first.master_values(), [p.detach().clone() for p in params]
+    with pytest.raises(ConfigError, match="not a floating tensor of that shape"):
+        LowPrecisionOptimizer(inner, "split", initial={params[0]: fp32[0] + 0.3, params[1]: torch.zeros(2)})
+    assert all(torch.equal(a, b) for a, b in zip(first.master_values(), masters, strict=True))
+    assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+
+
+def test_a_copy_of_a_wrapper_shares_its_buffers_with_a_new_wrapper_of_its_optimizer() -> None:
+    """deepcopy/pickle do not run __init__: the copy's optimizer was unknown, so wrapping it again started
+    from zero low halves (and took another mode)."""
+    params = [nn.Parameter(t) for t in _groups(BF16)]
+    opt = LowPrecisionOptimizer(OPTS["adamw"](params), "split")
+    _train(opt, params, range(2))
+    twin = copy.deepcopy(opt)
+    again = LowPrecisionOptimizer(twin.inner, "split")
+    assert all(torch.equal(a, b) for a, b in zip(again.master_values(), opt.master_values(), strict=True))
+    with pytest.raises(ConfigError, match="already wrapped"):
+        LowPrecisionOptimizer(twin.inner, "kahan")
+
+
+def test_the_buffers_go_with_the_last_wrapper() -> None:
+    """Kept per optimizer only while a wrapper of it lives: afterwards another mode may wrap it, and the
+    low halves are not held for nothing."""
+    import gc
+
+    params = [nn.Parameter(t) for t in _groups(BF16)]
+    inner = OPTS["adamw"](params)
+    opt = LowPrecisionOptimizer(inner, "split")
+    _train(opt, params, range(1))
+    del opt
+    gc.collect()
+    LowPrecisionOptimizer(inner, "kahan")  # no longer refused
