@@ -58,6 +58,11 @@ def test_loss_scale_none_follows_fastais_rule(dynamic: bool, start: float) -> No
     assert learn.mp_cb.recipe.scale.dynamic is dynamic  # type: ignore[union-attr]
 
 
+def test_loss_scale_none_starts_no_higher_than_max_scale() -> None:
+    learn = _learner().to_fp16(None, max_scale=1024.0)
+    assert learn.mp_cb.recipe.scale.init_scale == 1024.0  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("clip", [-1.0, 0.0, math.nan, math.inf])
 def test_a_clip_that_would_invert_or_zero_training_is_refused(clip: float) -> None:
     with pytest.raises(ConfigError, match=r"clip must be a positive, finite gradient norm"):

@@ -266,6 +266,8 @@ def fastai_recipe(
         # (None meant "no scaling" here once: an explicit None from fastai code then trained fp16 unscaled,
         # with no inf/NaN check.)
         loss_scale = DEFAULT_INIT_SCALE if dynamic else FASTAI_LOSS_SCALE
+        if dynamic and max_scale is not None:
+            loss_scale = min(loss_scale, max_scale)  # never above the ceiling (fastai would start above it)
     return Recipe.fastai(dtype, loss_scale, max_noskip, dynamic, flat_master, max_scale, loss_fp32, **extras)
 
 
