@@ -338,10 +338,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.seed = seed
         self.chunk_numel = chunk_numel
-        self._extras: dict[Tensor, Tensor] = _buffers_of(optimizer, self.mode, state_dtype)
+        # shared with a live wrapper of the same optimizer: its low halves and its rounding generators
+        self._extras, self._generators = _buffers_of(optimizer, (self.mode, state_dtype, seed))
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
-        self._generators: dict[str, torch.Generator] = {}
         initial_bits = None if initial is None else self._initial_bits(initial)
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -679,44 +679,46 @@ def _parse_mode(mode: UpdateMode | str) -> UpdateMode:
 # wrapper of it is alive. A second wrapper of the same optimizer (a notebook cell run again) then continues
 # from them; with buffers of its own, it would step the weights with fresh zero low halves while the first
 # still held the real ones. Once no wrapper is left they are let go (2 bytes per parameter).
-_BufferKey = tuple[UpdateMode, "torch.dtype | None"]
+_BufferKey = tuple[UpdateMode, "torch.dtype | None", int]  # mode, state_dtype, seed
 
 
 @dataclass
 class _Buffers:
     key: _BufferKey
     extras: dict[Tensor, Tensor]
+    generators: dict[str, torch.Generator]  # stochastic rounding's, which a second wrapper continues too
     wrappers: weakref.WeakSet[LowPrecisionOptimizer]
 
 
 _BUFFERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Buffers] = weakref.WeakKeyDictionary()
 
 
-def _buffers_of(optimizer: torch.optim.Optimizer, mode: UpdateMode, state_dtype: torch.dtype | None
-                ) -> dict[Tensor, Tensor]:
+def _buffers_of(optimizer: torch.optim.Optimizer, key: _BufferKey
+                ) -> tuple[dict[Tensor, Tensor], dict[str, torch.Generator]]:
     """The per-weight buffers of a live wrapper of ``optimizer``, shared; new ones (registered by
     :func:`_register_buffers` once the wrapper is built) when there is none."""
     held = _BUFFERS.get(optimizer)
     if held is None or not held.wrappers:
         _BUFFERS.pop(optimizer, None)
-        return {}
-    if held.key != (mode, state_dtype):
-        was_mode, was_dtype = held.key
+        return {}, {}
+    if held.key != key:
+        (was_mode, was_dtype, was_seed), (mode, state_dtype, seed) = held.key, key
         raise ConfigError(
             f"This optimizer is already wrapped by a LowPrecisionOptimizer with mode={was_mode.value!r}, "
-            f"state_dtype={was_dtype}; its buffers cannot serve mode={mode.value!r}, "
-            f"state_dtype={state_dtype}.",
+            f"state_dtype={was_dtype}, seed={was_seed}; its buffers and generators cannot serve "
+            f"mode={mode.value!r}, state_dtype={state_dtype}, seed={seed}.",
             "wrap each optimizer in one mode; to change mode, build a new optimizer over the model's "
             "parameters and wrap that (or let the first wrapper go).",
         )
-    return held.extras
+    return held.extras, held.generators
 
 
 def _register_buffers(wrapper: LowPrecisionOptimizer) -> None:
     held = _BUFFERS.get(wrapper.inner)
     if held is None or held.extras is not wrapper._extras:
-        held = _BUFFERS[wrapper.inner] = _Buffers((wrapper.mode, wrapper.state_dtype), wrapper._extras,
-                                                  weakref.WeakSet())
+        key = (wrapper.mode, wrapper.state_dtype, wrapper.seed)
+        held = _Buffers(key, wrapper._extras, wrapper._generators, weakref.WeakSet())
+        _BUFFERS[wrapper.inner] = held
     held.wrappers.add(wrapper)
 
 

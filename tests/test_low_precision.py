@@ -222,16 +222,19 @@ def test_deepcopy_steps_like_the_original() -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["split", "kahan"])
+@pytest.mark.parametrize("mode", ["split", "kahan", "stochastic"])
 def test_a_second_wrapper_of_the_same_optimizer_continues_from_the_firsts_buffers(mode: str) -> None:
     """A notebook cell run again wraps the same optimizer twice: the second wrapper must carry on with the
-    first's low halves (compensations), as one wrapper stepped throughout would."""
+    first's low halves (compensations; stochastic rounding's generator), as one wrapper stepped throughout
+    would."""
     straight = [nn.Parameter(t) for t in _groups(BF16)]
     _train(LowPrecisionOptimizer(OPTS["adamw"](straight), mode), straight, range(6))
     params = [nn.Parameter(t) for t in _groups(BF16)]
     inner = OPTS["adamw"](params)
     first = LowPrecisionOptimizer(inner, mode)
     _train(first, params, range(3))
+    with pytest.raises(ConfigError, match="seed=0; its buffers and generators cannot serve"):
+        LowPrecisionOptimizer(inner, mode, seed=1)
     second = LowPrecisionOptimizer(inner, mode)
     _train(second, params, range(3, 6))
     for a, b in zip(straight, params, strict=True):
