@@ -259,21 +259,20 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         policy: Policy | None = None,
     ) -> None:
         self.device = device_type
-        for name, value in (("enabled", enabled), ("cache_enabled", cache_enabled)):
-            if not isinstance(value, bool) and not (name == "cache_enabled" and value is None):
-                # torch raises this TypeError on entering; "yes" or 0 would otherwise read as a bool
+        # torch raises this TypeError on entering; "yes" or 0 would otherwise read as a bool
+        for name, value, kinds in (("enabled", enabled, bool), ("cache_enabled", cache_enabled, bool | None)):
+            if not isinstance(value, kinds):
                 kind = type(value)
                 raise TypeError(f"{name} must be a bool (got {kind.__module__}.{kind.__qualname__})")
         # torch's rule: None inherits the cache setting in force where the region is made
-        inherit = cache_enabled is None
-        self._cache_enabled = torch.is_autocast_cache_enabled() if inherit else bool(cache_enabled)
+        self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
         self.policy = policy
         self._frames: list[_Frame] = []
         self._compiled_frames: list[tuple[Any, Any]] = []
         if not isinstance(device_type, str):
             raise AutocastError(f"device_type must be a string, got {device_type!r}", "use 'cpu' or 'cuda'")
         try:
-            self.fast_dtype, self._enabled = _resolve_dtype(device_type, dtype, bool(enabled))
+            self.fast_dtype, self._enabled = _resolve_dtype(device_type, dtype, enabled)
         except PolicyError as err:
             raise AutocastError(err.problem, err.fix) from None
         if policy is not None and not isinstance(policy, Policy):

@@ -204,13 +204,18 @@ def _store_kahan(c: _Chunk, generator: torch.Generator) -> None:
     torch._foreach_copy_(c.extras, c.views(c.master))  # rounded to the weight's dtype: the compensation
 
 
-def _store_split(c: _Chunk, generator: torch.Generator) -> None:
-    # high = round-half-away(bits / 2**16) and low = bits - high * 2**16 in [-2**15, 2**15): the forward's
-    # bf16 weight is the master rounded to nearest (not truncated), and low fits int16 with no tie overflow.
-    bits, high = c.master.view(torch.int32), c.scratch.view(torch.int32)
+def _split_bits_(bits: Tensor, high: Tensor) -> None:
+    """fp32 bit patterns (int32) split in place: ``high`` = round-half-away(bits / 2**16) and ``bits`` =
+    bits - high * 2**16, in [-2**15, 2**15). The forward's bf16 weight is the master rounded to nearest
+    (not truncated), and the low half fits int16 with no tie overflow."""
     bits.add_(1 << 15)
     torch.bitwise_right_shift(bits, 16, out=high)  # arithmetic shift: keeps the sign of the pattern
     bits.bitwise_and_((1 << 16) - 1).sub_(1 << 15)
+
+
+def _store_split(c: _Chunk, generator: torch.Generator) -> None:
+    bits, high = c.master.view(torch.int32), c.scratch.view(torch.int32)
+    _split_bits_(bits, high)
     torch._foreach_copy_([h.view(torch.int16) for h in c.halves], c.views(high))
     torch._foreach_copy_(c.extras, c.views(bits))
 
@@ -373,12 +378,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _seed_split(self, bits: dict[Tensor, Tensor]) -> None:
-        """Each parameter's weight and low half set so that together they are its fp32 value: high =
-        round-half-away(bits / 2**16), low the rest (as _store_split), the weight its rounding to nearest."""
+        """Each parameter's weight and low half set so that together they are its fp32 value (the split
+        :func:`_store_split` makes)."""
         for p, b in bits.items():
-            b.add_(1 << 15)
-            p.view(torch.int16).copy_(torch.bitwise_right_shift(b, 16))
-            self._extras[p].copy_(b.bitwise_and_((1 << 16) - 1).sub_(1 << 15))
+            high = torch.empty_like(b)
+            _split_bits_(b, high)
+            p.view(torch.int16).copy_(high)
+            self._extras[p].copy_(b)
 
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
@@ -462,8 +468,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             return False
         reason = self._native.reason()
         if reason is not None:  # a gradient the generic step refuses too (sparse, another dtype) raises here
-            for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
-                _check_grad(p)
+            for p in (p for g in self.param_groups for p in g["params"]):
+                _check_grad(p)  # reads p.grad once (None passes)
         if reason is not None and self.kernel == "native":
             raise ConfigError(f"kernel='native' cannot step this optimizer: {reason}.",
                               "use kernel='auto' (the generic step where the native one cannot run).")

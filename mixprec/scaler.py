@@ -68,6 +68,7 @@ from mixprec.skip_step import (
     skips_on_device,
     step_unless_inf,
     step_with_flags,
+    supports_amp_scaling,
 )
 
 __all__ = [
@@ -302,17 +303,18 @@ class GradScaler:
     def _init_growth_tracker(self) -> int:
         return self._state.growth_tracker
 
-    @property
-    def _growth_factor(self) -> float:
-        return self._config.growth_factor if self._enabled else self._unchecked["growth_factor"]
+    def _setting(self, name: str) -> Any:
+        return getattr(self._config, name) if self._enabled else self._unchecked[name]
 
-    @property
-    def _backoff_factor(self) -> float:
-        return self._config.backoff_factor if self._enabled else self._unchecked["backoff_factor"]
+    def _set_setting(self, name: str, value: Any) -> None:
+        if self._enabled:
+            self._config = self._config.replace(**{name: value})  # checked
+        else:
+            self._unchecked[name] = value
 
-    @property
-    def _growth_interval(self) -> int:
-        return self._config.growth_interval if self._enabled else self._unchecked["growth_interval"]
+    _growth_factor = property(lambda self: self._setting("growth_factor"))
+    _backoff_factor = property(lambda self: self._setting("backoff_factor"))
+    _growth_interval = property(lambda self: self._setting("growth_interval"))
 
     # ------------------------------------------------------------------ lazy device state
     def _lazy_init(self, dev: torch.device) -> DeviceCounters:
@@ -491,8 +493,7 @@ class GradScaler:
             "grad_scaler" in inspect.signature(optimizer.step).parameters
         ):
             return self._step_passing_self(optimizer, state, *args, **kwargs)
-        # torch's fused optimizers (and a user's with the flag) unscale in their own kernel
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        fused = supports_amp_scaling(optimizer)  # unscales in its own kernel: torch's fused optimizers
         # unscaled already (unscale_): the kernel divides only by a scale the user put on the optimizer
         grad_scale = getattr(optimizer, "grad_scale", None) if fused else None
         if state["stage"] is OptState.READY and fused:
@@ -650,28 +651,19 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        if not self._enabled:
-            self._unchecked["growth_factor"] = new_factor
-            return
-        self._config = self._config.replace(growth_factor=new_factor)
+        self._set_setting("growth_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        if not self._enabled:
-            self._unchecked["backoff_factor"] = new_factor
-            return
-        self._config = self._config.replace(backoff_factor=new_factor)
+        self._set_setting("backoff_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        if not self._enabled:
-            self._unchecked["growth_interval"] = new_interval
-            return
-        self._config = self._config.replace(growth_interval=new_interval)
+        self._set_setting("growth_interval", new_interval)
 
     def _get_growth_tracker(self) -> int:
         return int(self._state.read("growth_tracker")) if self._enabled else 0

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["step_unless_inf", "combined_found_inf", "skips_on_device", "device_skip_is_safe", "BufferWatch"]
+__all__ = ["step_unless_inf", "step_with_flags", "combined_found_inf", "supports_amp_scaling",
+           "skips_on_device", "device_skip_is_safe", "BufferWatch"]
 
 T = TypeVar("T")
 
@@ -44,9 +45,15 @@ def device_skip_is_safe(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` unscales and skips in its own step (torch's fused optimizers, a user's with the
+    flag): it then reads ``found_inf`` and ``grad_scale``, set by :func:`step_with_flags`."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``step_unless_inf`` leaves the skip to ``optimizer``'s own kernel (no host sync)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and device_skip_is_safe(optimizer)
+    return supports_amp_scaling(optimizer) and device_skip_is_safe(optimizer)
 
 
 def combined_found_inf(flags: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
@@ -79,15 +86,17 @@ def step_unless_inf(
     ``step_fn`` is always called and its result returned. Otherwise the flag is read once on the host (one
     sync); a skipped step returns None without calling ``step_fn``, but marks the optimizer as stepped in
     order so LR schedulers do not warn (pytorch#44511; the schedule advances with the iteration, as in
-    torch). ``grad_scale`` requires the device path: on the host path the gradients must be unscaled.
-    ``on_skip`` runs when the host path skips (apex's "Gradient overflow" message: the flag was read
-    already, so saying so costs no sync); the device path never knows, so never calls it."""
-    supports_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-    if supports_scaling and device_skip_is_safe(optimizer):
+    torch). A clean step of an optimizer that unscales itself but may not skip on the device (fused SGD
+    before its momentum buffers exist) still gets both flags. ``grad_scale`` needs such an optimizer:
+    others must be given unscaled gradients. ``on_skip`` runs when the host path skips (apex's "Gradient
+    overflow" message: the flag was read already, so saying so costs no sync); the device path never
+    knows, so never calls it."""
+    if skips_on_device(optimizer):
         return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
-    assert grad_scale is None or supports_scaling, "scaled gradients need an optimizer that unscales them"
+    unscales_itself = supports_amp_scaling(optimizer)
+    assert grad_scale is None or unscales_itself, "scaled gradients need an optimizer that unscales them"
     if not found_inf.item():  # the one host sync of the host path
-        if supports_scaling:  # decided here (a skip would be unsafe on the device); its kernel unscales
+        if unscales_itself:
             return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
         return step_fn(*args, **kwargs)
     optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import mixprec
 from mixprec.callbacks import Callback, CancelTrainException
@@ -519,7 +520,7 @@ def test_a_class_made_per_instance_is_freed_and_a_patched_forward_shows_its_sign
     assert list(inspect.signature(model[0].forward).parameters) == ["x", "shift"]
 
 
-Storages = list  # StorageWeakRef of each fp32 parameter storage the model was built with
+Storages = list[StorageWeakRef]  # of each fp32 parameter storage the model was built with
 
 
 def _alive(storages: Storages) -> int:
@@ -566,8 +567,6 @@ def test_a_half_model_lets_go_of_the_fp32_weights_it_was_cast_from(
     """The fp32 storages a model was cast from seed the masters, then nothing needs them. They were kept for
     the model's life (4 bytes per parameter more than every bytes/param count, which counts what the
     optimizer and model reach)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     assert run(model, [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]) == 0
