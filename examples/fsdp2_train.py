@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -38,15 +39,18 @@ def batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(info: DistInfo, half: bool, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(info.device)
     if info.distributed:
         policy = MixedPrecisionPolicy(
             param_dtype=torch.float16 if half else torch.float32, reduce_dtype=torch.float32
         )
+        # The mesh on this rank's device: without one, fully_shard builds it on the GPU whenever torch sees
+        # one, and a rank that trains on the CPU (more ranks than GPUs) fails ("invalid device ordinal").
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mp_policy=policy)  # one all-gather / reduce-scatter per layer
-        fully_shard(model, mp_policy=policy)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)  # one all-gather / reduce-scatter per layer
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -68,11 +72,12 @@ def train(
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # Enabled in the fp32 reference too: scaling by a power of two is exact in fp32, and it skips the
     # same overflowing step, so the reference differs from the fp16 run by fp16 rounding only.
-    scaler = mixprec.GradScaler("cpu")
+    scaler = mixprec.GradScaler(info.device.type)
     grad_types = set()
     for step in range(steps):
         x, y = batch(step, seed)
-        x, y = x[info.rank :: info.world_size], y[info.rank :: info.world_size]
+        mine = slice(info.rank, None, info.world_size)  # this rank's share of the global batch
+        x, y = x[mine].to(info.device), y[mine].to(info.device)
         opt.zero_grad()
         loss = F.cross_entropy(model(x).float(), y)  # fp16 logits -> loss in fp32
         scaler.scale(loss).backward()

@@ -84,7 +84,7 @@ def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
         return out
     out["o2_ddp_masters"] = _o2_ddp_masters(info)
     out["fsdp2"] = fsdp.train(info, steps, half=True, fault_step=fault_step, fault_rank=1)
-    out["o2_after_fully_shard"] = _o2_after_fully_shard()
+    out["o2_after_fully_shard"] = _o2_after_fully_shard(info)
     return out
 
 
@@ -116,14 +116,17 @@ def _o2_ddp_masters(info: DistInfo) -> dict[str, list[float]]:
     return out
 
 
-def _o2_after_fully_shard() -> str:
+def _o2_after_fully_shard(info: DistInfo) -> str:
     """What initialize(..., "O2") says to a model fully_shard already sharded (it used to accept it and
     fail later with a dtype mismatch in the forward, or a scale_loss error naming scaler.step)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import mixprec
 
-    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    mesh = init_device_mesh(info.device.type, (info.world_size,))  # the rank's device, as fsdp2_train's
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(info.device),
+                        mesh=mesh)
     try:
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
     except mixprec.ConfigError as exc:
