@@ -22,7 +22,8 @@ from mixprec.errors import (
 )
 from mixprec.scaler import GradScaler, OptState
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]  # cuda: in `pytest -m cuda` (tools/gpu_check.sh)
 INF_AT = {2, 3, 9, 10, 11, 17}  # iterations whose gradients we poison
 
 
@@ -487,6 +488,25 @@ def test_a_bf16_model_on_cuda_steps_and_skips() -> None:
         moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         assert moved is not poisoned
     assert scaler.get_scale() == 2.0**7  # halved once, for the inf
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_two_pass_unscale_launches_a_fixed_number_of_kernels_not_one_per_gradient() -> None:
+    """A host-bound GPU step pays per launch: torch's multi-tensor multiply takes a bf16 list only with a
+    bf16 scalar, and with the fp32 one it fell back to a kernel per tensor (52 for the benchmark's GPT)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = [torch.ones(100 + i, device="cuda", dtype=torch.bfloat16) for i in range(40)]
+    found = torch.zeros((), device="cuda")
+    scaler_module.unscale_and_check_(grads, found, torch.tensor(0.25, device="cuda"))  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        scaler_module.unscale_and_check_(grads, found, torch.tensor(0.5, device="cuda"))
+        torch.cuda.synchronize()
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    assert kernels < len(grads) // 2, f"{kernels} CUDA kernels for {len(grads)} gradients"
+    assert all(torch.equal(g, torch.full_like(g, 0.125)) for g in grads) and found.item() == 0.0
 
 
 def test_the_two_pass_unscale_skips_empty_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
