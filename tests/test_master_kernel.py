@@ -38,15 +38,20 @@ TOL = 1e-6
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _grads(step: int, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     # magnitudes from 1e-6 to 1: Adam's eps and the second moment both matter somewhere
-    return [(torch.randn(s, generator=g) * torch.logspace(-6, 0, s[-1])).to(dtype) for s in SHAPES]
+    return [(torch.randn(s, generator=g) * torch.logspace(-6, 0, s[-1])).to(device, dtype) for s in SHAPES]
 
 
-def _pair(kind: str, **settings: object) -> tuple[torch.optim.Optimizer, MasterWeights, list[torch.Tensor]]:
+def _pair(
+    kind: str, device: str = "cpu", **settings: object
+) -> tuple[torch.optim.Optimizer, MasterWeights, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    fp32 = [torch.randn(s, generator=g) for s in SHAPES]
+    fp32 = [torch.randn(s, generator=g).to(device) for s in SHAPES]
     cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
     reference = cls([torch.nn.Parameter(p.clone()) for p in fp32], lr=1e-2, foreach=False, **settings)
     half = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in fp32]
@@ -56,14 +61,15 @@ def _pair(kind: str, **settings: object) -> tuple[torch.optim.Optimizer, MasterW
 
 
 @pytest.mark.parametrize(
-    ("kind", "settings"),
-    # one per decay kind: decoupled, L2 (its own write order), none
-    [("adamw", {"weight_decay": 0.1}), ("adam", {"weight_decay": 0.05, "maximize": True}), ("adam", {})],
+    ("kind", "settings", "device"),
+    # one per decay kind: decoupled, L2 (its own write order), none; and the GPU's generated kernel (Triton)
+    [("adamw", {"weight_decay": 0.1}, "cpu"), ("adam", {"weight_decay": 0.05, "maximize": True}, "cpu"),
+     ("adam", {}, "cpu"), pytest.param("adamw", {"weight_decay": 0.1}, "cuda", marks=CUDA)],
 )
-def test_the_compiled_step_is_torch_adam_on_fp32_masters(kind: str, settings: dict) -> None:
-    reference, ours, half = _pair(kind, **settings)
+def test_the_compiled_step_is_torch_adam_on_fp32_masters(kind: str, settings: dict, device: str) -> None:
+    reference, ours, half = _pair(kind, device, **settings)
     for step in range(5):
-        grads = _grads(step, torch.bfloat16)
+        grads = _grads(step, torch.bfloat16, device)
         for p, g in zip(reference.param_groups[0]["params"], grads, strict=True):
             p.grad = g.float()  # exact: the reference sees the very values the kernel upcasts
         for p, g in zip(half, grads, strict=True):
@@ -78,27 +84,30 @@ def test_the_compiled_step_is_torch_adam_on_fp32_masters(kind: str, settings: di
         torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("skip_in_kernel", [False, True])
+@pytest.mark.parametrize("where", ["cpu", "cpu, skip in kernel", pytest.param("cuda", marks=CUDA)])
 def test_with_a_scaler_it_unscales_skips_overflows_and_does_not_recompile_for_a_new_lr(
-    skip_in_kernel: bool, monkeypatch: pytest.MonkeyPatch
+    where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """skip_in_kernel: the GPU's way (reading found_inf there would sync every step), forced on the CPU:
-    the pass takes the flag and writes the old values back; the result must be the same."""
+    """Skip in kernel: the GPU's way (reading found_inf there would sync every step), forced on the CPU
+    too: the pass takes the flag and writes the old values back; the result must be the same."""
+    device = where.split(",")[0]
+    skip_in_kernel = where != "cpu"
     passed_flags: list[bool] = []
     if skip_in_kernel:
-        monkeypatch.setattr(master_fused, "SKIP_ON_HOST", frozenset())
+        if device == "cpu":
+            monkeypatch.setattr(master_fused, "SKIP_ON_HOST", frozenset())
 
         def spy(units: object, groups: object, grad_scale: object, found_inf: object = None) -> None:
             passed_flags.append(found_inf is not None)
             adam_pass(units, groups, grad_scale, found_inf)  # type: ignore[arg-type]
 
         monkeypatch.setattr(master_fused, "adam_pass", spy)
-    reference, ours, half = _pair("adamw", weight_decay=0.1)
-    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    dummy = torch.ones((), requires_grad=True)  # scale() needs a tensor on the graph
+    reference, ours, half = _pair("adamw", device, weight_decay=0.1)
+    scaler = GradScaler(device, init_scale=2.0**10, growth_interval=1000)
+    dummy = torch.ones((), requires_grad=True, device=device)  # scale() needs a tensor on the graph
     with torch._dynamo.config.patch(error_on_recompile=True):
         for step in range(4):
-            grads = _grads(step, torch.float32)
+            grads = _grads(step, torch.float32, device)
             for p, g in zip(half, grads, strict=True):
                 p.grad = (g * scaler.get_scale()).to(torch.bfloat16)  # what a scaled backward leaves
             if step == 1:
@@ -176,19 +185,24 @@ def test_what_the_compiled_step_does_not_implement_is_refused(build: object, nee
         build(params)  # type: ignore[operator]
 
 
-def test_the_cpu_coefficients_equal_the_device_path_that_reads_no_step_count() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_cpu_coefficients_equal_the_device_path_that_reads_no_step_count(device: str) -> None:
     # Python doubles on the CPU, fp64 tensor ops elsewhere (no sync): the same rows, to one fp32 rounding
     # (the two pow() implementations may differ in the last bit of a double).
     groups = [
         {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
-        {"lr": torch.tensor(3e-4), "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+        {"lr": torch.tensor(3e-4, device=device), "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
     ]
-    zeros = [torch.zeros(2) for _ in range(4)]  # param, grad, moments: unread here
+    zeros = [torch.zeros(2, device=device) for _ in range(4)]  # param, grad, moments: unread here
     group_and_step = [(0, 1), (1, 1), (0, 7), (1, 1000), (0, 7)]
-    units = [KernelUnit(*zeros, None, torch.tensor(float(s)), g) for g, s in group_and_step]
-    fast = coefficients(units, groups)
+    units = [KernelUnit(*zeros, None, torch.tensor(float(s), device=device), g) for g, s in group_and_step]
+    cpu_units = [KernelUnit(*(z.cpu() for z in zeros), None, u.step.cpu(), u.group) for u in units]
+    cpu_groups = [{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in g.items()} for g in groups]
+    fast = coefficients(cpu_units, cpu_groups)
     assert fast.dtype == torch.float32 and fast.shape == (5, len(COEFFICIENTS))
-    torch.testing.assert_close(fast, coefficients_on_device(units, groups), rtol=2**-23, atol=0)
+    on_device = coefficients_on_device(units, groups)
+    assert on_device.device.type == device
+    torch.testing.assert_close(fast, on_device.cpu(), rtol=2**-23, atol=0)
     step_size = fast[:, COEFFICIENTS.index("step_size")]
     assert step_size[0].item() == pytest.approx(1e-3 / (1 - 0.9), rel=1e-7)  # torch's first-step size
     assert torch.equal(fast[2], fast[4])  # same group and step: same row

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is needed for, in one run (device time is scarce; each new machine takes minutes
-# to start): the CUDA tests, the GPU benchmark, then the whole suite. Run from the repository root on the
-# GPU machine, with the torch already there (no venv: it has no network):
+# Everything a lent GPU is needed for, in one run, sized for a session's 15 minutes of device time (a
+# machine takes 1-2 of them to start): the CUDA tests, the distributed tests, the GPT benchmark at the
+# issue's batch and at a batch that keeps the GPU busy. Run from the repository root on the GPU machine,
+# with the torch already there (no venv: it has no network):
 #
 #     bash tools/gpu_check.sh            # logs into $OUT (the device tool's folder) or ./gpu-check
+#     SUITE_S=400 bash tools/gpu_check.sh   # and then the whole suite (over 6 minutes on an H100 machine)
 #
 # Each part has its own time limit (seconds; override by variable) and writes its log as it goes, so a
 # part cut off still leaves what it printed. The whole suite runs without pytest-xdist: on an H100 machine
@@ -19,13 +21,26 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 echo "== pytest -m cuda"
 timeout "${CUDA_TESTS_S:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rfEs tests \
     > "$out/cuda_tests.log" 2>&1
-tail -n 3 "$out/cuda_tests.log"
+grep -E "^(FAILED|ERROR)|passed|failed" "$out/cuda_tests.log" | tail -n 20
 
-echo "== train_step.py --device cuda (GPT, MLP; eager and compiled)"
-timeout "${BENCH_S:-300}" python3 benchmarks/train_step.py --device cuda > "$out/train_step.log" 2>&1
-grep -E "^hardware|GEMM 8192|failed" "$out/train_step.log"
+# The bf16 configurations torch.autocast is measured against; eager and compiled.
+configs=(--config "torch.autocast bf16" --config "mixprec O1 bf16" --config "mixprec O2 bf16, 16 B/param"
+         --config "mixprec Learner.to_bf16()")
+for batch in ${BATCHES:-128 16}; do
+    echo "== train_step.py --device cuda --workload gpt --batch $batch"
+    timeout "${BENCH_S:-170}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch "$batch" \
+        --steps "${STEPS:-20}" "${configs[@]}" > "$out/gpt_b$batch.log" 2>&1
+    grep -E "^hardware|GEMM 8192|│ (torch|mixprec)|failed" "$out/gpt_b$batch.log"
+done
 
-echo "== the whole suite"
-timeout "${SUITE_S:-400}" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests \
-    > "$out/suite.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -n 40
+echo "== the distributed tests (a 1-GPU machine trains extra ranks on the CPU)"
+timeout "${DIST_S:-60}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_distributed.py \
+    > "$out/distributed.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$out/distributed.log" | tail -n 10
+
+if [ "${SUITE_S:-0}" -gt 0 ]; then
+    echo "== the whole suite"
+    timeout "$SUITE_S" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 tests \
+        > "$out/suite.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -n 40
+fi
