@@ -26,6 +26,7 @@ smaller batch scaled up linearly (GEMM time is linear in the tokens); the table 
     python benchmarks/train_step.py --workload mlp --batch 2048   # another batch size
     python benchmarks/train_step.py --default-malloc   # without mixprec.host_memory.keep_freed_memory()
     python benchmarks/train_step.py --device cuda --steps 30   # on a GPU (every step synchronised)
+    python benchmarks/train_step.py --phases "mixprec O2 bf16" --phases "torch.autocast bf16"   # per phase
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class Runner:
     opt: torch.optim.Optimizer
     x: torch.Tensor
     y: torch.Tensor
-    step: Callable[[], None] = field(init=False)
+    step: Callable[..., None] = field(init=False)  # step(mark=...): see Mark
     amp_state: object = None  # mixprec.initialize's process-wide state for this runner (see _swap_in)
     error: str = ""
     bytes_per_param: float | None = None  # counted during the step (the Learner frees its gradients after)
@@ -188,9 +189,13 @@ class Runner:
     def device_type(self) -> str:
         return self.x.device.type
 
-    def timed_step(self) -> float:
+    def activate(self) -> None:
+        """Make this runner's initialize state the process's (the round-robin holds one per runner)."""
         if self.amp_state is not None:
             amp._STATE = self.amp_state  # type: ignore[assignment]
+
+    def timed_step(self) -> float:
+        self.activate()
         # On a GPU the step only queues kernels: wait for the queue before and after, so the time is the
         # step's own (the previous configuration's kernels are done) and all of it.
         hardware.synchronize(self.device_type)
@@ -204,36 +209,58 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
 
-def _fp32_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    def step() -> None:
+# A step calls mark(phase) as each phase ends (PHASES, in order; a Learner step marks "step" only): timed
+# runs pass nothing, --phases a timer that synchronises the device first (phase_times).
+Mark = Callable[[str], None]
+PHASES = ("forward", "backward", "unscale", "step")
+
+
+def _no_mark(phase: str) -> None:
+    pass
+
+
+def _fp32_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    def step(mark: Mark = _no_mark) -> None:
         r.opt.zero_grad(set_to_none=True)
-        _loss(forward(r.x), r.y).backward()
+        loss = _loss(forward(r.x), r.y)
+        mark("forward")
+        loss.backward()
+        mark("backward")
         r.opt.step()
+        mark("step")
 
     return step
 
 
-def _torch_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+def _torch_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[..., None]:
     device_type = r.device_type
     scaler = torch.amp.GradScaler(device_type, enabled=r.config.dtype is torch.float16)  # bf16 needs none
 
-    def step() -> None:
+    def step(mark: Mark = _no_mark) -> None:
         r.opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=r.config.dtype):
             loss = _loss(forward(r.x), r.y)
+        mark("forward")
         scaler.scale(loss).backward()
-        scaler.step(r.opt)
+        mark("backward")
+        scaler.step(r.opt)  # torch's unscale is inside its step
         scaler.update()
+        mark("step")
 
     return step
 
 
-def _mixprec_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    def step() -> None:
+def _mixprec_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    def step(mark: Mark = _no_mark) -> None:
         r.opt.zero_grad(set_to_none=True)
-        with mixprec.scale_loss(_loss(forward(r.x), r.y), r.opt) as scaled:
+        loss = _loss(forward(r.x), r.y)
+        mark("forward")
+        with mixprec.scale_loss(loss, r.opt) as scaled:
             scaled.backward()
+            mark("backward")
+        mark("unscale")  # scale_loss's exit: unscale (into the masters under O2), inf check, scale update
         r.opt.step()
+        mark("step")
 
     return step
 
@@ -250,7 +277,7 @@ class _BytesAtStepEnd(Callback):
             self.runner.bytes_per_param = footprint(self.runner.opt).per_param
 
 
-def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[..., None]:
     """One batch of ``Learner.fit`` at a time, callbacks and all, so the Learner joins the round-robin: the
     fit's set-up (on_train_begin: the MixedPrecision callback makes the model bf16 and wraps the optimizer
     in MasterWeights) once, then the loop body ``_train_batch`` per step."""
@@ -264,13 +291,14 @@ def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[[
     learn.training = True
     r.opt = learn.opt  # now the MasterWeights wrapper: bytes/param counts its masters
 
-    def step() -> None:
-        learn._train_batch(r.x, r.y)
+    def step(mark: Mark = _no_mark) -> None:
+        learn._train_batch(r.x, r.y)  # fit's loop body, callbacks and all: one phase
+        mark("step")
 
     return step
 
 
-_STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[[], None]]] = {
+_STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[..., None]]] = {
     "fp32": _fp32_step,
     "torch": _torch_step,
     "O1": _mixprec_step,
@@ -486,6 +514,44 @@ def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float,
     return casts / total, total / steps / 1e3
 
 
+def phase_times(runner: Runner, steps: int, warmup: int = 2) -> dict[str, float]:
+    """Median ms of each phase of ``runner``'s step (PHASES that its step marks), each timed from the end
+    of the one before with the device synchronised at both ends (so on a GPU a phase's time is its own
+    queueing plus its kernels, not the host running ahead), and "total". Where a step is host-bound, the
+    phases that take longer than torch.autocast's are the host work a configuration adds."""
+    times: dict[str, list[float]] = {}
+    for i in range(warmup + steps):
+        runner.activate()
+        ends: list[tuple[str, float]] = []
+
+        def mark(phase: str, ends: list[tuple[str, float]] = ends) -> None:
+            hardware.synchronize(runner.device_type)
+            ends.append((phase, time.perf_counter()))
+
+        mark("start")
+        runner.step(mark)
+        if i < warmup:
+            continue
+        for (_, before), (phase, end) in zip(ends, ends[1:], strict=False):  # consecutive marks
+            times.setdefault(phase, []).append(end - before)
+        times.setdefault("total", []).append(ends[-1][1] - ends[0][1])
+    return {phase: statistics.median(t) * 1e3 for phase, t in times.items()}
+
+
+def phases_table(workload: Workload, rows: dict[tuple[str, bool], dict[str, float] | str]) -> Table:
+    """One row per (configuration, compiled): ms per phase, or the reason it failed."""
+    table = Table(title=f"{workload.name}: ms per phase of a step, device synchronised between phases")
+    for header in ("configuration", "mode", *PHASES, "total"):
+        table.add_column(header, justify="left" if header in ("configuration", "mode") else "right")
+    for (name, compiled), ms in rows.items():
+        mode = "compiled" if compiled else "eager"
+        if isinstance(ms, str):
+            table.add_row(name, mode, *[""] * (len(PHASES) + 1), ms)
+            continue
+        table.add_row(name, mode, *(f"{ms[p]:.2f}" if p in ms else "" for p in (*PHASES, "total")))
+    return table
+
+
 # ---- the MFU reference: the GEMM rate of the arithmetic a configuration computes in ----------------------
 
 
@@ -519,6 +585,25 @@ def reference_gemm(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) ->
     return hardware.gemm_gflops(device, dtype, REFERENCE_SIZE[device][dtype], repeats=repeats)
 
 
+def time_phases(
+    workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int, device: str = "cpu"
+) -> dict[tuple[str, bool], dict[str, float] | str]:
+    """:func:`phase_times` of each named configuration in each mode, one after another (not round-robin:
+    a phase table compares phases within a step; the main table compares steps)."""
+    torch.manual_seed(0)
+    state = workload.make().state_dict()
+    rows: dict[tuple[str, bool], dict[str, float] | str] = {}
+    for config in (c for c in CONFIGS if c.name in names):
+        for compiled in modes:
+            try:
+                runner = make_runner(workload, config, compiled, state, workload.batch_size, device)
+                rows[(config.name, compiled)] = phase_times(runner, steps)
+            except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
+                rows[(config.name, compiled)] = _failed((config.name, compiled), workload.batch_size, err,
+                                                        Console(quiet=True), device).error
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="MLP only, eager, 2 steps: a smoke run")
@@ -538,6 +623,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the models run (cuda: the first GPU; every step is synchronised)")
     parser.add_argument("--profile", metavar="CONFIG", action="append", default=None,
                         help="instead of timing, print the cast share of a step of CONFIG (eager)")
+    parser.add_argument("--phases", metavar="CONFIG", action="append", default=None,
+                        choices=[c.name for c in CONFIGS],
+                        help="instead of the table, time each phase of CONFIG's step (forward, backward, "
+                        "scale_loss's unscale, step; repeatable; eager and compiled as the modes say)")
     args = parser.parse_args(argv)
     device = args.device
     if args.profile and device != "cpu":
@@ -568,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
             share, ms = cast_share(workload, config_name, steps)
             console.print(f"{workload.name}, {config_name}: casts {share:.1%} of a {ms:.0f} ms step")
         if args.profile:
+            continue
+        if args.phases:
+            console.print(phases_table(workload, time_phases(workload, args.phases, modes, steps, device)))
             continue
         console.print(f"timing {workload.name} ...")
         results = time_workload(workload, configs, modes, steps, slow_steps, console, gemm_rates, device)

@@ -165,3 +165,34 @@ def test_batch_sets_the_batch_that_runs_and_the_name_that_reports_it(bench: Modu
     assert runner.x.shape[0] == 64
     with pytest.raises(SystemExit, match="--batch must be at least 1"):
         bench.with_batch(bench.WORKLOADS["mlp"], 0)
+
+
+def test_phases_split_the_step_and_marking_them_changes_no_weight(bench: ModuleType) -> None:
+    """--phases times each phase between synchronisations: every configuration kind marks its own phases,
+    in order, they add up to the step, and the marks do not change what the step computes (the same
+    weights as an unmarked step of a twin runner)."""
+    workload = _tiny(bench)
+    state = workload.make().state_dict()
+    expected = {
+        "fp32": ["forward", "backward", "step"],
+        "torch.autocast bf16": ["forward", "backward", "step"],
+        "mixprec O2 bf16": ["forward", "backward", "unscale", "step"],  # scale_loss's exit is its own
+        "mixprec Learner.to_bf16()": ["step"],  # fit's loop body, one phase
+    }
+    for name, phases in expected.items():
+        config = next(c for c in bench.CONFIGS if c.name == name)
+        marked, plain = (bench.make_runner(workload, config, False, state, 8) for _ in range(2))
+        seen: list[str] = []
+        marked.activate()
+        marked.step(seen.append)
+        plain.timed_step()
+        assert seen == phases
+        for a, b in zip(marked.model.parameters(), plain.model.parameters(), strict=True):
+            assert torch.equal(a, b), name
+        ms = bench.phase_times(marked, steps=2, warmup=0)
+        assert list(ms) == [*phases, "total"] and all(v > 0 for v in ms.values())
+        assert sum(ms[p] for p in phases) == pytest.approx(ms["total"], rel=0.2)  # medians of 2 steps
+    rows = bench.time_phases(workload, ["fp32", "mixprec O2 bf16"], (False,), 1)
+    console = Console(width=250, record=True)
+    console.print(bench.phases_table(workload, rows))
+    assert "unscale" in console.export_text() and len(rows) == 2

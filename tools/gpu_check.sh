@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is needed for, in one run, sized for a session's 15 minutes of device time (a
-# machine takes 1-2 of them to start): the CUDA tests, the distributed tests, the GPT benchmark at the
-# issue's batch and at a batch that keeps the GPU busy. Run from the repository root on the GPU machine,
-# with the torch already there (no venv: it has no network):
+# machine takes 1-2 of them to start; this takes ~4-8): the CUDA tests, the GPT benchmark at a batch that
+# keeps the GPU busier (BATCHES="128 16" for the too), each phase of the compiled step, the
+# distributed tests. Run from the repository root on the GPU machine, with the torch already there (no
+# venv: it has no network):
 #
 #     bash tools/gpu_check.sh            # logs into $OUT (the device tool's folder) or ./gpu-check
 #     SUITE_S=400 bash tools/gpu_check.sh   # and then the whole suite (over 6 minutes on an H100 machine)
@@ -26,12 +27,17 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$out/cuda_tests.log" | tail -n 20
 # The bf16 configurations torch.autocast is measured against; eager and compiled.
 configs=(--config "torch.autocast bf16" --config "mixprec O1 bf16" --config "mixprec O2 bf16, 16 B/param"
          --config "mixprec Learner.to_bf16()")
-for batch in ${BATCHES:-128 16}; do
+for batch in ${BATCHES:-128}; do
     echo "== train_step.py --device cuda --workload gpt --batch $batch"
     timeout "${BENCH_S:-170}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch "$batch" \
         --steps "${STEPS:-20}" "${configs[@]}" > "$out/gpt_b$batch.log" 2>&1
     grep -E "^hardware|GEMM 8192|│ (torch|mixprec)|failed" "$out/gpt_b$batch.log"
 done
+
+echo "== train_step.py --phases (each phase of a compiled step between synchronisations, batch 16)"
+timeout "${PHASES_S:-120}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch 16 \
+    --steps "${STEPS:-20}" --compiled-only "${configs[@]/--config/--phases}" > "$out/phases.log" 2>&1
+grep -E "│ (torch|mixprec)|failed" "$out/phases.log"
 
 echo "== the distributed tests (a 1-GPU machine trains extra ranks on the CPU)"
 timeout "${DIST_S:-60}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_distributed.py \
