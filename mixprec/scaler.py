@@ -157,12 +157,15 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
     # scales of dynamic scaling (2**16 at start, x2 and x0.5 steps): the same bits as the fused op. A scale
     # that is no power of two (a user's init_scale=1000) is off by up to one bf16 rounding of 1/scale,
     # 2**-9 relative, less than the rounding the bf16 gradient already carries. (Exact would need the
-    # scale on the host: a sync every step.) inv_scale is passed in the gradients' dtype: the same bits
-    # (CUDA reads it as one anyway), and torch's multi-tensor kernel takes only a scalar of the list's
+    # scale on the host: a sync every step.) On CUDA, bf16, inv_scale is passed as bf16: the same bits (the
+    # kernel reads it as bf16 anyway), and torch's multi-tensor kernel takes only a scalar of the list's
     # dtype; an fp32 one sends it to one kernel per tensor (52 instead of 1 for the benchmark's GPT, H200).
+    # Elsewhere it stays fp32: the CPU reads it exactly (torch's fused op's bits), and an fp16 1/scale
+    # would underflow to 0 at scales from 2**25.
     if nonempty:
+        cuda_bf16 = nonempty[0].is_cuda and nonempty[0].dtype == torch.bfloat16
         # the shards' own memory: the DTensors see the result
-        torch._foreach_mul_(nonempty, inv_scale.to(nonempty[0].dtype))
+        torch._foreach_mul_(nonempty, inv_scale.to(torch.bfloat16) if cuda_bf16 else inv_scale)
 
 
 def _is_sharded(grad: torch.Tensor) -> bool:

@@ -492,21 +492,48 @@ def test_a_bf16_model_on_cuda_steps_and_skips() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_two_pass_unscale_launches_a_fixed_number_of_kernels_not_one_per_gradient() -> None:
+def test_the_two_pass_unscale_launches_a_fixed_number_of_kernels_not_one_per_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A host-bound GPU step pays per launch: torch's multi-tensor multiply takes a bf16 list only with a
-    bf16 scalar, and with the fp32 one it fell back to a kernel per tensor (52 for the benchmark's GPT)."""
+    bf16 scalar, and with the fp32 one it fell back to a kernel per tensor (52 for the benchmark's GPT).
+    The bits are those of 1/scale read as bf16, as before (a scale that is no power of two shows it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    grads = [torch.ones(100 + i, device="cuda", dtype=torch.bfloat16) for i in range(40)]
+    monkeypatch.setattr(scaler_module, "NO_FUSED_UNSCALE", frozenset({("cuda", torch.bfloat16)}))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(100 + i, device="cuda", dtype=torch.bfloat16, generator=g) for i in range(40)]
+    inv = torch.tensor(1 / 1000, device="cuda")
+    want = [(t.float() * inv.bfloat16().float()).bfloat16() for t in grads]
     found = torch.zeros((), device="cuda")
-    scaler_module.unscale_and_check_(grads, found, torch.tensor(0.25, device="cuda"))  # warm-up
+    scaler_module.unscale_and_check_([t.clone() for t in grads], found, inv)  # warm-up
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        scaler_module.unscale_and_check_(grads, found, torch.tensor(0.5, device="cuda"))
+        scaler_module.unscale_and_check_(grads, found, inv)
         torch.cuda.synchronize()
     kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
     assert kernels < len(grads) // 2, f"{kernels} CUDA kernels for {len(grads)} gradients"
-    assert all(torch.equal(g, torch.full_like(g, 0.125)) for g in grads) and found.item() == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True)) and found.item() == 0.0
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.bfloat16, 3.0), (torch.bfloat16, 1000.0),
+                                              (torch.float16, 3.0), (torch.float16, 2.0**26)])
+def test_the_two_pass_unscale_on_the_cpu_gives_the_fused_ops_bits(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU reads the fp32 1/scale exactly, as torch's fused op does: bit for bit, also where 1/scale
+    has no exact bf16 value or underflows fp16 (2**-26)."""
+    monkeypatch.setattr(scaler_module, "NO_FUSED_UNSCALE", frozenset({("cpu", dtype)}))
+    g = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(n, generator=g) * 1e3).to(dtype) for n in (5, 64, 1000)]
+    inv = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    ours, theirs = [t.clone() for t in grads], [t.clone() for t in grads]
+    found, found_torch = torch.zeros(()), torch.zeros(())
+    scaler_module.unscale_and_check_(ours, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_torch, inv)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert any(t.abs().max() > 0 for t in ours)  # not flushed to zero
+    assert found.item() == found_torch.item() == 0.0
 
 
 def test_the_two_pass_unscale_skips_empty_gradients(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is needed for, in one run, sized for a session's 15 minutes of device time (a
-# machine takes 1-2 of them to start; this takes ~4-8): the CUDA tests, the GPT benchmark at a batch that
+# machine takes 1-2 of them to start; this takes ~4-9): the CUDA tests, the GPT benchmark at a batch that
 # keeps the GPU busier (BATCHES="128 16" for the issue's too), each phase of the compiled step, the
 # distributed tests. Run from the repository root on the GPU machine, with the torch already there (no
 # venv: it has no network):
@@ -20,7 +20,7 @@ python3 -c "import torch, mixprec.hardware as h; print(h.hardware_line())" 2>&1 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$out/hardware.txt"
 
 echo "== pytest -m cuda"
-timeout "${CUDA_TESTS_S:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rfEs tests \
+timeout "${CUDA_TESTS_S:-120}" python3 -m pytest -q -m cuda -p no:cacheprovider -rfEs tests \
     > "$out/cuda_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/cuda_tests.log" | tail -n 20
 
@@ -38,6 +38,10 @@ echo "== train_step.py --phases (each phase of a compiled step between synchroni
 timeout "${PHASES_S:-120}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch 16 \
     --steps "${STEPS:-20}" --compiled-only "${configs[@]/--config/--phases}" > "$out/phases.log" 2>&1
 grep -E "│ (torch|mixprec)|failed" "$out/phases.log"
+
+echo "== examples/fsdp2_train.py with one rank: on the GPU, with NCCL (two ranks here train on the CPU)"
+timeout "${FSDP_S:-60}" python3 examples/fsdp2_train.py --world-size 1 > "$out/fsdp2_gpu.log" 2>&1
+tail -n 3 "$out/fsdp2_gpu.log"
 
 echo "== the distributed tests (a 1-GPU machine trains extra ranks on the CPU)"
 timeout "${DIST_S:-60}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_distributed.py \
