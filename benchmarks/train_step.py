@@ -209,8 +209,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
 
-# A step calls mark(phase) as each phase ends (PHASES, in order; a Learner step marks "step" only): timed
-# runs pass nothing, --phases a timer that synchronises the device first (phase_times).
+# A step calls mark(phase) as each phase ends (PHASES, in order; a Learner step is one "whole step"): timed
+# runs pass nothing, --phases a timer that synchronises the device first (phase_times). torch.autocast's
+# "step" holds its GradScaler's unscale and inf check (fp16; bf16 has none): splitting them out with an
+# explicit unscale_ would change torch's work (its fused AdamW unscales inside its own kernel).
 Mark = Callable[[str], None]
 PHASES = ("forward", "backward", "unscale", "step")
 
@@ -293,7 +295,7 @@ def _learner_step(r: Runner, forward: Callable[..., torch.Tensor]) -> Callable[.
 
     def step(mark: Mark = _no_mark) -> None:
         learn._train_batch(r.x, r.y)  # fit's loop body, callbacks and all: one phase
-        mark("step")
+        mark("whole step")
 
     return step
 
@@ -538,6 +540,23 @@ def phase_times(runner: Runner, steps: int, warmup: int = 2) -> dict[str, float]
     return {phase: statistics.median(t) * 1e3 for phase, t in times.items()}
 
 
+def host_syncs(runner: Runner, set_mode: Callable[[str], None] | None = None) -> list[str]:
+    """Where one step (after :func:`phase_times`' warm-up) makes the host wait for the GPU: the warnings of
+    torch's CUDA sync debug mode, each as "file:line: message". A step that never waits lets the host
+    queue the next one while the GPU works; one that waits pays the GPU's time and its own in turn."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    runner.activate()
+    hardware.synchronize(runner.device_type)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_mode("warn")
+        try:
+            runner.step()
+        finally:
+            set_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}: {str(w.message).strip().splitlines()[0]}" for w in caught]
+
+
 def phases_table(workload: Workload, rows: dict[tuple[str, bool], dict[str, float] | str]) -> Table:
     """One row per (configuration, compiled): ms per phase, or the reason it failed."""
     table = Table(title=f"{workload.name}: ms per phase of a step, device synchronised between phases")
@@ -545,8 +564,8 @@ def phases_table(workload: Workload, rows: dict[tuple[str, bool], dict[str, floa
         table.add_column(header, justify="left" if header in ("configuration", "mode") else "right")
     for (name, compiled), ms in rows.items():
         mode = "compiled" if compiled else "eager"
-        if isinstance(ms, str):
-            table.add_row(name, mode, *[""] * (len(PHASES) + 1), ms)
+        if isinstance(ms, str):  # the reason it failed, under "total"
+            table.add_row(name, mode, *[""] * len(PHASES), ms)
             continue
         table.add_row(name, mode, *(f"{ms[p]:.2f}" if p in ms else "" for p in (*PHASES, "total")))
     return table
@@ -586,18 +605,26 @@ def reference_gemm(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) ->
 
 
 def time_phases(
-    workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int, device: str = "cpu"
+    workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int, device: str = "cpu",
+    syncs: dict[tuple[str, bool], list[str]] | None = None,
 ) -> dict[tuple[str, bool], dict[str, float] | str]:
     """:func:`phase_times` of each named configuration in each mode, one after another (not round-robin:
-    a phase table compares phases within a step; the main table compares steps)."""
+    a phase table compares phases within a step; the main table compares steps). A configuration with no
+    fast kernels here is skipped, as in the main table. With ``syncs`` (a GPU), also :func:`host_syncs`
+    of each runner, into it."""
     torch.manual_seed(0)
     state = workload.make().state_dict()
     rows: dict[tuple[str, bool], dict[str, float] | str] = {}
     for config in (c for c in CONFIGS if c.name in names):
         for compiled in modes:
+            if is_slow(config, device):
+                rows[(config.name, compiled)] = "skipped: no fast kernels here"
+                continue
             try:
                 runner = make_runner(workload, config, compiled, state, workload.batch_size, device)
                 rows[(config.name, compiled)] = phase_times(runner, steps)
+                if syncs is not None:
+                    syncs[(config.name, compiled)] = host_syncs(runner)
             except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
                 rows[(config.name, compiled)] = _failed((config.name, compiled), workload.batch_size, err,
                                                         Console(quiet=True), device).error
@@ -623,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the models run (cuda: the first GPU; every step is synchronised)")
     parser.add_argument("--profile", metavar="CONFIG", action="append", default=None,
                         help="instead of timing, print the cast share of a step of CONFIG (eager)")
+    parser.add_argument("--sync-check", action="store_true",
+                        help="with --phases on a GPU: also list where one step waits for the GPU (torch's "
+                        "sync debug mode)")
     parser.add_argument("--phases", metavar="CONFIG", action="append", default=None,
                         choices=[c.name for c in CONFIGS],
                         help="instead of the table, time each phase of CONFIG's step (forward, backward, "
@@ -631,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if args.profile and device != "cpu":
         raise SystemExit("--profile measures the CPU time of casts: leave --device out with it.")
+    if args.phases and (args.profile or args.config):
+        raise SystemExit("--phases names the configurations it times: leave --profile and --config out.")
+    if args.sync_check and not (args.phases and device == "cuda"):
+        raise SystemExit("--sync-check lists where the host waits for a GPU: use it with --phases and "
+                         "--device cuda.")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is "
                          "False): run on a machine with a GPU and CUDA torch, or leave --device out.")
@@ -649,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in hardware.HALF_DTYPES:
         d = hardware.half_arithmetic(device, dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
-    gemm_rates = {dtype: [reference_gemm(dtype, device)] for dtype in reference_dtypes(configs, device)}
+    references = () if args.phases or args.profile else reference_dtypes(configs, device)  # MFU: table only
+    gemm_rates = {dtype: [reference_gemm(dtype, device)] for dtype in references}
     console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
         workload = WORKLOADS[name] if args.batch is None else with_batch(WORKLOADS[name], args.batch)
@@ -659,7 +695,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             continue
         if args.phases:
-            console.print(phases_table(workload, time_phases(workload, args.phases, modes, steps, device)))
+            syncs: dict[tuple[str, bool], list[str]] | None = {} if args.sync_check else None
+            console.print(phases_table(workload, time_phases(workload, args.phases, modes, steps, device,
+                                                             syncs)))
+            for (name, compiled), where in (syncs or {}).items():
+                mode = "compiled" if compiled else "eager"
+                console.print(f"host waits in one step of {name} ({mode}): {len(where) or 'none'}")
+                for line in where:
+                    console.print(f"  {line}")
             continue
         console.print(f"timing {workload.name} ...")
         results = time_workload(workload, configs, modes, steps, slow_steps, console, gemm_rates, device)

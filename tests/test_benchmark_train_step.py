@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -167,32 +168,166 @@ def test_batch_sets_the_batch_that_runs_and_the_name_that_reports_it(bench: Modu
         bench.with_batch(bench.WORKLOADS["mlp"], 0)
 
 
-def test_phases_split_the_step_and_marking_them_changes_no_weight(bench: ModuleType) -> None:
-    """--phases times each phase between synchronisations: every configuration kind marks its own phases,
-    in order, they add up to the step, and the marks do not change what the step computes (the same
-    weights as an unmarked step of a twin runner)."""
+_PHASES = {
+    "fp32": ["forward", "backward", "step"],
+    "torch.autocast bf16": ["forward", "backward", "step"],  # torch's unscale (fp16) is inside its step
+    "mixprec O2 bf16": ["forward", "backward", "unscale", "step"],  # scale_loss's exit is its own
+    "mixprec Learner.to_bf16()": ["whole step"],  # fit's loop body, one phase
+}
+
+
+def _mark_checker(name: str, r: object, seen: list[str]) -> Callable[[str], None]:
+    """A mark that checks the training state its phase must have left (see the test below)."""
+    params = list(r.model.parameters())  # type: ignore[attr-defined]
+    before = [p.detach().clone() for p in params]
+    opt = r.opt  # type: ignore[attr-defined]
+
+    def check(phase: str) -> None:
+        seen.append(phase)
+        unmoved = all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+        masters = list(opt.master_params()) if hasattr(opt, "master_params") else []
+        if phase == "forward":
+            assert unmoved and all(p.grad is None for p in params), name
+        elif phase == "backward":
+            assert unmoved and all(p.grad is not None for p in params), name
+            assert all(m.grad is None for m in masters), name
+        elif phase == "unscale":
+            assert unmoved and masters and all(m.grad is not None for m in masters), name
+        else:
+            assert not unmoved, name
+
+    return check
+
+
+def test_each_phase_mark_falls_where_its_name_says(bench: ModuleType) -> None:
+    """Each mark is checked against the training state at that moment, on a runner's first step: after
+    "forward" no gradient and the weights as they were; after "backward" every gradient and the weights
+    as they were (under O2 the fp32 masters have none yet: scale_loss's exit copies them); after O2's
+    "unscale" the masters hold them; after the step the weights moved."""
     workload = _tiny(bench)
     state = workload.make().state_dict()
-    expected = {
-        "fp32": ["forward", "backward", "step"],
-        "torch.autocast bf16": ["forward", "backward", "step"],
-        "mixprec O2 bf16": ["forward", "backward", "unscale", "step"],  # scale_loss's exit is its own
-        "mixprec Learner.to_bf16()": ["step"],  # fit's loop body, one phase
-    }
-    for name, phases in expected.items():
+    for name, phases in _PHASES.items():
         config = next(c for c in bench.CONFIGS if c.name == name)
-        marked, plain = (bench.make_runner(workload, config, False, state, 8) for _ in range(2))
+        r = bench.make_runner(workload, config, False, state, 8)
         seen: list[str] = []
-        marked.activate()
-        marked.step(seen.append)
-        plain.timed_step()
+        check = _mark_checker(name, r, seen)
+        r.activate()
+        r.step(check)
         assert seen == phases
-        for a, b in zip(marked.model.parameters(), plain.model.parameters(), strict=True):
+
+
+def test_the_marked_steps_train_as_a_hand_written_step(bench: ModuleType) -> None:
+    """The step functions against the same step written out here (two steps from the same weights): the
+    marks and their refactor changed nothing a step computes."""
+    import mixprec
+
+    workload = _tiny(bench)
+    state = workload.make().state_dict()
+
+    def loss(r: object) -> torch.Tensor:
+        out = r.model(r.x)  # type: ignore[attr-defined]
+        return torch.nn.functional.cross_entropy(out.float(), r.y)  # type: ignore[attr-defined]
+
+    def by_hand(name: str, r: object) -> None:
+        opt = r.opt  # type: ignore[attr-defined]
+        opt.zero_grad(set_to_none=True)
+        if name == "fp32":
+            loss(r).backward()
+        elif name == "torch.autocast bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                value = loss(r)
+            value.backward()
+        else:
+            with mixprec.scale_loss(loss(r), opt) as scaled:
+                scaled.backward()
+        opt.step()
+
+    for name in ("fp32", "torch.autocast bf16", "mixprec O2 bf16"):
+        config = next(c for c in bench.CONFIGS if c.name == name)
+        ours, ref = (bench.make_runner(workload, config, False, state, 8) for _ in range(2))
+        for _ in range(2):
+            ours.activate()
+            ours.step()
+            ref.activate()
+            by_hand(name, ref)
+        for a, b in zip(ours.model.parameters(), ref.model.parameters(), strict=True):
             assert torch.equal(a, b), name
-        ms = bench.phase_times(marked, steps=2, warmup=0)
-        assert list(ms) == [*phases, "total"] and all(v > 0 for v in ms.values())
-        assert sum(ms[p] for p in phases) == pytest.approx(ms["total"], rel=0.2)  # medians of 2 steps
-    rows = bench.time_phases(workload, ["fp32", "mixprec O2 bf16"], (False,), 1)
+
+
+def test_phase_times_leave_out_the_warm_up_and_add_up_to_the_step(bench: ModuleType) -> None:
+    """A stand-in runner whose first forward takes 60 ms (a compile) and later ones ~1: the median over one
+    timed step after one warm-up step sees only the fast one."""
+    import time as clock
+
+    class Stub:
+        device_type = "cpu"
+        calls = 0
+
+        def activate(self) -> None:
+            pass
+
+        def step(self, mark: object) -> None:
+            clock.sleep(0.06 if self.calls == 0 else 0.001)
+            self.calls += 1
+            mark("forward")  # type: ignore[operator]
+            clock.sleep(0.002)
+            mark("step")  # type: ignore[operator]
+
+    ms = bench.phase_times(Stub(), steps=1, warmup=1)
+    assert list(ms) == ["forward", "step", "total"]
+    assert ms["forward"] < 30 and ms["step"] >= 2  # 60 ms only if the warm-up were counted
+    assert ms["total"] == pytest.approx(ms["forward"] + ms["step"])
+
+
+def test_the_phase_table_runs_each_configuration_and_says_why_one_did_not(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workload = _tiny(bench)
+    rows = bench.time_phases(workload, ["fp32", "mixprec O2 bf16", "mixprec Learner.to_bf16()"], (False,), 1)
+    assert set(rows[("mixprec O2 bf16", False)]) == {"forward", "backward", "unscale", "step", "total"}
+    assert set(rows[("mixprec Learner.to_bf16()", False)]) == {"whole step", "total"}
+    monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=emulated")  # torch.autocast bf16 is "slow"
+    rows[("torch.autocast bf16", False)] = bench.time_phases(
+        workload, ["torch.autocast bf16"], (False,), 1)[("torch.autocast bf16", False)]
+    assert rows[("torch.autocast bf16", False)] == "skipped: no fast kernels here"
     console = Console(width=250, record=True)
     console.print(bench.phases_table(workload, rows))
-    assert "unscale" in console.export_text() and len(rows) == 2
+    lines = [line for line in console.export_text().splitlines() if "│" in line]
+    cells = {tuple(c.strip() for c in line.split("│")[1:3]): [c.strip() for c in line.split("│")[3:-1]]
+             for line in lines}
+    assert len(cells[("mixprec Learner.to_bf16()", "eager")]) == 5  # four phases and total: no extra column
+    assert cells[("mixprec Learner.to_bf16()", "eager")][:4] == ["", "", "", ""]  # its whole step: total only
+    assert cells[("torch.autocast bf16", "eager")][-1].startswith("skipped")
+
+
+def test_host_syncs_lists_the_waits_of_one_step_and_leaves_the_mode_as_it_was(bench: ModuleType) -> None:
+    """torch's sync debug mode needs CUDA; a stand-in mode and a step that warns as torch does where the
+    host waits (an .item() on a GPU tensor): each warning is listed, and the mode is reset even when the
+    step raises."""
+    import warnings
+
+    modes: list[str] = []
+
+    class Stub:
+        device_type = "cpu"
+
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def activate(self) -> None:
+            pass
+
+        def step(self) -> None:
+            if modes[-1] == "warn":
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            if self.fail:
+                raise RuntimeError("boom")
+
+    found = bench.host_syncs(Stub(False), set_mode=modes.append)
+    assert modes == ["warn", "default"] and len(found) == 1 and "synchronizing" in found[0]
+    assert found[0].startswith("test_benchmark_train_step.py:")
+    with pytest.raises(RuntimeError, match="boom"):
+        bench.host_syncs(Stub(True), set_mode=modes.append)
+    assert modes[-1] == "default"
+    with pytest.raises(SystemExit, match="--sync-check"):
+        bench.main(["--sync-check", "--phases", "fp32"])
