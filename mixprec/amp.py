@@ -37,8 +37,9 @@ from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.half_model import CastInputs, CastOutputs, HalfModel, prepare
+from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, prepare
 from mixprec.hardware import HALF_DTYPES
+from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler, _is_sharded
@@ -129,6 +130,7 @@ def initialize(
     skip_limit: int | None = None,
     master_grads: bool = True,
     compile_step: bool = False,
+    split_masters: bool = False,
     verbosity: int = 1,
 ) -> Any:
     """Prepare models and optimizers for mixed precision at an apex opt level.
@@ -139,8 +141,11 @@ def initialize(
     chooses the half dtype (bf16 too) and ``skip_limit`` stops a run whose steps keep overflowing
     (:class:`~mixprec.errors.PersistentOverflowError`). ``master_grads=False`` (O2 with Adam/AdamW, bf16)
     keeps no fp32 master gradients -- 16 bytes per parameter instead of 20 -- and ``compile_step=True``
-    runs that step as one compiled pass (:class:`~mixprec.master.MasterWeights`). ``verbosity``: 0 silent,
-    1 one line, 2 apex's property list."""
+    runs that step as one compiled pass (:class:`~mixprec.master.MasterWeights`). ``split_masters=True``
+    (O2, bf16) holds each fp32 master as the bf16 weight plus its low 16 bits instead
+    (:class:`~mixprec.low_precision.LowPrecisionOptimizer` ``"split"``): the same masters, 14 bytes per
+    parameter with Adam, and on the CPU one native pass for Adam/AdamW. ``verbosity``: 0 silent, 1 one
+    line, 2 apex's property list."""
     global _STATE
     if not enabled:
         for opt in _as_list(optimizers)[0]:
@@ -158,13 +163,15 @@ def initialize(
     )
     if skip_limit is not None and recipe.scale is not None:
         recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
-    recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step)
+    recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step, split_masters=split_masters)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
     given = opt_list
     _check_models_and_optimizers(model_list, opt_list)
     if recipe.casts_model:
         _check_not_sharded(model_list, recipe.name)
+    if recipe.split_masters:
+        _check_split_params(model_list, opt_list, recipe)
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
         print(line)
@@ -226,10 +233,17 @@ def _inner(opt: Any) -> torch.optim.Optimizer:
 
 
 def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe: Recipe) -> Any:
-    """Wrap the optimizer (or a LARC-style wrapper's inner one) in fp32 master weights."""
+    """Wrap the optimizer (or a LARC-style wrapper's inner one) in fp32 master weights: MasterWeights, or
+    the split layout seeded from the same fp32 values."""
     inner = _inner(opt)
-    masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
-                            compile_step=recipe.compile_step)
+    masters: torch.optim.Optimizer
+    if recipe.split_masters:
+        own = {p for g in inner.param_groups for p in g["params"]}
+        seeds = {p: v for p, v in originals.items() if p in own}  # this optimizer's, as initial= requires
+        masters = LowPrecisionOptimizer(inner, "split", initial=seeds)
+    else:
+        masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
+                                compile_step=recipe.compile_step)
     if inner is opt:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
@@ -299,6 +313,23 @@ def _check_not_sharded(models: list[nn.Module], level: str) -> None:
             "with FSDP2 keep the model fp32 and use fully_shard(model, mp_policy=MixedPrecisionPolicy("
             "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) with a plain optimizer (and "
             "mixprec.GradScaler for fp16), or opt_level='O1'; see docs/recipes.md, Distributed.",
+        )
+
+
+def _check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: Recipe) -> None:
+    """Split masters complete bf16 weights; O2 keeps BatchNorm's parameters fp32 (keep_batchnorm_fp32),
+    which the split wrapper would refuse once the model is cast: refuse before anything changes."""
+    if not recipe.keep_batchnorm_fp32:
+        return
+    held = {id(p) for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
+    kept = [type(m).__name__ for model in models for m in model.modules()
+            if isinstance(m, BATCHNORM) and any(id(p) in held for p in m.parameters(recurse=False))]
+    if kept:
+        raise ConfigError(
+            f"split_masters=True completes bf16 weights, but O2 keeps the {kept[0]} parameters fp32 "
+            "(keep_batchnorm_fp32): the split layout has nothing to split there.",
+            "pass keep_batchnorm_fp32=False as well, or keep O2's fp32 masters (split_masters=False) for a "
+            "model with BatchNorm.",
         )
 
 
@@ -627,12 +658,22 @@ def restore(model: nn.Module) -> nn.Module:
             "torch.load holds no optimizer state to restore from: restore before saving.",
         )
     # a LARC-style wrapper holds the MasterWeights as its .optim
-    half.restore(*(_inner(opt) for opt in state.optimizers if isinstance(_inner(opt), MasterWeights)))
+    inners = [_inner(opt) for opt in state.optimizers]
+    split = {id(p): v for m in inners if isinstance(m, LowPrecisionOptimizer) for p, v in _split_values(m)}
+    half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
     for scaler in state.scalers:
         scaler.unwatch(model)
     state.models.remove(half)
     model.__dict__.pop("_mixprec_opt_level", None)
     return model
+
+
+def _split_values(opt: LowPrecisionOptimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, its fp32 value) of split masters: the bf16 weight and the low half put together.
+    A weight loaded into the model after the last step keeps that step's low half (within one bf16 ulp of
+    what was loaded): restore before loading other weights, or load the optimizer's state with them."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return zip(params, opt.master_values(), strict=True)
 
 
 def reset() -> None:

@@ -186,7 +186,7 @@ def banner(recipe: Recipe, verbosity: int) -> list[str]:
     if recipe.half_dtype == torch.bfloat16 and "BF16" not in heading:  # O1's text names no dtype (apex: fp16)
         heading += " Casts to bf16."
     # mixprec's own master-step options, said only when set: an apex user's output stays apex's
-    extras = [f"{k}={getattr(recipe, k)}" for k in ("master_grads", "compile_step")
+    extras = [f"{k}={getattr(recipe, k)}" for k in ("master_grads", "compile_step", "split_masters")
               if getattr(recipe, k) != _DEFAULTS[k]]
     tail = ["mixprec master step: " + ", ".join(extras)] if extras else []
     if verbosity == 1:

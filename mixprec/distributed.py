@@ -134,13 +134,20 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
     DistributedDataParallel broadcasts rank 0's model when it is built, i.e. the half weights under O2;
     each rank's masters take those values at the next step, but their fp32 bits below the half value are
     each rank's own (from its own initialisation), so replicas seeded differently drift apart. Call this
-    after wrapping the model in DDP (``initialize``, then DDP, then this), or seed every rank alike. A
-    no-op for an optimizer without masters."""
+    after wrapping the model in DDP (``initialize``, then DDP, then this), or seed every rank alike. For
+    a :class:`~mixprec.low_precision.LowPrecisionOptimizer` (``initialize(..., split_masters=True)``) it
+    broadcasts the weights and the low halves that complete them. A no-op for an optimizer without
+    masters."""
+    from mixprec.low_precision import LowPrecisionOptimizer
     from mixprec.master import MasterWeights
 
     if isinstance(optimizer, (list, tuple)):
         raise ConfigError(f"broadcast_masters takes one optimizer, got a {type(optimizer).__name__}.",
                           "call it once per optimizer: for opt in optimizers: broadcast_masters(opt).")
+    if isinstance(optimizer, LowPrecisionOptimizer):  # split masters (initialize's split_masters=True)
+        _broadcast_bytes([p.data for g in optimizer.param_groups for p in g["params"]]
+                         + optimizer.extra_tensors(), src)
+        return
     if not isinstance(optimizer, MasterWeights):
         if getattr(optimizer, "_mixprec_replaced_at", None) is not None:  # initialize wrapped it
             raise ConfigError(
@@ -156,6 +163,17 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
         pieces = flat.split([v.numel() for v in views])
         torch._foreach_copy_(views, [piece.view_as(v) for piece, v in zip(pieces, views, strict=True)])
     optimizer.copy_master_to_model()
+
+
+def _broadcast_bytes(tensors: list[torch.Tensor], src: int) -> None:
+    """``src``'s bytes of every tensor, in place, in one collective: a LowPrecisionOptimizer's weights and
+    its per-parameter buffers (split: the masters' low halves, int16), whatever their dtypes. Bytes, not
+    values: a broadcast moves them unchanged, and one uint8 buffer takes any mix of dtypes."""
+    views = [t.view(-1).view(torch.uint8) for t in tensors]  # in place: views of the tensors' own memory
+    if views:
+        flat = torch.cat(views)
+        dist.broadcast(flat, src=src)
+        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
 
 
 def free_port(host: str = LOCALHOST) -> int:

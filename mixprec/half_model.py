@@ -17,7 +17,7 @@ import functools
 import inspect
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -384,16 +384,17 @@ class HalfModel:
         when none will be), they would hold a second fp32 copy of every weight for the model's life."""
         self.converted = [replace(c, before=None) for c in self.converted]
 
-    def restore(self, *masters: Any) -> None:
+    def restore(self, *masters: Any, values: Mapping[int, torch.Tensor] | None = None) -> None:
         """Remove the hooks and cast the model back; parameters take their fp32 master's value when one
-        of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one."""
+        of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one, or ``values`` (by the
+        parameter's id: split masters' fp32 values)."""
         for handle in self.handles:
             handle.remove()
         held = [m for m in masters if m is not None]
         for m in held:
             m.take_model_edits()  # a model loaded since the last step (the best epoch's weights)
-        values = {id(p): v for m in held for p, v in zip(m.model_params(), m.master_views(), strict=True)}
-        model_to_float(self.converted, values)
+        found = {id(p): v for m in held for p, v in zip(m.model_params(), m.master_views(), strict=True)}
+        model_to_float(self.converted, {**found, **(values or {})})
         self.handles, self.converted = [], []
 
 

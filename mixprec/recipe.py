@@ -80,6 +80,9 @@ class Recipe:
     # the step reads the half gradients itself, 16 bytes per parameter with Adam, fp32 training's figure.
     master_grads: bool = True
     compile_step: bool = False  # with master_grads=False: the update as one compiled pass (master_kernel)
+    # bf16 only: each fp32 master held as the bf16 weight plus its low 16 bits (LowPrecisionOptimizer
+    # "split"), 14 bytes per parameter with Adam and no fp32 copy at all; the same masters, bit for bit
+    split_masters: bool = False
     autocast_dtype: torch.dtype | None = None
     policy: Any = None  # a mixprec Policy or preset name for the autocast region; None: torch's op lists
     scale: ScaleConfig | None = None
@@ -120,6 +123,8 @@ class Recipe:
                 "style, MasterWeights(opt, master_grads=False) with GradScaler's scaler.step(opt) unscales "
                 "inside the fused step instead).",
             )
+        if self.split_masters:
+            self._check_split()
         if self.compile_step and self.master_grads:
             raise ConfigError(
                 f"recipe {self.name!r}: compile_step=True compiles the step that reads the half gradients "
@@ -137,6 +142,23 @@ class Recipe:
     @property
     def casts_model(self) -> bool:
         return self.model_dtype in HALF_DTYPES
+
+    def _check_split(self) -> None:
+        """split_masters is O2's masters in another layout, for bf16: say which part of that is missing."""
+        missing = [
+            (not self.uses_masters, "it keeps no fp32 master weights to split"),
+            (self.model_dtype != torch.bfloat16, f"{self.model_dtype} is not an fp32's top half (bf16 is)"),
+            (self.flat_master, "flat_master is a layout of fp32 masters"),
+            (not self.master_grads or self.compile_step,
+             "master_grads=False/compile_step=True shape the fp32 master step, which split masters replace"),
+        ]
+        problem = next((why for broken, why in missing if broken), None)
+        if problem is not None:
+            raise ConfigError(
+                f"recipe {self.name!r}: split_masters=True holds each fp32 master as the bf16 weight plus "
+                f"its low 16 bits, but {problem}.",
+                "use split_masters=True with opt_level='O2' and dtype=torch.bfloat16 alone.",
+            )
 
     @property
     def uses_masters(self) -> bool:

@@ -95,11 +95,12 @@ def _o2_ddp_masters(info: DistInfo) -> dict[str, list[float]]:
     import mixprec
 
     out = {}
-    for sync in (False, True):
+    for split, sync in ((s, y) for s in (False, True) for y in (False, True)):
         torch.manual_seed(info.rank)  # other initial weights on each rank
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0)
+        model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0,
+                                        split_masters=split)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         if sync:
             distributed.broadcast_masters(opt)
@@ -110,8 +111,10 @@ def _o2_ddp_masters(info: DistInfo) -> dict[str, list[float]]:
                 scaled.backward()
             opt.step()
             opt.zero_grad()
-        values = [*opt.master_views(), *(p.float() for p in model.parameters())]
-        out["synced" if sync else "ddp only"] = torch.cat([v.detach().reshape(-1) for v in values]).tolist()
+        masters = opt.master_values() if split else list(opt.master_views())
+        values = [*masters, *(p.float() for p in model.parameters())]
+        key = ("split masters, " if split else "") + ("synced" if sync else "ddp only")
+        out[key] = torch.cat([v.detach().reshape(-1) for v in values]).tolist()
         mixprec.amp.reset()
     return out
 
@@ -185,8 +188,9 @@ def test_broadcast_masters_makes_o2_replicas_identical_under_ddp(spawned: list[d
     """DDP broadcasts the half weights only: ranks seeded differently kept their own fp32 masters' low
     bits and their models drifted apart. With broadcast_masters the ranks stay identical."""
     rank0, rank1 = (r["o2_ddp_masters"] for r in spawned)
-    assert rank0["ddp only"] != rank1["ddp only"]  # the drift the function removes
-    assert rank0["synced"] == rank1["synced"]
+    for layout in ("", "split masters, "):  # the split layout: weights and low halves together
+        assert rank0[layout + "ddp only"] != rank1[layout + "ddp only"]  # the drift the function removes
+        assert rank0[layout + "synced"] == rank1[layout + "synced"]
 
 
 def test_a_ranks_mixprec_error_keeps_its_problem_and_its_fix() -> None:

@@ -559,8 +559,9 @@ def _learner(model: nn.Module, storages: Storages) -> int:
 
 
 @pytest.mark.parametrize(
-    "run", [_initialize("O2"), _initialize("O2", master_weights=False), _initialize("O3"), _learner],
-    ids=["O2", "O2 no masters", "O3", "Learner.to_bf16"])
+    "run", [_initialize("O2"), _initialize("O2", master_weights=False), _initialize("O3"),
+            _initialize("O2", split_masters=True), _learner],
+    ids=["O2", "O2 no masters", "O3", "O2 split masters", "Learner.to_bf16"])
 def test_a_half_model_lets_go_of_the_fp32_weights_it_was_cast_from(
     run: Callable[[nn.Module, Storages], int],
 ) -> None:

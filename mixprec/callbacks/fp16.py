@@ -135,6 +135,12 @@ class MixedPrecision(Callback):
                 f"MixedPrecision trains in half precision; recipe {recipe.name!r} is fp32.",
                 "use a half recipe (e.g. Recipe.from_opt_level('O2')), or no callback: learn.to_fp32().",
             )
+        if recipe.split_masters:  # the Learner builds MasterWeights itself; it would drop the option silently
+            raise ConfigError(
+                f"recipe {recipe.name!r} asks for split masters, which the Learner does not build yet.",
+                "use mixprec.initialize(model, opt, 'O2', dtype=torch.bfloat16, split_masters=True) with "
+                "your own loop, or this recipe without split_masters (fp32 MasterWeights).",
+            )
         self.recipe, self.clip = recipe, clip
         self.half: HalfModel | None = None
         self.masters: MasterWeights | None = None

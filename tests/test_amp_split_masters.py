@@ -1,0 +1,162 @@
+"""``mixprec.initialize(..., "O2", dtype=torch.bfloat16, split_masters=True)``: O2's fp32 masters held as
+the bf16 weights plus int16 low halves (LowPrecisionOptimizer "split").
+
+References: O2's MasterWeights (the same fp32 masters in fp32 tensors; the split step's native loop rounds
+its sqrt correctly where torch's CPU sqrt is one ulp off now and then, so a few fp32 ulps apart), the
+same wrapper built by hand as docs/low-precision.md's recipe does (bit for bit), and the exact fp32 values
+the model was cast from."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.errors import ConfigError
+from mixprec.low_precision import LowPrecisionOptimizer, footprint
+
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4,
+           poison: Callable[[int, nn.Module], None] | None = None) -> None:
+    for i, (x, y) in enumerate(_batches(steps)):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with mixprec.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            if poison is not None:
+                poison(i, model)
+        opt.step()
+
+
+def _initialize(model: nn.Module, **options: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "initialize was called again"
+        return mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0, **options)
+
+
+def test_split_masters_are_o2s_masters_in_14_bytes_per_parameter() -> None:
+    o2_model, o2 = _initialize(_model())
+    _train(o2_model, o2)
+    want = [m.detach().clone() for m in o2.master_views()]  # type: ignore[attr-defined]
+    mixprec.amp.reset()
+    model, opt = _initialize(_model(), split_masters=True)
+    assert isinstance(opt, LowPrecisionOptimizer)
+    _train(model, opt)
+    for got, ref in zip(opt.master_values(), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)  # a few fp32 ulps of values ~0.1-1
+    assert footprint(opt).per_param == pytest.approx(14.0)  # bf16 weight 2 + grad 2 + low 2 + Adam 8
+
+
+def test_split_masters_are_the_hand_built_recipe_bit_for_bit() -> None:
+    """docs/low-precision.md's recipe before this option: O2 without masters, then the wrapper seeded with
+    the fp32 weights."""
+    model = _model()
+    fp32 = {p: p.detach().clone() for p in model.parameters()}
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model, plain = mixprec.initialize(model, plain, "O2", dtype=torch.bfloat16, master_weights=False,
+                                          verbosity=0)
+    by_hand = LowPrecisionOptimizer(plain, "split", initial={p: fp32[q] for p, q in
+                                                              zip(model.parameters(), fp32, strict=True)})
+    for (x, y) in _batches(4):
+        by_hand.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        by_hand.step()
+    want = [v.clone() for v in by_hand.master_values()]
+    mixprec.amp.reset()
+    ours_model, ours = _initialize(_model(), split_masters=True)
+    _train(ours_model, ours)
+    for got, ref in zip(ours.master_values(), want, strict=True):  # type: ignore[attr-defined]
+        assert torch.equal(got, ref)
+
+
+def test_an_overflowing_step_is_skipped_and_keeps_the_low_halves() -> None:
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt, steps=2)
+    before = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+
+    def poison(i: int, m: nn.Module) -> None:
+        m[0].weight.grad[0, 0] = float("nan")  # bf16's static scale of 1 still checks every step
+
+    _train(model, opt, steps=1, poison=poison)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.master_values(), strict=True))  # type: ignore[attr-defined]
+    _train(model, opt, steps=1)
+    assert not all(torch.equal(a, b) for a, b in zip(before, opt.master_values(), strict=True))  # type: ignore[attr-defined]
+
+
+def test_restore_gives_the_model_its_exact_fp32_masters() -> None:
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt)
+    values = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+    assert any(not torch.equal(v, p.float()) for v, p in zip(values, model.parameters(), strict=True))
+    mixprec.amp.restore(model)
+    for p, v in zip(model.parameters(), values, strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, v)  # not the bf16 weights' values
+
+
+def test_the_banner_says_split_masters() -> None:
+    lines = mixprec.apex_properties.banner(
+        mixprec.recipe.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True), 1)
+    assert lines[-1] == "mixprec master step: split_masters=True"
+
+
+@pytest.mark.parametrize(
+    ("opt_level", "options", "needle"),
+    [
+        ("O1", {}, "keeps no fp32 master weights"),
+        ("O3", {}, "keeps no fp32 master weights"),
+        ("O2", {"master_weights": False}, "keeps no fp32 master weights"),
+        ("O2", {"dtype": torch.float16}, "not an fp32's top half"),
+        ("O2", {"master_grads": False}, "master_grads=False/compile_step=True"),
+    ],
+)
+def test_split_masters_outside_o2_bf16_is_refused_with_what_is_missing(
+    opt_level: str, options: dict, needle: str
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    settings = {"dtype": torch.bfloat16, **options}
+    with pytest.raises(ConfigError, match=needle):
+        mixprec.initialize(model, opt, opt_level, split_masters=True, verbosity=0, **settings)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything changed
+
+
+def test_a_model_with_batchnorm_is_refused_before_it_is_cast_and_trains_with_bf16_batchnorm() -> None:
+    """O2 keeps BatchNorm's parameters fp32, which the split layout cannot hold: the wrapper refused them
+    after initialize had already cast the model. Now the refusal comes first and names the fix."""
+    def bn_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    model = bn_model()
+    with pytest.raises(ConfigError, match="keep_batchnorm_fp32=False"):
+        _initialize(model, split_masters=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # untouched
+    model, opt = _initialize(bn_model(), split_masters=True, keep_batchnorm_fp32=False)
+    before = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+    _train(model, opt, steps=2)
+    assert all(not torch.equal(a, b) for a, b in zip(before, opt.master_values(), strict=True))  # type: ignore[attr-defined]
+
+
+def test_the_learner_refuses_a_split_recipe_instead_of_dropping_it() -> None:
+    recipe = mixprec.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    with pytest.raises(ConfigError, match="does not build yet"):
+        mixprec.MixedPrecision(recipe=recipe)
