@@ -39,7 +39,7 @@ from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, ban
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, prepare
 from mixprec.hardware import HALF_DTYPES
-from mixprec.low_precision import LowPrecisionOptimizer
+from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler, _is_sharded
@@ -143,9 +143,9 @@ def initialize(
     keeps no fp32 master gradients -- 16 bytes per parameter instead of 20 -- and ``compile_step=True``
     runs that step as one compiled pass (:class:`~mixprec.master.MasterWeights`). ``split_masters=True``
     (O2, bf16) holds each fp32 master as the bf16 weight plus its low 16 bits instead
-    (:class:`~mixprec.low_precision.LowPrecisionOptimizer` ``"split"``): the same masters, 14 bytes per
-    parameter with Adam, and on the CPU one native pass for Adam/AdamW. ``verbosity``: 0 silent, 1 one
-    line, 2 apex's property list."""
+    (:class:`~mixprec.low_precision.LowPrecisionOptimizer` ``"split"``): the masters start at the same fp32
+    values, 14 bytes per parameter with Adam, and on the CPU one native pass for Adam/AdamW.
+    ``verbosity``: 0 silent, 1 one line, 2 apex's property list."""
     global _STATE
     if not enabled:
         for opt in _as_list(optimizers)[0]:
@@ -319,6 +319,8 @@ def _check_not_sharded(models: list[nn.Module], level: str) -> None:
 def _check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: Recipe) -> None:
     """Split masters complete bf16 weights; O2 keeps BatchNorm's parameters fp32 (keep_batchnorm_fp32),
     which the split wrapper would refuse once the model is cast: refuse before anything changes."""
+    for opt in optimizers:
+        check_wrappable(_inner(opt))  # the optimizers the split layout cannot step (LBFGS), named now
     if not recipe.keep_batchnorm_fp32:
         return
     held = {id(p) for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
@@ -429,20 +431,19 @@ def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
         if replaced_at is not None:
             raise ConfigError(
                 f"scale_loss got optimizers[{i}], the {name} passed to mixprec.initialize. At {replaced_at} "
-                "initialize returned a new optimizer (MasterWeights around it, holding the fp32 masters): "
-                "that is the one to use.",
+                "initialize returned a new optimizer (a wrapper around it holding the fp32 masters: "
+                "MasterWeights, or LowPrecisionOptimizer with split_masters): that is the one to use.",
                 "keep what initialize returns: model, opt = mixprec.initialize(model, opt, "
                 f"{replaced_at!r}), then scale_loss(loss, opt) and opt.step() (wrap an optimizer in LARC "
                 "before initialize, not after).",
             )
-        from mixprec.low_precision import LowPrecisionOptimizer  # imports amp's neighbours: here, lazily
-
         if isinstance(opt, LowPrecisionOptimizer):
             raise ConfigError(
                 f"scale_loss got optimizers[{i}], a LowPrecisionOptimizer: scale_loss scales for, and skips "
                 "the steps of, the optimizers mixprec.initialize returned, and this wrapper was built after.",
-                "bf16 needs no loss scale: call loss.backward() and opt.step() directly "
-                "(docs/low-precision.md, O2 with split masters); for fp16 use a mixprec.GradScaler: "
+                "for O2's masters in the split layout let initialize build it: mixprec.initialize(model, "
+                "opt, 'O2', dtype=torch.bfloat16, split_masters=True); else bf16 needs no loss scale: call "
+                "loss.backward() and opt.step() directly; for fp16 use a mixprec.GradScaler: "
                 "scaler.scale(loss).backward(), scaler.step(opt), scaler.update().",
             )
         masters = " and, with the model's weights in half precision, no fp32 masters" if (
@@ -605,7 +606,8 @@ def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
 
 # ------------------------------------------------------------------------------------------------ access
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise.
+    """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise
+    (also O2 with ``split_masters``: a clip of these computes in bf16, its norm ~0.3% off the fp32 one).
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``.
 
     Where the model holds gradients its masters have not received (backward outside ``scale_loss``, or a
@@ -659,7 +661,9 @@ def restore(model: nn.Module) -> nn.Module:
         )
     # a LARC-style wrapper holds the MasterWeights as its .optim
     inners = [_inner(opt) for opt in state.optimizers]
-    split = {id(p): v for m in inners if isinstance(m, LowPrecisionOptimizer) for p, v in _split_values(m)}
+    mine = {getattr(c.module, c.name) for c in half.converted if c.is_param}  # this model's half parameters
+    split = {id(p): v for m in inners if isinstance(m, LowPrecisionOptimizer)
+             for p, v in _split_values(m, mine)}
     half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
     for scaler in state.scalers:
         scaler.unwatch(model)
@@ -668,12 +672,16 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
-def _split_values(opt: LowPrecisionOptimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(model parameter, its fp32 value) of split masters: the bf16 weight and the low half put together.
-    A weight loaded into the model after the last step keeps that step's low half (within one bf16 ulp of
-    what was loaded): restore before loading other weights, or load the optimizer's state with them."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    return zip(params, opt.master_values(), strict=True)
+def _split_values(
+    opt: LowPrecisionOptimizer, among: set[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, its fp32 value) of the split masters of ``among``'s parameters (one model's: another
+    model of the same initialize may be restored, fp32, already): the bf16 weight and the low half put
+    together. A weight loaded into the model after the last step keeps that step's low half (within one
+    bf16 ulp of what was loaded): restore before loading other weights, or load the optimizer's state with
+    them."""
+    params = [p for g in opt.param_groups for p in g["params"] if p in among]
+    return zip(params, opt.master_values(params), strict=True)
 
 
 def reset() -> None:

@@ -144,6 +144,8 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
     if isinstance(optimizer, (list, tuple)):
         raise ConfigError(f"broadcast_masters takes one optimizer, got a {type(optimizer).__name__}.",
                           "call it once per optimizer: for opt in optimizers: broadcast_masters(opt).")
+    inner = getattr(optimizer, "optim", None)  # a LARC-style wrapper holds initialize's optimizer as .optim
+    optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
     if isinstance(optimizer, LowPrecisionOptimizer):  # split masters (initialize's split_masters=True)
         _broadcast_bytes([p.data for g in optimizer.param_groups for p in g["params"]]
                          + optimizer.extra_tensors(), src)
@@ -169,11 +171,14 @@ def _broadcast_bytes(tensors: list[torch.Tensor], src: int) -> None:
     """``src``'s bytes of every tensor, in place, in one collective: a LowPrecisionOptimizer's weights and
     its per-parameter buffers (split: the masters' low halves, int16), whatever their dtypes. Bytes, not
     values: a broadcast moves them unchanged, and one uint8 buffer takes any mix of dtypes."""
-    views = [t.view(-1).view(torch.uint8) for t in tensors]  # in place: views of the tensors' own memory
-    if views:
-        flat = torch.cat(views)
-        dist.broadcast(flat, src=src)
-        torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+    if not tensors:
+        return
+    # row-major bytes of each (a channels_last weight and its low half are copied into that order here)
+    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+    dist.broadcast(flat, src=src)
+    pieces = flat.split([t.numel() * t.element_size() for t in tensors])
+    torch._foreach_copy_(tensors, [piece.view(t.dtype).view(t.shape) for t, piece in zip(tensors, pieces,
+                                                                                        strict=True)])
 
 
 def free_port(host: str = LOCALHOST) -> int:

@@ -54,7 +54,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -321,7 +321,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         kernel: str = "auto",
         initial: Mapping[Tensor, Tensor] | None = None,
     ) -> None:
-        _check_wrappable(optimizer)
+        check_wrappable(optimizer)
         self.mode = _parse_mode(mode)
         if kernel not in KERNELS:
             raise ConfigError(f"kernel={kernel!r} is not one of {', '.join(map(repr, KERNELS))}.",
@@ -449,6 +449,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and found_inf.item() > 0:
+            # Skipped: the wrapped optimizer's step() is not called, so an LR scheduler built on it (before
+            # the wrapping) would warn "lr_scheduler.step() before optimizer.step()"; record the call as the
+            # scheduler's wrapper around that method does (torch.amp's skip does the same for its optimizer).
+            if getattr(self.inner.step, "_wrapped_by_lr_sched", False):
+                self.inner._opt_called = True  # type: ignore[attr-defined]
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         # The reciprocal in fp64, as GradScaler: fp32 division can be imprecise under some compile options.
@@ -585,12 +590,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return [self._extras[p] for g in self.param_groups for p in g["params"] if p in self._extras]
 
     @torch.no_grad()
-    def master_values(self) -> list[Tensor]:
+    def master_values(self, params: Iterable[Tensor] | None = None) -> list[Tensor]:
         """Each parameter's value as the mode knows it, in fp32 (split: the exact fp32 master; kahan: weight
-        plus compensation; naive/stochastic: the weight itself). New tensors, one per parameter: an inspection
-        method (a loop over parameters), not part of the step."""
+        plus compensation; naive/stochastic: the weight itself), for ``params`` (default: every parameter,
+        in ``param_groups`` order). New tensors, one per parameter: an inspection method (a loop over
+        parameters), not part of the step."""
         values = []
-        for p in (p for g in self.param_groups for p in g["params"]):
+        for p in (p for g in self.param_groups for p in g["params"]) if params is None else params:
             flat = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
             extras = [self._extras[p]] if p in self._extras else []
             _MODES[self.mode].load(_Chunk([p.data], extras, flat, torch.empty_like(flat)))
@@ -728,7 +734,9 @@ def _register_buffers(wrapper: LowPrecisionOptimizer) -> None:
     held.wrappers.add(wrapper)
 
 
-def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:
+def check_wrappable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what LowPrecisionOptimizer cannot wrap, before anything is built (initialize's split_masters
+    asks before it casts the model)."""
     if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "model_params") or isinstance(
         optimizer, LowPrecisionOptimizer
     ):

@@ -81,7 +81,9 @@ class Recipe:
     master_grads: bool = True
     compile_step: bool = False  # with master_grads=False: the update as one compiled pass (master_kernel)
     # bf16 only: each fp32 master held as the bf16 weight plus its low 16 bits (LowPrecisionOptimizer
-    # "split"), 14 bytes per parameter with Adam and no fp32 copy at all; the same masters, bit for bit
+    # "split"), 14 bytes per parameter with Adam and no fp32 copy at all; the same start as O2's masters,
+    # but a master exactly between two bf16 values rounds away from zero in the model, where O2 rounds to
+    # even (~1 weight in 65536), so the two runs separate slowly
     split_masters: bool = False
     autocast_dtype: torch.dtype | None = None
     policy: Any = None  # a mixprec Policy or preset name for the autocast region; None: torch's op lists

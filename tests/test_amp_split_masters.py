@@ -160,3 +160,104 @@ def test_the_learner_refuses_a_split_recipe_instead_of_dropping_it() -> None:
     recipe = mixprec.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
     with pytest.raises(ConfigError, match="does not build yet"):
         mixprec.MixedPrecision(recipe=recipe)
+
+
+def test_restore_of_two_models_of_one_initialize_gives_each_its_own_masters() -> None:
+    """restore read every split optimizer's values, also a model already restored (fp32 again), and the
+    second restore failed on its weights' size."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 4)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
+    (a, b), opts = mixprec.initialize([a, b], opts, "O2", dtype=torch.bfloat16, split_masters=True,
+                                      verbosity=0)
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        for o in opts:
+            o.zero_grad()
+        with mixprec.scale_loss(b(a(x)).float().square().mean(), opts) as scaled:
+            scaled.backward()
+        for o in opts:
+            o.step()
+    want = [[v.clone() for v in o.master_values()] for o in opts]
+    for model, values in zip((a, b), want, strict=True):
+        mixprec.amp.restore(model)
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
+
+
+class _Larc:
+    """apex's LARC's shape (tests/test_amp.py has the full one): the optimizer in ``.optim``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optim = optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    def step(self) -> None:
+        self.optim.step()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_broadcast_masters_sends_what_completes_the_masters_also_channels_last_and_behind_larc(
+    split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 takes rank 0's bytes (the collective stood in for: one process here). A channels_last
+    conv's weights and low halves are not one contiguous view (view(-1) failed); a LARC-style wrapper
+    made broadcast_masters a silent no-op."""
+    from mixprec import distributed
+
+    def build(seed: int) -> tuple[nn.Module, object]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+        model = model.to(memory_format=torch.channels_last)
+        larc = _Larc(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return mixprec.initialize(model, larc, "O2", dtype=torch.bfloat16, split_masters=split,
+                                      verbosity=0)
+
+    def values(opt: object) -> list[torch.Tensor]:
+        inner = opt.optim  # type: ignore[attr-defined]
+        return [v.clone() for v in (inner.master_values() if split else inner.master_views())]
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(distributed.dist, "broadcast", lambda flat, src: sent.append(flat.clone()))
+    _, rank0 = build(0)
+    distributed.broadcast_masters(rank0)  # rank 0: its bytes go out
+    monkeypatch.setattr(distributed.dist, "broadcast", lambda flat, src: flat.copy_(sent[0]))
+    model1, rank1 = build(1)
+    assert not all(torch.equal(a, b) for a, b in zip(values(rank0), values(rank1), strict=True))
+    distributed.broadcast_masters(rank1)  # rank 1: takes them
+    assert len(sent) == 1
+    assert all(torch.equal(a, b) for a, b in zip(values(rank0), values(rank1), strict=True))
+    assert model1[0].weight.is_contiguous(memory_format=torch.channels_last)  # its layout kept
+
+
+def test_a_scheduler_built_before_initialize_does_not_warn_when_the_first_step_is_skipped() -> None:
+    """apex's order (optimizer, scheduler, then initialize) and a first step skipped for a NaN: the split
+    wrapper returned without the wrapped optimizer's step, and torch warned that the scheduler stepped
+    first."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, split_masters=True, verbosity=0)
+
+    def poison(i: int, m: nn.Module) -> None:
+        m[0].weight.grad[0, 0] = float("nan")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _train(model, opt, steps=1, poison=poison)
+        schedule.step()
+        _train(model, opt, steps=1)
+        schedule.step()
+
+
+def test_an_optimizer_the_split_layout_cannot_step_is_refused_before_the_model_is_cast() -> None:
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ConfigError, match="LBFGS"):
+        mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, split_masters=True, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert getattr(model, "_mixprec_opt_level", None) is None  # initialize can be called again

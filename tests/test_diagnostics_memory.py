@@ -398,3 +398,36 @@ def test_recipe_names_are_the_vocabulary(capsys: pytest.CaptureFixture[str]) -> 
     assert err.startswith("mixprec: error:") and "'O5'" in err and "pure-fp16" in err and "Python" not in err
     assert cli.main(["memory", "--precision", "bf16+kahan", "--no-png"]) == 2
     assert "pure-bf16" in capsys.readouterr().err
+
+
+def test_an_adamw_instance_and_split_masters_are_counted_as_training_holds_them() -> None:
+    """An AdamW instance could not be rebuilt (torch 2.13 keeps `decoupled_weight_decay` among its defaults
+    but refuses it as an argument); a recipe with split_masters was counted as O2's fp32 masters. The
+    reference: what initialize(..., split_masters=True) holds after a step (LowPrecisionOptimizer's
+    footprint)."""
+    import warnings
+
+    import mixprec
+    from mixprec.low_precision import footprint
+
+    torch.manual_seed(0)
+    model = mlp(64, 128, 10)
+    batch = _batch(8, (64,))
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    o2 = memory_breakdown(model, torch.optim.AdamW(model.parameters()), batch, "O2")
+    ours = memory_breakdown(model, torch.optim.AdamW(model.parameters()), batch, split)
+    assert (o2.masters, o2.extras) == (4 * o2.n_params, 0)
+    assert (ours.masters, ours.master_grads, ours.extras) == (0, 0, 2 * ours.n_params)  # the low halves
+    held = ours.params + ours.grads + ours.extras + ours.optimizer_state
+    trained = copy.deepcopy(model)
+    opt = torch.optim.AdamW(trained.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trained, opt = mixprec.initialize(trained, opt, "O2", dtype=torch.bfloat16, split_masters=True,
+                                          verbosity=0)
+    x, y = batch
+    with mixprec.scale_loss(F.cross_entropy(trained(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert held == footprint(opt).total
+    mixprec.amp.reset()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -479,6 +480,11 @@ def _optimizer_factory(optimizer: OptimizerLike) -> Callable[[list[Tensor]], tor
                 "pass the inner optimizer, or a function params -> optimizer (e.g. "
                 "lambda ps: torch.optim.Adam(ps, lr=1e-3)).",
             )
+        # Only what the constructor takes: torch's AdamW keeps Adam's `decoupled_weight_decay` among its
+        # defaults (torch 2.13) but refuses it as an argument (it is always True there).
+        taken = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+            defaults = {k: v for k, v in defaults.items() if k in taken}
         return lambda params: cls(params, **defaults)
     if callable(optimizer):
         return optimizer
@@ -542,6 +548,11 @@ def memory_breakdown(
             extra buffers are counted, and the wrapped optimizer's state is fp32, as it steps fp32 views.
     """
     recipe, mode = _resolve(precision, update)
+    if recipe.split_masters:  # O2's masters held as the bf16 weights' low halves: the split wrapper's count
+        if mode is not None:
+            raise ConfigError(f"recipe {recipe.name!r} holds split masters, and update={mode.value!r} asks "
+                              "for another update.", "pass one of them.")
+        recipe, mode = recipe.replace(master_weights=False, split_masters=False), UpdateMode.SPLIT
     if autocast not in AUTOCAST_IMPLS:
         raise ConfigError(f"unknown autocast {autocast!r}.", f"use one of {', '.join(AUTOCAST_IMPLS)}.")
     factory = _optimizer_factory(optimizer)
