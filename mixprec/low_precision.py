@@ -451,7 +451,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if found_inf is not None and found_inf.item() > 0:
             # Skipped: the wrapped optimizer's step() is not called, so an LR scheduler built on it (before
             # the wrapping) would warn "lr_scheduler.step() before optimizer.step()"; record the call as the
-            # scheduler's wrapper around that method does (torch.amp's skip does the same for its optimizer).
+            # scheduler's wrapper around that method does (as skip_step.step_unless_inf's host-side skip does;
+            # torch.amp's skip leaves the warning, pytorch#44511).
             if getattr(self.inner.step, "_wrapped_by_lr_sched", False):
                 self.inner._opt_called = True  # type: ignore[attr-defined]
             return loss
