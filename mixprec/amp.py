@@ -171,7 +171,7 @@ def initialize(
     if recipe.casts_model:
         _check_not_sharded(model_list, recipe.name)
     if recipe.split_masters:
-        _check_split_params(model_list, opt_list, recipe)
+        check_split_params(model_list, opt_list, recipe)
     device_type = _device_type(model_list)
     for line in banner(recipe, verbosity):
         print(line)
@@ -238,9 +238,7 @@ def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe:
     inner = _inner(opt)
     masters: torch.optim.Optimizer
     if recipe.split_masters:
-        own = {p for g in inner.param_groups for p in g["params"]}
-        seeds = {p: v for p, v in originals.items() if p in own}  # this optimizer's, as initial= requires
-        masters = LowPrecisionOptimizer(inner, "split", initial=seeds)
+        masters = split_masters_of(inner, originals)
     else:
         masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
                                 compile_step=recipe.compile_step)
@@ -316,7 +314,15 @@ def _check_not_sharded(models: list[nn.Module], level: str) -> None:
         )
 
 
-def _check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: Recipe) -> None:
+def split_masters_of(optimizer: torch.optim.Optimizer,
+                     originals: dict[torch.Tensor, torch.Tensor]) -> LowPrecisionOptimizer:
+    """``optimizer`` wrapped in split masters seeded from ``originals`` (the fp32 weights a half model was
+    cast from; those of other optimizers' parameters are left out, as ``initial=`` requires)."""
+    own = {p for g in optimizer.param_groups for p in g["params"]}
+    return LowPrecisionOptimizer(optimizer, "split", initial={p: v for p, v in originals.items() if p in own})
+
+
+def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: Recipe) -> None:
     """Split masters complete bf16 weights; O2 keeps BatchNorm's parameters fp32 (keep_batchnorm_fp32),
     which the split wrapper would refuse once the model is cast: refuse before anything changes."""
     for opt in optimizers:
@@ -663,7 +669,7 @@ def restore(model: nn.Module) -> nn.Module:
     inners = [_inner(opt) for opt in state.optimizers]
     mine = {getattr(c.module, c.name) for c in half.converted if c.is_param}  # this model's half parameters
     split = {id(p): v for m in inners if isinstance(m, LowPrecisionOptimizer)
-             for p, v in _split_values(m, mine)}
+             for p, v in split_master_values(m, mine)}
     half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
     for scaler in state.scalers:
         scaler.unwatch(model)
@@ -672,7 +678,7 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
-def _split_values(
+def split_master_values(
     opt: LowPrecisionOptimizer, among: set[torch.Tensor]
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(model parameter, its fp32 value) of the split masters of ``among``'s parameters (one model's: another

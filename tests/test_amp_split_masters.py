@@ -156,12 +156,6 @@ def test_a_model_with_batchnorm_is_refused_before_it_is_cast_and_trains_with_bf1
     assert all(not torch.equal(a, b) for a, b in zip(before, opt.master_values(), strict=True))  # type: ignore[attr-defined]
 
 
-def test_the_learner_refuses_a_split_recipe_instead_of_dropping_it() -> None:
-    recipe = mixprec.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
-    with pytest.raises(ConfigError, match="does not build yet"):
-        mixprec.MixedPrecision(recipe=recipe)
-
-
 def test_restore_of_two_models_of_one_initialize_gives_each_its_own_masters() -> None:
     """restore read every split optimizer's values, also a model already restored (fp32 again), and the
     second restore failed on its weights' size."""

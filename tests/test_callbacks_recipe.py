@@ -126,3 +126,60 @@ def test_a_bf16_recipe_without_master_grads_trains_as_with_them() -> None:
         torch.testing.assert_close(b, a, rtol=2**-7, atol=2**-7)
     assert not all(torch.equal(a, b) for a, b in zip(runs["half grads"], runs["half grads, clipped"],
                                                        strict=True))
+
+
+class _Observe(Callback):
+    """Mid-fit (before MixedPrecision's on_train_end casts the model back): the optimizer the fit steps,
+    its footprint, and its fp32 masters' values as the fit ends."""
+
+    order = 50
+
+    def __init__(self) -> None:
+        self.opt: object = None
+        self.per_param = 0.0
+        self.values: list[torch.Tensor] = []
+
+    def on_step_end(self) -> None:
+        from mixprec.low_precision import footprint
+
+        self.opt = self.learn.opt
+        self.per_param = footprint(self.learn.opt).per_param
+
+    def on_train_end(self) -> None:
+        opt = self.learn.opt
+        masters = opt.master_values() if hasattr(opt, "master_values") else opt.master_views()
+        self.values = [v.detach().clone() for v in masters]
+
+
+def test_a_split_recipe_trains_the_learner_on_split_masters_and_ends_on_their_fp32_values() -> None:
+    """The reference: the same fit with O2's fp32 MasterWeights; the fit's end gives the model its
+    masters' exact fp32 values (not the bf16 weights')."""
+    from mixprec.low_precision import LowPrecisionOptimizer
+
+    o2 = Recipe.from_opt_level("O2", torch.bfloat16)
+    runs = {}
+    for split in (False, True):
+        learn = _learner().to_recipe(o2.replace(split_masters=split))
+        seen = _Observe()
+        learn.fit(2, lr=1e-2, callbacks=[seen])
+        assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+        assert all(torch.equal(p, v) for p, v in zip(learn.model.parameters(), seen.values, strict=True))
+        runs[split] = (seen, [p.detach().clone() for p in learn.model.parameters()])
+    (o2_seen, o2_weights), (split_seen, split_weights) = runs[False], runs[True]
+    assert isinstance(split_seen.opt, LowPrecisionOptimizer) and isinstance(o2_seen.opt, MasterWeights)
+    assert split_seen.per_param == pytest.approx(14.0)  # bf16 weight, grad, low half, Adam's fp32 moments
+    for a, b in zip(split_weights, o2_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the same masters, to a few fp32 ulps
+
+
+def test_a_split_recipe_refuses_batchnorm_kept_fp32_before_the_fit_casts_the_model() -> None:
+    data = mixprec.synthetic(n=128, input_shape=(8,), n_classes=4, batch_size=32, seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    learn = Learner(data, model, silent=True).to_recipe(split)
+    with pytest.raises(ConfigError, match="keep_batchnorm_fp32=False"):
+        learn.fit(1)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    learn.to_recipe(split.replace(keep_batchnorm_fp32=False)).fit(1)  # bf16 BatchNorm: trains
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # cast back at the fit's end

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from mixprec.amp import check_split_params, split_master_values, split_masters_of
 from mixprec.apex_properties import Properties
 from mixprec.callbacks.clip import check_max_norm, clip_master_grads
 from mixprec.callbacks.core import Callback, positive_finite, positive_int, scaler_saw_step
 from mixprec.errors import ConfigError
 from mixprec.half_model import HalfModel, model_to_float, model_to_half, prepare
 from mixprec.hardware import HALF_DTYPES
+from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
@@ -135,15 +137,10 @@ class MixedPrecision(Callback):
                 f"MixedPrecision trains in half precision; recipe {recipe.name!r} is fp32.",
                 "use a half recipe (e.g. Recipe.from_opt_level('O2')), or no callback: learn.to_fp32().",
             )
-        if recipe.split_masters:  # the Learner builds MasterWeights itself; it would drop the option silently
-            raise ConfigError(
-                f"recipe {recipe.name!r} asks for split masters, which the Learner does not build yet.",
-                "use mixprec.initialize(model, opt, 'O2', dtype=torch.bfloat16, split_masters=True) with "
-                "your own loop, or this recipe without split_masters (fp32 MasterWeights).",
-            )
         self.recipe, self.clip = recipe, clip
         self.half: HalfModel | None = None
         self.masters: MasterWeights | None = None
+        self.split: LowPrecisionOptimizer | None = None  # the recipe's split_masters, instead of masters
         self.scaler: GradScaler | None = None
         self.watch: BufferWatch | None = None
 
@@ -159,8 +156,12 @@ class MixedPrecision(Callback):
 
     def on_train_begin(self) -> None:
         device = self.learn.device.type
+        if self.recipe.split_masters:
+            check_split_params([self.learn.model], [self.learn.opt], self.recipe)  # before the cast
         self.half = prepare(self.learn.model, self.recipe, device)
-        if self.recipe.uses_masters:
+        if self.recipe.split_masters:
+            self.learn.opt = self.split = split_masters_of(self.learn.opt, self.half.fp32_originals())
+        elif self.recipe.uses_masters:
             self.learn.opt = self.masters = MasterWeights(
                 self.learn.opt, flat=self.recipe.flat_master, model=self.learn.model,
                 initial=self.half.fp32_originals(),  # the fp32 values, not their rounding
@@ -203,7 +204,9 @@ class MixedPrecision(Callback):
         if self.watch is not None:
             self.watch.remove()
         if self.half is not None:  # None: an earlier callback's on_train_begin failed before ours ran
-            self.half.restore(self.masters)
+            mine = set(self.learn.model.parameters())
+            split = {} if self.split is None else {id(p): v for p, v in split_master_values(self.split, mine)}
+            self.half.restore(self.masters, values=split)
         self.half = self.masters = self.watch = None
 
     def __repr__(self) -> str:
