@@ -327,17 +327,27 @@ def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: R
     which the split wrapper would refuse once the model is cast: refuse before anything changes."""
     for opt in optimizers:
         check_wrappable(_inner(opt))  # the optimizers the split layout cannot step (LBFGS), named now
+    held = {id(p) for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
+    cast = {id(p) for model in models for p in model.parameters() if p.dtype == torch.float32}
+    outside = [p for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]
+               if id(p) not in cast]
+    if outside:
+        raise ConfigError(
+            f"split_masters=True completes the bf16 weights the model is cast to, but the optimizer also "
+            f"holds a tensor of shape {tuple(outside[0].shape)} ({outside[0].dtype}) that is no fp32 "
+            "parameter of the model, so it stays as it is: the split layout has nothing to split there.",
+            "give the optimizer the model's parameters only, or keep O2's fp32 masters (drop split_masters).",
+        )
     if not recipe.keep_batchnorm_fp32:
         return
-    held = {id(p) for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
     kept = [type(m).__name__ for model in models for m in model.modules()
             if isinstance(m, BATCHNORM) and any(id(p) in held for p in m.parameters(recurse=False))]
     if kept:
         raise ConfigError(
             f"split_masters=True completes bf16 weights, but O2 keeps the {kept[0]} parameters fp32 "
             "(keep_batchnorm_fp32): the split layout has nothing to split there.",
-            "pass keep_batchnorm_fp32=False as well, or keep O2's fp32 masters (split_masters=False) for a "
-            "model with BatchNorm.",
+            "pass keep_batchnorm_fp32=False as well (to the Learner: recipe.replace(keep_batchnorm_fp32="
+            "False)), or keep O2's fp32 masters (split_masters=False) for a model with BatchNorm.",
         )
 
 

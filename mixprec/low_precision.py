@@ -484,7 +484,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self._fallbacks.add(reason)
             warnings.warn(f"LowPrecisionOptimizer(mode='split') steps generically, several times slower than "
                           f"its native Adam step, because {reason}. Pass kernel='generic' to choose that "
-                          "step without this warning.", UserWarning, stacklevel=_callers_level())
+                          "step without this warning (where initialize or the Learner builds the wrapper: "
+                          "warnings.filterwarnings('ignore', 'LowPrecisionOptimizer.mode=.split.. steps "
+                          "generically')).", UserWarning, stacklevel=_callers_level())
         return reason is None
 
     def _chunks(self) -> list[list[list[Tensor]]]:

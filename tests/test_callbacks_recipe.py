@@ -183,3 +183,20 @@ def test_a_split_recipe_refuses_batchnorm_kept_fp32_before_the_fit_casts_the_mod
     assert all(p.dtype == torch.float32 for p in model.parameters())
     learn.to_recipe(split.replace(keep_batchnorm_fp32=False)).fit(1)  # bf16 BatchNorm: trains
     assert all(p.dtype == torch.float32 for p in model.parameters())  # cast back at the fit's end
+
+
+def test_a_fit_refused_for_split_masters_leaves_the_weights_it_was_given() -> None:
+    """After a split fit, weights loaded into the model and a fit refused (its optimizer holds a tensor the
+    cast leaves fp32): the refusal came after the cast, and the fit's end rebuilt the loaded weights with
+    the previous fit's low halves. Now it comes first and the model keeps exactly what was loaded."""
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    learn = _learner().to_recipe(split)
+    learn.fit(1, lr=1e-2)
+    torch.manual_seed(1)
+    loaded = {k: torch.randn_like(v) for k, v in learn.model.state_dict().items()}
+    learn.model.load_state_dict(loaded)
+    temperature = torch.nn.Parameter(torch.ones(()))  # not the model's: stays fp32
+    learn.opt_func = lambda params, lr: torch.optim.AdamW([*params, temperature], lr=lr)
+    with pytest.raises(ConfigError, match="no fp32 parameter of the model"):
+        learn.fit(1, lr=1e-2)
+    assert all(torch.equal(v, loaded[k]) for k, v in learn.model.state_dict().items())

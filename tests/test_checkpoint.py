@@ -332,3 +332,25 @@ def test_a_checkpoint_of_format_1_loads_with_a_warning_that_it_is_unverified(tmp
     with pytest.warns(UserWarning, match="without a checksum: loaded unverified"):
         assert other.load(path).step == 1
     assert all(torch.equal(x, y) for x, y in zip(run.state(), other.state(), strict=True))
+
+
+def test_a_split_masters_checkpoint_records_the_optimizer_it_wraps(tmp_path: Path) -> None:
+    """A LowPrecisionOptimizer was recorded by its class alone (it holds its optimizer as ``.inner``): an
+    AdamW run resumed into SGD failed inside the first step with a KeyError instead of being refused. A
+    checkpoint written before, with the bare name, still loads into the same class."""
+    from mixprec.checkpoint_checks import check_classes, describe
+    from mixprec.low_precision import LowPrecisionOptimizer
+
+    def split(cls: type) -> LowPrecisionOptimizer:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).bfloat16()
+        return LowPrecisionOptimizer(cls(model.parameters(), lr=0.1), "split")
+
+    adamw = split(torch.optim.AdamW)
+    assert describe(adamw) == "LowPrecisionOptimizer(AdamW)"
+    model = nn.Linear(4, 2).bfloat16()
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters()), "split")
+    save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=opt, step=0)
+    with pytest.raises(CheckpointError, match=r"saved as LowPrecisionOptimizer\(AdamW\).*SGD"):
+        load_checkpoint(tmp_path / "ck.pt", model=model, optimizer=split(torch.optim.SGD))
+    check_classes("optimizer", [adamw], ["LowPrecisionOptimizer"])  # the old record: accepted

@@ -156,6 +156,7 @@ class MixedPrecision(Callback):
 
     def on_train_begin(self) -> None:
         device = self.learn.device.type
+        self.split = None
         if self.recipe.split_masters:
             check_split_params([self.learn.model], [self.learn.opt], self.recipe)  # before the cast
         self.half = prepare(self.learn.model, self.recipe, device)
@@ -207,7 +208,8 @@ class MixedPrecision(Callback):
             mine = set(self.learn.model.parameters())
             split = {} if self.split is None else {id(p): v for p, v in split_master_values(self.split, mine)}
             self.half.restore(self.masters, values=split)
-        self.half = self.masters = self.watch = None
+        # all of this fit's: a later fit refused before it wraps anew must not restore through them
+        self.half = self.masters = self.split = self.watch = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.recipe.name}: {self.recipe.description})"
