@@ -57,7 +57,7 @@ from mixprec.diagnostics.memory import SavedTensors
 from mixprec.formats import dtype_label
 from mixprec.host_memory import MallocTuning, keep_freed_memory
 from mixprec.learner import Learner
-from mixprec.low_precision import LowPrecisionOptimizer, footprint
+from mixprec.low_precision import footprint
 from mixprec.region import STATE
 
 # ---- the GPT-style decoder: examples/gpt_learner.py's (nanoGPT's shape, attention written with matmuls so
@@ -161,8 +161,8 @@ CONFIGS = (
     # fastai's interface: Learner(...).to_bf16() (a bf16 model, fp32 masters, no loss scale: no inf check)
     Config("mixprec Learner.to_bf16()", torch.bfloat16, "learner"),
     # 14 bytes per parameter: O2's bf16 model, its fp32 masters held as the bf16 weights plus int16 low halves
-    # (LowPrecisionOptimizer "split"), stepped by one native pass (split_adam.c); bf16 needs no loss scale
-    Config("mixprec O2 bf16, split masters (14 B/param)", torch.bfloat16, "O2 split"),
+    # (initialize's split_masters: LowPrecisionOptimizer "split"), stepped by one native pass (split_adam.c)
+    Config("mixprec O2 bf16, split masters (14 B/param)", torch.bfloat16, "O2", (("split_masters", True),)),
 )
 
 
@@ -306,7 +306,6 @@ _STEPS: dict[str, Callable[[Runner, Callable[..., torch.Tensor]], Callable[..., 
     "O1": _mixprec_step,
     "O2": _mixprec_step,
     "learner": _learner_step,
-    "O2 split": _fp32_step,  # a plain step: the optimizer is the split wrapper, the model O2's
 }
 
 
@@ -326,16 +325,6 @@ def make_runner(
         # apex's amp keeps one process-wide state (one initialize per process); the round-robin holds one
         # per configuration and swaps it in before each step.
         amp_state = amp._STATE
-    if config.kind == "O2 split":
-        # torch's default AdamW (single-tensor): the arithmetic the native split step implements
-        plain = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fp32 = {p: p.detach() for p in model.parameters()}  # the masters start there, as O2's MasterWeights
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            model, plain = mixprec.initialize(model, plain, "O2", dtype=config.dtype, master_weights=False,
-                                              verbosity=0)
-        amp_state = amp._STATE
-        opt = LowPrecisionOptimizer(plain, "split", initial=fp32)
     x, y = workload.batch(batch)
     return Runner(config, compiled, model, opt, x.to(device), y.to(device), amp_state=amp_state)
 
