@@ -424,6 +424,9 @@ def page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if HAS_RUSAGE else 0
 
 
+MODE_NAMES = {False: "eager", True: "compiled"}  # a table's "mode" column
+
+
 def _failed(
     key: tuple[str, bool], batch: int, err: Exception, console: Console, device: str = "cpu"
 ) -> Result:
@@ -454,7 +457,7 @@ def report(
     tokens = workload.batch_size * workload.tokens_per_sample
     order = {c.name: i for i, c in enumerate(CONFIGS)}
     for (name, compiled), r in sorted(results.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
-        mode = "compiled" if compiled else "eager"
+        mode = MODE_NAMES[compiled]
         if r.ms is None:
             outcome = "skipped" if r.error.startswith("skipped") else "failed"
             table.add_row(name, mode, outcome, *[""] * 9, r.error.removeprefix("skipped: "))
@@ -552,7 +555,7 @@ def phases_table(workload: Workload, rows: dict[tuple[str, bool], dict[str, floa
     for header in ("configuration", "mode", *PHASES, "total"):
         table.add_column(header, justify="left" if header in ("configuration", "mode") else "right")
     for (name, compiled), ms in rows.items():
-        mode = "compiled" if compiled else "eager"
+        mode = MODE_NAMES[compiled]
         if isinstance(ms, str):  # the reason it failed, under "total"
             table.add_row(name, mode, *[""] * len(PHASES), ms)
             continue
@@ -688,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(phases_table(workload, time_phases(workload, args.phases, modes, steps, device,
                                                              syncs)))
             for (name, compiled), where in (syncs or {}).items():
-                mode = "compiled" if compiled else "eager"
+                mode = MODE_NAMES[compiled]
                 console.print(f"host waits in one step of {name} ({mode}): {len(where) or 'none'}")
                 for line in where:
                     console.print(f"  {line}")

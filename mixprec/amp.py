@@ -327,10 +327,9 @@ def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: R
     which the split wrapper would refuse once the model is cast: refuse before anything changes."""
     for opt in optimizers:
         check_wrappable(_inner(opt))  # the optimizers the split layout cannot step (LBFGS), named now
-    held = {id(p) for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
+    held = {id(p): p for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
     cast = {id(p) for model in models for p in model.parameters() if p.dtype == torch.float32}
-    outside = [p for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]
-               if id(p) not in cast]
+    outside = [p for k, p in held.items() if k not in cast]
     if outside:
         raise ConfigError(
             f"split_masters=True completes the bf16 weights the model is cast to, but the optimizer also "
@@ -678,8 +677,8 @@ def restore(model: nn.Module) -> nn.Module:
     # a LARC-style wrapper holds the MasterWeights as its .optim
     inners = [_inner(opt) for opt in state.optimizers]
     mine = {getattr(c.module, c.name) for c in half.converted if c.is_param}  # this model's half parameters
-    split = {id(p): v for m in inners if isinstance(m, LowPrecisionOptimizer)
-             for p, v in split_master_values(m, mine)}
+    split = {k: v for m in inners if isinstance(m, LowPrecisionOptimizer)
+             for k, v in split_master_values(m, mine).items()}
     half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
     for scaler in state.scalers:
         scaler.unwatch(model)
@@ -688,16 +687,14 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
-def split_master_values(
-    opt: LowPrecisionOptimizer, among: set[torch.Tensor]
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(model parameter, its fp32 value) of the split masters of ``among``'s parameters (one model's: another
-    model of the same initialize may be restored, fp32, already): the bf16 weight and the low half put
-    together. A weight loaded into the model after the last step keeps that step's low half (within one
-    bf16 ulp of what was loaded): restore before loading other weights, or load the optimizer's state with
-    them."""
+def split_master_values(opt: LowPrecisionOptimizer, among: set[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The fp32 values of the split masters of ``among``'s parameters (one model's: another model of the
+    same initialize may be restored, fp32, already), by the parameter's id as ``HalfModel.restore`` takes
+    them: the bf16 weight and the low half put together. A weight loaded into the model after the last
+    step keeps that step's low half (within one bf16 ulp of what was loaded): restore before loading other
+    weights, or load the optimizer's state with them."""
     params = [p for g in opt.param_groups for p in g["params"] if p in among]
-    return zip(params, opt.master_values(params), strict=True)
+    return {id(p): v for p, v in zip(params, opt.master_values(params), strict=True)}
 
 
 def reset() -> None:

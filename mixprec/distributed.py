@@ -138,14 +138,14 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
     a :class:`~mixprec.low_precision.LowPrecisionOptimizer` (``initialize(..., split_masters=True)``) it
     broadcasts the weights and the low halves that complete them. A no-op for an optimizer without
     masters."""
+    from mixprec.amp import _inner
     from mixprec.low_precision import LowPrecisionOptimizer
     from mixprec.master import MasterWeights
 
     if isinstance(optimizer, (list, tuple)):
         raise ConfigError(f"broadcast_masters takes one optimizer, got a {type(optimizer).__name__}.",
                           "call it once per optimizer: for opt in optimizers: broadcast_masters(opt).")
-    inner = getattr(optimizer, "optim", None)  # a LARC-style wrapper holds initialize's optimizer as .optim
-    optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+    optimizer = _inner(optimizer)  # a LARC-style wrapper holds initialize's optimizer as .optim
     if isinstance(optimizer, LowPrecisionOptimizer):  # split masters (initialize's split_masters=True)
         _broadcast_bytes([p.data for g in optimizer.param_groups for p in g["params"]]
                          + optimizer.extra_tensors(), src)
@@ -158,19 +158,15 @@ def broadcast_masters(optimizer: Any, src: int = 0) -> None:
                 "pass the optimizer initialize returned: model, opt = mixprec.initialize(model, opt, ...).",
             )
         return
-    views = list(optimizer.master_views())
-    if views:
-        flat = torch.cat([v.reshape(-1) for v in views])  # one collective, not one per parameter
-        dist.broadcast(flat, src=src)
-        pieces = flat.split([v.numel() for v in views])
-        torch._foreach_copy_(views, [piece.view_as(v) for piece, v in zip(pieces, views, strict=True)])
+    _broadcast_bytes(list(optimizer.master_views()), src)
     optimizer.copy_master_to_model()
 
 
 def _broadcast_bytes(tensors: list[torch.Tensor], src: int) -> None:
-    """``src``'s bytes of every tensor, in place, in one collective: a LowPrecisionOptimizer's weights and
-    its per-parameter buffers (split: the masters' low halves, int16), whatever their dtypes. Bytes, not
-    values: a broadcast moves them unchanged, and one uint8 buffer takes any mix of dtypes."""
+    """``src``'s bytes of every tensor, in place, in one collective (not one per parameter): fp32 masters,
+    or a LowPrecisionOptimizer's weights and per-parameter buffers (split: the masters' low halves, int16),
+    whatever their dtypes. Bytes, not values: a broadcast moves them unchanged, and one uint8 buffer takes
+    any mix of dtypes."""
     if not tensors:
         return
     # row-major bytes of each (a channels_last weight and its low half are copied into that order here)

@@ -67,6 +67,7 @@ from torch import Tensor
 from mixprec.errors import ConfigError, UnsupportedParameterError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master import _views_like
+from mixprec.skip_step import record_step_called
 from mixprec.split_adam import SUPPORTED as SPLIT_ADAM_OPTIMIZERS
 from mixprec.split_adam import NativeSplitAdam
 
@@ -449,12 +450,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and found_inf.item() > 0:
-            # Skipped: the wrapped optimizer's step() is not called, so an LR scheduler built on it (before
-            # the wrapping) would warn "lr_scheduler.step() before optimizer.step()"; record the call as the
-            # scheduler's wrapper around that method does (as skip_step.step_unless_inf's host-side skip does;
-            # torch.amp's skip leaves the warning, pytorch#44511).
-            if getattr(self.inner.step, "_wrapped_by_lr_sched", False):
-                self.inner._opt_called = True  # type: ignore[attr-defined]
+            record_step_called(self)  # skipped: neither step() ran, as a scheduler built on either sees
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         # The reciprocal in fp64, as GradScaler: fp32 division can be imprecise under some compile options.

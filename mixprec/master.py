@@ -55,6 +55,7 @@ from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import record_non_finite_
 from mixprec.master_state import InnerOptimizerGuard, check_state_shapes, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
+from mixprec.skip_step import record_step_called
 
 __all__ = [
     "MasterWeights",
@@ -439,11 +440,7 @@ class MasterWeights(torch.optim.Optimizer):
         scaling = {a: getattr(self, a) for a in ("grad_scale", "found_inf") if hasattr(self, a)}
         if self._fused_step is not None:
             self._fused_step.step(self._groups, scaling.get("grad_scale"), scaling.get("found_inf"))
-            # The wrapped optimizer's step() is not called, so an LR scheduler built on it (before the
-            # wrapping) would not see it run and warn "lr_scheduler.step() before optimizer.step()": record
-            # the call as the scheduler's wrapper around that method does.
-            if getattr(self.optimizer.step, "_wrapped_by_lr_sched", False):
-                self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            record_step_called(self.optimizer)  # its step() did not run: a scheduler built on it checks
             for g in self._groups:
                 g.record_versions()  # the pass wrote the model's half copies
         else:

@@ -73,9 +73,7 @@ COEFFICIENTS = ("step_size", "bias_correction2_sqrt", "decay", "weight_decay", "
                 "one_minus_beta2", "eps")
 
 
-def _columns(
-    lr: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, step: Any, sqrt: Any
-) -> list[Any]:
+def _columns(lr: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, step: Any, sqrt: Any) -> list[Any]:
     """COEFFICIENTS from the settings and the step count: Python floats or fp64 tensors alike."""
     columns = {
         "step_size": lr / (1 - beta1**step),  # lr over the first moment's bias correction

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["step_unless_inf", "step_with_flags", "combined_found_inf", "supports_amp_scaling",
-           "skips_on_device", "device_skip_is_safe", "BufferWatch"]
+__all__ = ["step_unless_inf", "step_with_flags", "record_step_called", "combined_found_inf",
+           "supports_amp_scaling", "skips_on_device", "device_skip_is_safe", "BufferWatch"]
 
 T = TypeVar("T")
 
@@ -99,10 +99,20 @@ def step_unless_inf(
         if unscales_itself:
             return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
         return step_fn(*args, **kwargs)
-    optimizer._opt_called = True  # type: ignore[attr-defined]
+    record_step_called(optimizer)
     if on_skip is not None:
         on_skip()
     return None
+
+
+def record_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer`` stepped, and the optimizer it wraps (``.optimizer``, ``.inner``), though their
+    ``step()`` did not run (a skipped step; a pass that updates in the wrapped one's place): an LR
+    scheduler built on either checks the flag torch's step wrapper sets, and warns "lr_scheduler.step()
+    before optimizer.step()" without it (torch.amp's skip leaves that warning, pytorch#44511)."""
+    for opt in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "inner", None)):
+        if isinstance(opt, torch.optim.Optimizer):
+            opt._opt_called = True  # type: ignore[attr-defined]
 
 
 def step_with_flags(

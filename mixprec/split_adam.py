@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from mixprec.master_kernel import coefficient_rows, decay_kind, unsupported_flags
+from mixprec.skip_step import record_step_called
 
 __all__ = ["NativeSplitAdam", "library_error", "library_threads"]
 
@@ -428,6 +429,4 @@ class NativeSplitAdam:
             1.0 if inv_scale is None else inv_scale, torch.get_num_threads(),
         )
         del grad_tensors
-        # an LR scheduler built on the wrapped optimizer checks that its step ran (torch patches step() to
-        # set this); the native step stands in for it
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        record_step_called(self.optimizer)  # the native step stands in for the wrapped optimizer's

@@ -206,7 +206,7 @@ class MixedPrecision(Callback):
             self.watch.remove()
         if self.half is not None:  # None: an earlier callback's on_train_begin failed before ours ran
             mine = set(self.learn.model.parameters())
-            split = {} if self.split is None else {id(p): v for p, v in split_master_values(self.split, mine)}
+            split = {} if self.split is None else split_master_values(self.split, mine)
             self.half.restore(self.masters, values=split)
         # all of this fit's: a later fit refused before it wraps anew must not restore through them
         self.half = self.masters = self.split = self.watch = None
