@@ -232,6 +232,10 @@ class ScaleState:
     updates: int = 0  # iterations completed: counted on the host, so it never needs a sync
     history_size: int = DEFAULT_HISTORY_SIZE
     device: DeviceCounters | None = None
+    # The scale the host last wrote into device.scale, and that tensor's version counter then: while the
+    # counter is unchanged (no in-place op since: a dynamic update, a user's fill_), the host knows the
+    # scale without reading the device (known_scale).
+    written: tuple[float, int] | None = None
 
     def to_device(self, dev: torch.device) -> DeviceCounters:
         """Make the device tensors from the Python values (no sync: host-to-device copies only)."""
@@ -245,7 +249,21 @@ class ScaleState:
         if kept:
             ring[slots] = torch.tensor(kept, dtype=torch.float32)
         self.device = DeviceCounters(**made, history=ring)
+        self.written = (self.scale, self.device.scale._version)
         return self.device
+
+    def set_scale(self, value: float) -> None:
+        """Write ``value`` into the device scale (no sync), remembering it as known on the host."""
+        assert self.device is not None, "set_scale() needs the device tensors"
+        self.device.scale.fill_(value)
+        self.written = (value, self.device.scale._version)
+
+    def known_scale(self) -> float | None:
+        """The device scale's value as the host last wrote it, if nothing has changed it since; else None
+        (a dynamic scale after its first update: only a read of the device would tell)."""
+        if self.device is None or self.written is None or self.device.scale._version != self.written[1]:
+            return None
+        return self.written[0]
 
     def to_python(self) -> ScaleState:
         """Read the device tensors back into the Python values (one sync) and return ``self``."""
@@ -263,7 +281,7 @@ class ScaleState:
 
     def host_copy(self) -> ScaleState:
         """A copy with Python values only (for pickling); this record keeps its device tensors."""
-        return dataclasses.replace(self.to_python(), history=list(self.history), device=None)
+        return dataclasses.replace(self.to_python(), history=list(self.history), device=None, written=None)
 
     def as_dict(self) -> dict[str, Any]:
         """The ``state_dict`` entries of the counters (torch's ``scale`` and ``_growth_tracker`` too)."""

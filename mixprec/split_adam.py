@@ -18,13 +18,9 @@ thread's share) rounds the second moment once more, by an ulp. So ``fused=True``
 The wrapper uses it in place of the wrapped optimizer's step wherever it can
 (:meth:`NativeSplitAdam.reason` says when not); ``kernel="generic"`` keeps torch's own numbers.
 
-The loop is C, compiled once per machine with ``$CC`` (else ``cc``, ``gcc``, ``clang``; torch.compile
-needs one too) into ``$MIXPREC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mixprec`` or ``~/.cache/mixprec``)
-and called through ctypes: it includes no torch header, so it builds in well under a second (a torch C++
-extension: ~20 s). On Linux it links the OpenMP runtime torch has loaded (whatever its wheel named it), so
-it runs on torch's threads rather than a second pool; a compiler without OpenMP builds it single-threaded
-(``mixprec info`` says so). Without a compiler the wrapper keeps its generic step, and warns: the same
-masters up to that sqrt rounding, several times slower.
+The loop is C (``split_adam.c``), built once per machine by :mod:`mixprec.native` and called through
+ctypes. Without a compiler the wrapper keeps its generic step, and warns: the same masters up to that sqrt
+rounding, several times slower.
 
 Raw pointers are only as safe as their checks: every step, before the loop runs, each parameter's memory,
 dtype and size, its low half, moments and step count are compared with what the pointer tables were made
@@ -34,180 +30,23 @@ plans anew. tests/test_split_adam_safety.py moves memory every way a user can.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from mixprec.master_kernel import coefficient_rows, decay_kind, unsupported_flags
+from mixprec.native import dense, library, library_error, library_threads
 from mixprec.skip_step import record_step_called
 
 __all__ = ["NativeSplitAdam", "library_error", "library_threads"]
 
-SOURCE = Path(__file__).with_name("split_adam.c")
-# -ffp-contract=off: the compiler may add no fused multiply-add the source does not write (torch's roundings
-# are matched one by one); -fno-math-errno lets sqrtf vectorise (it sets no errno; IEEE results unchanged).
-# -march=native (in _variants): the library is built on, and cached for, the machine that runs it.
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC"]
-SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 # Per-tensor flags, as split_adam.c numbers them.
 _DECOUPLED, _L2, _MAXIMIZE, _SCALED = 1, 2, 4, 8
 _DECAY_FLAG = {"none": 0, "decoupled": _DECOUPLED, "l2": _L2}
-
-# "lib": the loaded library, "threads": which threads it runs on (words); or "error": why there is none
-_LIBRARY: dict[str, Any] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("MIXPREC_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixprec"
-
-
-def _compiler() -> list[str] | None:
-    """The compiler command: $CC as the shell would split it ("ccache gcc"), else the first one found."""
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return [found] if found else None
-
-
-def _torch_openmp() -> str | None:
-    """The OpenMP runtime torch has loaded (Linux: its libgomp, whatever its wheel renamed it to: in
-    torch/lib or torch.libs), so that the loop links that one and shares torch's threads instead of
-    starting a second pool; None where there is none to find (other libraries' runtimes do not count:
-    scikit-learn loads its own)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    home = Path(torch.__file__).resolve().parent
-    homes = (home / "lib", home.with_name("torch.libs"))
-    paths = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
-    torchs = sorted(p for p in paths if Path(p).resolve().parent in homes)
-    return torchs[0] if len(torchs) == 1 else None
-
-
-def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(command, capture_output=True, text=True)
-    except OSError as e:
-        raise OSError(f"the C compiler {shlex.join(command[:1])!r} cannot be run ({e.strerror}): set $CC to "
-                      "one that can") from None
-
-
-@dataclass(frozen=True)
-class _Variant:
-    """One way to build the loop, tried in order until the compiler accepts one."""
-
-    name: str  # the cached file's suffix
-    threads: str  # which threads it runs on, in words (mixprec info)
-    compile: tuple[str, ...]  # flags besides FLAGS
-    link: tuple[str, ...]
-
-
-def _variants(openmp: str | None) -> list[_Variant]:
-    """Best first: OpenMP (linked against torch's runtime, or the compiler's own where torch's is not
-    found) with -march=native; OpenMP without it (a compiler that does not take -march=native, e.g. on
-    POWER); one thread with it (Apple's clang has no OpenMP); one thread without it."""
-    linked = (openmp, f"-Wl,-rpath,{Path(openmp).parent}") if openmp else ("-fopenmp",)
-    threads = "torch's OpenMP threads" if openmp else "the compiler's OpenMP threads"
-    serial = "one thread: the C compiler has no OpenMP"
-    return [_Variant("omp", threads, ("-fopenmp", "-march=native"), linked),
-            _Variant("omp-portable", threads + ", without -march=native", ("-fopenmp",), linked),
-            _Variant("serial", serial, ("-march=native",), ()),
-            _Variant("portable", serial + " nor -march=native", (), ())]
-
-
-def _build(compiler: list[str]) -> tuple[Path, str]:
-    """Compile split_adam.c into the cache, once per source, compiler (and its version), flags, OpenMP
-    runtime and CPU; return its path and which threads it runs on.
-
-    A variant the compiler refused leaves a ``.failed`` marker, so later processes use the next one without
-    asking again; a lesser variant is used only while every better one has such a marker. A compile killed
-    by a signal (out of memory, ^C) marks nothing and builds nothing: the next process tries again, rather
-    than a one-off failure leaving a slower loop cached for good. (Delete the cache to retry a refusal.)"""
-    version = _run([*compiler, "--version"]).stdout.splitlines()[:1]
-    openmp = _torch_openmp()
-    cpu = sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True)
-    variants = _variants(openmp)
-    recipe = (SOURCE.read_bytes(), compiler, version, FLAGS, variants, cpu, platform.machine())
-    key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:16]
-    cache = _cache_dir()
-
-    def path(v: _Variant, suffix: str) -> Path:
-        return cache / f"split_adam-{key}-{v.name}{suffix}"
-
-    for i, v in enumerate(variants):
-        if path(v, ".so").exists() and all(path(w, ".failed").exists() for w in variants[:i]):
-            return path(v, ".so"), v.threads
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=cache).cleanup()
-    except OSError as e:
-        raise OSError(f"the build cache {cache} is not writable ({e.strerror}): set MIXPREC_CACHE_DIR to a "
-                      "writable directory") from None
-    error = "(no output)"
-    for v in variants:
-        if path(v, ".failed").exists():
-            error = path(v, ".failed").read_text().strip() or error
-            continue
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            obj, out = Path(tmp) / "split_adam.o", Path(tmp) / path(v, ".so").name
-            run = _run([*compiler, *FLAGS, *v.compile, "-c", str(SOURCE), "-o", str(obj)])
-            if run.returncode == 0:
-                run = _run([*compiler, "-shared", str(obj), *v.link, "-o", str(out), "-lm"])
-            if run.returncode == 0:
-                os.replace(out, path(v, ".so"))  # atomic; a concurrent build of this key writes the same
-                return path(v, ".so"), v.threads
-            if run.returncode < 0:
-                raise OSError(f"{shlex.join(compiler)} was stopped by signal {-run.returncode} while "
-                              f"building {SOURCE.name}; the next process builds it again")
-            error = (run.stderr.strip().splitlines() or [error])[-1]
-            path(v, ".failed").write_text(error + "\n")
-    raise OSError(f"{shlex.join(compiler)} could not build {SOURCE.name}: {error}; set $CC to another one "
-                  f"(and clear {cache})")
-
-
-def _library() -> Any | None:
-    if not _LIBRARY:
-        compiler = _compiler()
-        try:
-            if compiler is None:
-                raise OSError("no C compiler found (set $CC, or install gcc or clang)")
-            path, threads = _build(compiler)
-            lib = ctypes.CDLL(str(path))
-            fn = lib.split_adam_step
-            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int32]
-            fn.restype = None
-            _LIBRARY.update(lib=lib, threads=threads)
-        except OSError as e:
-            _LIBRARY["error"] = str(e)
-    return _LIBRARY.get("lib")
-
-
-def library_error() -> str | None:
-    """Why the native step cannot be built on this machine, or None when it can."""
-    _library()
-    return _LIBRARY.get("error")
-
-
-def library_threads() -> str:
-    """Which threads the built loop runs on, in words (torch's OpenMP threads where it could link them)."""
-    _library()
-    return _LIBRARY.get("threads", "none: not built")
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -232,19 +71,6 @@ def _optimizer_reason(optimizer: torch.optim.Optimizer) -> str | None:
     if _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
         return "global optimizer step hooks are registered (the native step does not call a step)"
     return library_error()
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of dimensions
-    (contiguous, channels_last, a transposed contiguous tensor, ...)."""
-    if t.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -277,7 +103,7 @@ def _member_reason(p: torch.Tensor, low: torch.Tensor | None, state: dict[str, A
     """Why the loop cannot update ``p`` through raw pointers (None: it can): every tensor it touches must
     be on the CPU, of the dtype the loop reads, as many elements as ``p``, dense, laid out as ``p``."""
     where = f"a parameter of shape {tuple(p.shape)}"
-    if p.device.type != "cpu" or p.dtype is not torch.bfloat16 or not _dense(p):
+    if p.device.type != "cpu" or p.dtype is not torch.bfloat16 or not dense(p):
         return f"{where} is not a dense bf16 CPU tensor ({p.dtype}, {p.device}, strides {p.stride()})"
     if low is None or low.dtype is not torch.int16 or not _same_layout(low, p):
         return f"{where} has no int16 low half of its shape (was it replaced after wrapping?)"
@@ -345,7 +171,7 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
     if len({id(p) for _, p in members}) != len(members):
         return "a parameter is listed twice"
     for _, p in members:
-        if p.dtype is torch.bfloat16 and _dense(p):
+        if p.dtype is torch.bfloat16 and dense(p):
             if p in lows:
                 lows[p] = _like(p, lows[p], torch.int16)
             st = optimizer.state.get(p)
@@ -406,7 +232,7 @@ class NativeSplitAdam:
     def step(self, inv_scale: float | None) -> None:
         """One Adam/AdamW step of the parameters :meth:`reason` planned for, gradients multiplied by
         ``inv_scale`` first when given."""
-        plan, lib = self._plan, _library()
+        plan, lib = self._plan, library()
         if plan is None or not plan.params:
             self._grads = []
             return

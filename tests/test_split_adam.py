@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import split_adam
+from mixprec import native, split_adam
 from mixprec.cli import main
 from mixprec.data import digits
 from mixprec.errors import ConfigError
@@ -267,7 +267,7 @@ def test_split_keeps_14_bytes_per_parameter_with_the_native_step() -> None:
 def test_without_a_compiler_auto_steps_generically_and_info_says_why(
     monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str], exact_sqrt: None
 ) -> None:
-    monkeypatch.setattr(split_adam, "_LIBRARY", {})  # forget this process's build
+    monkeypatch.setattr(native, "_LIBRARY", {})  # forget this process's build
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))  # and the cached library
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     half, ref = _pair()
@@ -370,7 +370,7 @@ def test_a_compiler_without_march_native_or_openmp_still_builds_a_portable_loop(
     picky.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -march=native|-fopenmp) exit 1;; esac; done\n'
                      f'exec {real} "$@"\n')
     picky.chmod(0o755)
-    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setattr(native, "_LIBRARY", {})
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(picky))
     assert split_adam.library_error() is None

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import split_adam
+from mixprec import native, split_adam
 from mixprec.errors import ConfigError
 from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.split_adam import library_error
@@ -280,7 +280,7 @@ def test_cc_with_arguments_builds(monkeypatch: pytest.MonkeyPatch, tmp_path) -> 
     and kernel='auto' silently steps generically."""
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc is not None
-    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setattr(native, "_LIBRARY", {})
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", f"{cc} -m64")
     assert library_error() is None
@@ -465,7 +465,7 @@ def test_an_unusable_cache_dir_is_named_with_what_to_do(monkeypatch: pytest.Monk
     regular file fails for root too.)"""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setattr(native, "_LIBRARY", {})
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(blocker / "cache"))
     error = library_error()
     assert error is None or "MIXPREC_CACHE_DIR" in error, error
@@ -604,7 +604,7 @@ def _wrapper(tmp_path: Path, body: str) -> Path:
 
 def _fresh(monkeypatch: pytest.MonkeyPatch, cache: Path, cc: Path) -> None:
     """As a new process would start: no library loaded, this cache, this compiler."""
-    monkeypatch.setattr(split_adam, "_LIBRARY", {})
+    monkeypatch.setattr(native, "_LIBRARY", {})
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(cache))
     monkeypatch.setenv("CC", str(cc))
 

@@ -87,7 +87,9 @@ def _split_step_line() -> str:
     error = library_error()  # builds the loop once on this machine (about a second), then reads the cache
     what = f"native one-pass loop (mixprec/split_adam.c, {library_threads()})" if error is None else (
         f"generic step ({error})")
-    return f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}"
+    check = "native, mixprec/non_finite.c" if error is None else "torch's check-and-unscale"
+    return (f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}\n"
+            f"[bold]inf/NaN check[/bold]  of fp16/bf16 gradients at a loss scale of 1 on the CPU: {check}")
 
 
 def _rates(device_type: str) -> dict[torch.dtype, float]:
