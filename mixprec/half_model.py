@@ -17,7 +17,7 @@ import functools
 import inspect
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,9 @@ class Converted:
     # its value before (a parameter's old storage: no copy was made); None once released (HalfModel:
     # after the masters are seeded from it, since it is 4 bytes per parameter held for the model's life)
     before: torch.Tensor | None
+    # model_to_float gives back `before` where the tensor still holds its rounding (nothing changed it):
+    # set for what HalfModel.release_originals keeps; else the tensor goes back as its half value
+    restore_before: bool = False
 
 
 def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
@@ -103,11 +106,22 @@ def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] |
         for c in converted:
             tensor = getattr(c.module, c.name)
             if c.is_param:
-                source = values.get(id(tensor), tensor)
-                tensor.data = source.detach().to(c.dtype, copy=True)
+                source = values.get(id(tensor), _kept_original(c, tensor))
+                tensor.data = source.detach().to(tensor.device, c.dtype, copy=True)
                 tensor.grad = None
             else:
-                setattr(c.module, c.name, tensor.to(c.dtype))
+                setattr(c.module, c.name, _kept_original(c, tensor).to(tensor.device, c.dtype))
+
+
+def _kept_original(c: Converted, now: torch.Tensor) -> torch.Tensor:
+    """The value a tensor goes back to without a master: its kept original where ``now`` is still exactly
+    that original's rounding (nothing trained or changed it: a frozen parameter, a constant buffer), else
+    ``now`` (rounded, or what training made of it)."""
+    before = c.before
+    if before is None or not c.restore_before or before.shape != now.shape:
+        return now
+    # the original rounded as model_to_half rounded it (to `now`'s dtype), compared bit for bit
+    return before if torch.equal(before.to(now.device, now.dtype), now) else now
 
 
 class CastInputs:
@@ -379,10 +393,21 @@ class HalfModel:
         """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
         return fp32_originals(self.converted)
 
-    def release_originals(self) -> None:
+    def release_originals(self, keep_untrained: Collection[torch.Tensor] | None = None) -> None:
         """Let go of the values the model was cast from: once the fp32 masters are seeded from them (or
-        when none will be), they would hold a second fp32 copy of every weight for the model's life."""
-        self.converted = [replace(c, before=None) for c in self.converted]
+        when none will be), they would hold a second fp32 copy of every weight for the model's life.
+
+        ``keep_untrained`` (the parameters that have masters): the originals of the other parameters
+        (frozen, or held by no optimizer) and of the buffers are kept instead, copied to the CPU, so that
+        :meth:`restore` gives them back exactly where nothing changed them (the Learner: a fit's end leaves
+        a frozen backbone as it was, not rounded to the half dtype). Host memory: 4 bytes per such value."""
+        trained = None if keep_untrained is None else {id(t) for t in keep_untrained}
+        self.converted = [
+            replace(c, before=c.before.to("cpu"), restore_before=True)
+            if trained is not None and c.before is not None and id(getattr(c.module, c.name)) not in trained
+            else replace(c, before=None)
+            for c in self.converted
+        ]
 
     def restore(self, *masters: Any, values: Mapping[int, torch.Tensor] | None = None) -> None:
         """Remove the hooks and cast the model back; parameters take their fp32 master's value when one

@@ -200,3 +200,46 @@ def test_a_fit_refused_for_split_masters_leaves_the_weights_it_was_given() -> No
     with pytest.raises(ConfigError, match="no fp32 parameter of the model"):
         learn.fit(1, lr=1e-2)
     assert all(torch.equal(v, loaded[k]) for k, v in learn.model.state_dict().items())
+
+
+class _EditFrozen(Callback):
+    """Mid-fit, writes a new value into one frozen parameter (as a user's callback may): that value, not
+    the kept original, is what the fit's end must leave."""
+
+    def on_step_end(self) -> None:
+        if self.learn.iteration == 1:
+            with torch.no_grad():
+                self.learn.model[1].bias.fill_(0.5)
+
+
+@pytest.mark.parametrize("recipe", [RECIPES["fp16"], RECIPES["bf16"],
+                                    Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True),
+                                    RECIPES["O3"]], ids=["to_fp16", "to_bf16", "split masters", "O3"])
+def test_a_fit_leaves_frozen_parameters_and_constant_buffers_exactly_as_they_were(recipe: Recipe) -> None:
+    """A fit casts the whole model to half; what no optimizer trains (a frozen first layer, a constant
+    buffer) went back rounded to the half dtype (4 in 8 bf16 bits of precision lost, for good) before the
+    fit's end gave back the kept fp32 originals."""
+    data = mixprec.synthetic(n=256, input_shape=(16,), n_classes=4, batch_size=64, seed=0)
+    torch.manual_seed(0)
+    model = mixprec.build_model("mlp", data, n_hidden=16)
+    model.register_buffer("table", torch.randn(7) / 3)  # not exact in any half dtype
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_func = lambda ps, lr: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=lr)  # noqa: E731
+    learn = Learner(data, model, silent=True, opt_func=opt_func).to_recipe(recipe)
+    learn.fit(1)
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 for k in before)
+    for k in ("1.weight", "1.bias", "table"):
+        assert torch.equal(after[k], before[k]), k
+    assert not torch.equal(after["3.weight"], before["3.weight"])  # the trained layer trained
+    learn.fit(1, callbacks=[_EditFrozen()])  # a frozen value changed mid-fit is kept as changed
+    assert torch.equal(model[1].bias, torch.full_like(model[1].bias, 0.5))
+    assert torch.equal(model[1].weight, before["1.weight"])
+
+
+def test_the_callbacks_repr_names_a_split_layout_the_presets_words_do_not() -> None:
+    o2 = Recipe.from_opt_level("O2", torch.bfloat16)
+    assert "split" not in repr(MixedPrecision(recipe=o2))
+    assert "int16 low half" in repr(MixedPrecision(recipe=o2.replace(split_masters=True)))

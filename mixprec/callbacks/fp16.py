@@ -159,6 +159,9 @@ class MixedPrecision(Callback):
         self.split = None
         if self.recipe.split_masters:
             check_split_params([self.learn.model], [self.learn.opt], self.recipe)  # before the cast
+        # the model parameters the optimizer trains (their masters hold them exactly); the others' fp32
+        # values are kept for the fit's end
+        trained = [p for g in self.learn.opt.param_groups for p in g["params"]]
         self.half = prepare(self.learn.model, self.recipe, device)
         if self.recipe.split_masters:
             self.learn.opt = self.split = split_masters_of(self.learn.opt, self.half.fp32_originals())
@@ -169,7 +172,7 @@ class MixedPrecision(Callback):
                 mirror_grads=False,  # `clip` clips the fp32 masters; model grads stay as backward left them
                 master_grads=self.recipe.master_grads, compile_step=self.recipe.compile_step,
             )
-        self.half.release_originals()
+        self.half.release_originals(keep_untrained=trained)
         # history_size: the Recorder reads an epoch's scales from this ring buffer once per epoch
         history = max(1, len(self.data.train))
         self.learn.scaler = self.scaler = self.recipe.make_scaler(device, history_size=history)
@@ -212,7 +215,18 @@ class MixedPrecision(Callback):
         self.half = self.masters = self.split = self.watch = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.recipe.name}: {self.recipe.description})"
+        # the description is the preset's words; a recipe replace()d from it says what it changed here
+        extras = [words for field, words in _LAYOUT_WORDS if getattr(self.recipe, field)]
+        shown = " ".join([self.recipe.description, *extras])
+        return f"{type(self).__name__}({self.recipe.name}: {shown})"
+
+
+# Recipe switches that change where the masters live, and how MixedPrecision's repr names them.
+_LAYOUT_WORDS: tuple[tuple[str, str], ...] = (
+    ("split_masters", "Masters split: each fp32 master held as its bf16 weight plus an int16 low half."),
+    ("flat_master", "Masters flat: one fp32 buffer per param group."),
+    ("compile_step", "Master step compiled into one pass."),
+)
 
 
 LossScaling = MixedPrecision  # the old base class's name: isinstance checks keep working
