@@ -249,21 +249,22 @@ class ScaleState:
         if kept:
             ring[slots] = torch.tensor(kept, dtype=torch.float32)
         self.device = DeviceCounters(**made, history=ring)
-        self.written = (self.scale, self.device.scale._version)
+        self.written = _record(self.scale, self.device.scale)
         return self.device
 
     def set_scale(self, value: float) -> None:
         """Write ``value`` into the device scale (no sync), remembering it as known on the host."""
         assert self.device is not None, "set_scale() needs the device tensors"
         self.device.scale.fill_(value)
-        self.written = (value, self.device.scale._version)
+        self.written = _record(value, self.device.scale)
 
     def known_scale(self) -> float | None:
         """The device scale's value as the host last wrote it, if nothing has changed it since; else None
         (a dynamic scale after its first update: only a read of the device would tell)."""
-        if self.device is None or self.written is None or self.device.scale._version != self.written[1]:
+        dev, written = self.device, self.written
+        if dev is None or written is None or dev.scale.is_inference() or dev.scale._version != written[1]:
             return None
-        return self.written[0]
+        return written[0]
 
     def to_python(self) -> ScaleState:
         """Read the device tensors back into the Python values (one sync) and return ``self``."""
@@ -317,6 +318,12 @@ class ScaleState:
         self.history = list(saved.get("scale_history", []))
         if self.device is not None:
             self.to_device(self.device.scale.device)
+
+
+def _record(value: float, scale: torch.Tensor) -> tuple[float, int] | None:
+    """What ScaleState.written holds after the host wrote ``value`` into ``scale``; None for a tensor made
+    under torch.inference_mode, which keeps no version counter (the host then never claims to know)."""
+    return None if scale.is_inference() else (value, scale._version)
 
 
 # ---------------------------------------------------------------------------------------------- the rule

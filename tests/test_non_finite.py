@@ -151,3 +151,16 @@ def test_a_scale_not_known_to_be_one_is_unscaled_by_torchs_op(monkeypatch: pytes
     dynamic.update(1.0)
     dynamic.unscale_(opt)
     assert calls == []
+
+
+def test_a_scaler_first_used_under_inference_mode_still_scales_and_unscales() -> None:
+    """A scale tensor made under torch.inference_mode keeps no version counter: the host then does not
+    claim to know the scale (torch's op), and nothing raises."""
+    model, opt = _half_model_with_grads(False)
+    before = [p.grad.clone() for p in model.parameters()]
+    scaler = GradScaler.from_config("cpu", ScaleConfig.static(1.0), allow_fp16_grads=True)
+    with torch.inference_mode():
+        assert scaler.scale(torch.ones(())).item() == 1.0
+    assert scaler._state.known_scale() is None
+    scaler.unscale_(opt)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
