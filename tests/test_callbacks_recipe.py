@@ -234,6 +234,10 @@ def test_a_fit_leaves_frozen_parameters_and_constant_buffers_exactly_as_they_wer
     for k in ("1.weight", "1.bias", "table"):
         assert torch.equal(after[k], before[k]), k
     assert not torch.equal(after["3.weight"], before["3.weight"])  # the trained layer trained
+    # the default optimizer holds the frozen layer too (fastai's): with or without masters, the same
+    Learner(data, model, silent=True).to_recipe(recipe).fit(1)
+    for k in ("1.weight", "1.bias", "table"):
+        assert torch.equal(model.state_dict()[k], before[k]), k
     learn.fit(1, callbacks=[_EditFrozen()])  # a frozen value changed mid-fit is kept as changed
     assert torch.equal(model[1].bias, torch.full_like(model[1].bias, 0.5))
     assert torch.equal(model[1].weight, before["1.weight"])

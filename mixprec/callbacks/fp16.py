@@ -159,9 +159,12 @@ class MixedPrecision(Callback):
         self.split = None
         if self.recipe.split_masters:
             check_split_params([self.learn.model], [self.learn.opt], self.recipe)  # before the cast
-        # the model parameters the optimizer trains (their masters hold them exactly); the others' fp32
-        # values are kept for the fit's end
-        trained = [p for g in self.learn.opt.param_groups for p in g["params"]]
+        # What the fit's end can give back exactly without a kept fp32 original: parameters with a master
+        # (every one the optimizer holds, when the recipe keeps masters), and without masters those it
+        # trains (the others, frozen, would otherwise come back rounded). The rest's originals are kept.
+        held = [p for g in self.learn.opt.param_groups for p in g["params"]]
+        with_masters = self.recipe.uses_masters or self.recipe.split_masters
+        trained = held if with_masters else [p for p in held if p.requires_grad]
         self.half = prepare(self.learn.model, self.recipe, device)
         if self.recipe.split_masters:
             self.learn.opt = self.split = split_masters_of(self.learn.opt, self.half.fp32_originals())
