@@ -167,9 +167,9 @@ def _names() -> str:
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # split_adam_step(n_tensors, 8 pointer tables, inv_scale, n_threads)
     "split_adam_step": (None, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int32]),
-    # half_non_finite(n_tensors, data table, numel table, exponent mask, n_threads) -> 0 or 1
+    # half_non_finite(n_tensors, data table, numel table, exponent mask, n_threads, &inv_scale) -> 0, 1, -1
     "half_non_finite": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                                         ctypes.c_int32]),
+                                         ctypes.c_int32, ctypes.c_void_p]),
 }
 
 

@@ -8,9 +8,12 @@
 #include <stdint.h>
 
 /* 1 if an element of any of n_tensors tensors (data[t]: numel[t] elements) has every bit of exp_mask
- * set (0x7C00: fp16's exponent; 0x7F80: bf16's), else 0. */
+ * set (0x7C00: fp16's exponent; 0x7F80: bf16's), else 0; -1, having read nothing else, unless *inv_scale
+ * (the fp32 factor torch's check-and-unscale would multiply by) is exactly 1: then that op would change
+ * the gradients, and the caller must run it. */
 int32_t half_non_finite(int64_t n_tensors, void **data, const int64_t *numel, int32_t exp_mask,
-                        int32_t n_threads) {
+                        int32_t n_threads, const float *inv_scale) {
+    if (*inv_scale != 1.0f) return -1;
     int64_t total = 0;
     for (int64_t t = 0; t < n_tensors; ++t) total += numel[t];
     const uint16_t mask = (uint16_t)exp_mask;

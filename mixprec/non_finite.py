@@ -30,22 +30,28 @@ def _readable(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def check_half_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor) -> bool:
-    """Set ``found`` (0-d fp32 on the CPU) to 1.0 if any of ``grads`` (one half dtype) holds an inf or NaN,
-    reading them only: what ``torch._amp_foreach_non_finite_check_and_unscale_`` does at scale 1.
+def check_half_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> bool:
+    """Where ``inv_scale`` (0-d fp32, the factor an unscale multiplies by) is exactly 1: set ``found`` (0-d
+    fp32) to 1.0 if any of ``grads`` (one half dtype) holds an inf or NaN, reading them only -- what
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` does at that scale -- and return True.
 
-    Returns False, having done nothing, where it cannot check them (no native library on this machine, a
-    tensor not readable by the loop, another dtype): the caller then uses torch's op."""
-    if not grads or grads[0].dtype not in EXPONENT_MASK or found.device.type != "cpu":
+    Returns False, having changed nothing, where the scale is any other value (the loop reads it from
+    memory, as torch's CPU kernel does: whatever wrote it, no host copy can go stale), or it cannot check
+    them (no native library on this machine, not all on the CPU, a tensor the loop cannot read, another
+    dtype): the caller then runs torch's op."""
+    cpu = found.device.type == "cpu" and inv_scale.device.type == "cpu"
+    if not grads or grads[0].dtype not in EXPONENT_MASK or not cpu or inv_scale.dtype is not torch.float32:
         return False
     lib = library()
-    if lib is None or not _readable(grads, grads[0].dtype):
+    if lib is None or inv_scale.numel() != 1 or not _readable(grads, grads[0].dtype):
         return False
     held = [g for g in grads if g.numel()]  # alive until the loop returns (ctypes lets go of the GIL)
     pointers = np.fromiter((g.data_ptr() for g in held), dtype=np.uint64, count=len(held))
     numel = np.fromiter((g.numel() for g in held), dtype=np.int64, count=len(held))
     bad = lib.half_non_finite(len(held), pointers.ctypes.data, numel.ctypes.data,
-                              EXPONENT_MASK[grads[0].dtype], torch.get_num_threads())
+                              EXPONENT_MASK[grads[0].dtype], torch.get_num_threads(), inv_scale.data_ptr())
+    if bad < 0:
+        return False  # not a scale of 1: the gradients must be multiplied
     if bad:
         found.fill_(1.0)  # 1.0 once any is inf/NaN, never more (as torch's op)
     return True

@@ -232,10 +232,6 @@ class ScaleState:
     updates: int = 0  # iterations completed: counted on the host, so it never needs a sync
     history_size: int = DEFAULT_HISTORY_SIZE
     device: DeviceCounters | None = None
-    # The scale the host last wrote into device.scale, and that tensor's version counter then: while the
-    # counter is unchanged (no in-place op since: a dynamic update, a user's fill_), the host knows the
-    # scale without reading the device (known_scale).
-    written: tuple[float, int] | None = None
 
     def to_device(self, dev: torch.device) -> DeviceCounters:
         """Make the device tensors from the Python values (no sync: host-to-device copies only)."""
@@ -249,22 +245,7 @@ class ScaleState:
         if kept:
             ring[slots] = torch.tensor(kept, dtype=torch.float32)
         self.device = DeviceCounters(**made, history=ring)
-        self.written = _record(self.scale, self.device.scale)
         return self.device
-
-    def set_scale(self, value: float) -> None:
-        """Write ``value`` into the device scale (no sync), remembering it as known on the host."""
-        assert self.device is not None, "set_scale() needs the device tensors"
-        self.device.scale.fill_(value)
-        self.written = _record(value, self.device.scale)
-
-    def known_scale(self) -> float | None:
-        """The device scale's value as the host last wrote it, if nothing has changed it since; else None
-        (a dynamic scale after its first update: only a read of the device would tell)."""
-        dev, written = self.device, self.written
-        if dev is None or written is None or dev.scale.is_inference() or dev.scale._version != written[1]:
-            return None
-        return written[0]
 
     def to_python(self) -> ScaleState:
         """Read the device tensors back into the Python values (one sync) and return ``self``."""
@@ -282,7 +263,7 @@ class ScaleState:
 
     def host_copy(self) -> ScaleState:
         """A copy with Python values only (for pickling); this record keeps its device tensors."""
-        return dataclasses.replace(self.to_python(), history=list(self.history), device=None, written=None)
+        return dataclasses.replace(self.to_python(), history=list(self.history), device=None)
 
     def as_dict(self) -> dict[str, Any]:
         """The ``state_dict`` entries of the counters (torch's ``scale`` and ``_growth_tracker`` too)."""
@@ -318,12 +299,6 @@ class ScaleState:
         self.history = list(saved.get("scale_history", []))
         if self.device is not None:
             self.to_device(self.device.scale.device)
-
-
-def _record(value: float, scale: torch.Tensor) -> tuple[float, int] | None:
-    """What ScaleState.written holds after the host wrote ``value`` into ``scale``; None for a tensor made
-    under torch.inference_mode, which keeps no version counter (the host then never claims to know)."""
-    return None if scale.is_inference() else (value, scale._version)
 
 
 # ---------------------------------------------------------------------------------------------- the rule

@@ -418,7 +418,6 @@ class GradScaler:
         found_inf: torch.Tensor,
         allow_fp16: bool,
         check_only: bool = False,
-        unit_scale: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
         if isinstance(optimizer, HasMasterGrads):
             optimizer.copy_grads_to_master()
@@ -436,10 +435,11 @@ class GradScaler:
                                                                             for g in grads):
                         checker(grads, found)
                         continue
-                    # at scale 1 the unscale leaves half gradients as they are: only the check is left to
-                    # do, natively where it can (non_finite.py: ~3x faster than torch's op on the CPU)
-                    at_one = check_only or unit_scale
-                    if at_one and dtype in HALF_DTYPES and check_half_grads_(grads, found):
+                    # at an inverse scale of exactly 1 (bf16's static scale) the unscale leaves half gradients
+                    # as they are: only the check is left, native on the CPU where it can (non_finite.py:
+                    # ~3x faster than torch's op). It reads the scale as torch's CPU kernel would, and
+                    # declines any other value.
+                    if dtype in HALF_DTYPES and check_half_grads_(grads, found, dev_inv_scale):
                         continue
                     unscale_and_check_(grads, found, dev_inv_scale)
         if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -479,10 +479,8 @@ class GradScaler:
         # FP32 division can be imprecise under some compile options, so take the reciprocal in FP64.
         inv_scale = dev.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
-        # known to be 1 without reading the device (bf16's static scale): the unscale is the identity
-        unit_scale = self._state.known_scale() == 1.0
         state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv_scale, found_inf, self._allow_fp16_grads, unit_scale=unit_scale
+            optimizer, inv_scale, found_inf, self._allow_fp16_grads
         )
         state["stage"] = OptState.UNSCALED
 
@@ -572,7 +570,7 @@ class GradScaler:
             for watch in self._watches:
                 watch.restore_if(found)
         if new_scale is not None:
-            self._state.set_scale(new_scale)
+            dev.scale.fill_(new_scale)
         elif self._config.dynamic:
             update_dynamic(self._config, dev, cast(torch.Tensor, found))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(native.library_error() is not None,
                                 reason=f"no native library: {native.library_error()}")
 
 HALVES = [torch.float16, torch.bfloat16]
+ONE = torch.ones(())  # the inverse scale at which unscaling is the identity
 
 
 def _torch_flag(grads: list[torch.Tensor]) -> float:
@@ -28,7 +29,7 @@ def _torch_flag(grads: list[torch.Tensor]) -> float:
 
 def _flag(grads: list[torch.Tensor]) -> float:
     found = torch.zeros(())
-    assert check_half_grads_(grads, found)
+    assert check_half_grads_(grads, found, ONE)
     return found.item()
 
 
@@ -66,14 +67,19 @@ def test_gradient_lists_give_torchs_flag_and_stay_untouched(dtype: torch.dtype) 
 
 def test_a_set_flag_stays_set_and_others_are_left_to_torch() -> None:
     found = torch.ones(())
-    assert check_half_grads_([torch.zeros(10, dtype=torch.bfloat16)], found) and found.item() == 1.0
+    assert check_half_grads_([torch.zeros(10, dtype=torch.bfloat16)], found, ONE) and found.item() == 1.0
     untouched = torch.zeros(())
-    strided = torch.full((10, 10), float("inf"), dtype=torch.bfloat16)[:, ::2]  # gaps between elements
-    assert not check_half_grads_([strided], untouched)
-    assert not check_half_grads_([torch.full((4,), float("inf"))], untouched)  # fp32: not a half dtype
-    assert not check_half_grads_([torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.bfloat16)],
-                                 untouched)  # one dtype per call, as the scaler buckets them
-    assert not check_half_grads_([], untouched)
+    inf = torch.full((10, 10), float("inf"), dtype=torch.bfloat16)
+    for grads, inv_scale in [
+        ([inf[:, ::2]], ONE),  # gaps between elements
+        ([torch.full((4,), float("inf"))], ONE),  # fp32: not a half dtype
+        ([torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.bfloat16)], ONE),  # one dtype
+        ([], ONE),
+        ([inf], torch.tensor(0.5)),  # any other scale: the gradients must be multiplied
+        ([inf], torch.tensor(1.0 + 2**-23)),  # the next fp32 above 1
+        ([inf], torch.ones((), dtype=torch.float64)),  # not the fp32 factor torch's op takes
+    ]:
+        assert not check_half_grads_(grads, untouched, inv_scale)
     assert untouched.item() == 0.0
     assert set(EXPONENT_MASK) == set(HALVES)
 
@@ -124,43 +130,38 @@ def test_a_static_scale_of_one_checks_natively_with_torchs_result(monkeypatch: p
         assert torch.equal(p.grad.view(torch.int16), q.grad.view(torch.int16))  # torch's x1 leaves them too
 
 
-def test_a_scale_not_known_to_be_one_is_unscaled_by_torchs_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever changed the device scale since the host wrote it (a dynamic update, a user's fill_ on the
-    tensor) makes the host not know it: the gradients are then multiplied, not only checked."""
+def test_any_scale_but_one_is_unscaled_by_torchs_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop reads the scale itself, so however it was changed (a dynamic update, a user's fill_, a
+    write through .data or a collective, which bump no version counter) the gradients are multiplied."""
     calls = _spy(monkeypatch)
     model, opt = _half_model_with_grads(False)
     before = [p.grad.clone() for p in model.parameters()]
     scaler = GradScaler.from_config("cpu", ScaleConfig.static(1.0), allow_fp16_grads=True)
     scaler.scale(torch.ones(()))
-    scaler._scale.fill_(2.0)  # torch-internal poke: the host's record of 1 no longer holds
+    scaler._scale.data.fill_(2.0)  # torch-internal poke, through .data: no version bump
     scaler.unscale_(opt)
     assert calls == [len(before)]
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.grad, b * 0.5)
-    # a dynamic scaler at its floor of 1 is not known to be there after an update: torch's op too
+    # a dynamic scale at its floor of 1 is checked natively; once it grows, torch's op multiplies
     calls.clear()
-    dynamic = GradScaler("cpu", init_scale=1.0, allow_fp16_grads=True)
+    dynamic = GradScaler("cpu", init_scale=1.0, growth_interval=1, allow_fp16_grads=True)
     dynamic.scale(torch.ones(()))
     dynamic.unscale_(opt)
-    assert calls == []  # its first iteration: the scale is the one the host wrote
-    dynamic.update()
+    assert calls == []
+    dynamic.update()  # one clean iteration: the scale grows to 2
+    assert dynamic.get_scale() == 2.0
     dynamic.unscale_(opt)
     assert calls == [len(before)]
-    # update(new_scale) writes a known scale again
-    calls.clear()
-    dynamic.update(1.0)
-    dynamic.unscale_(opt)
-    assert calls == []
 
 
 def test_a_scaler_first_used_under_inference_mode_still_scales_and_unscales() -> None:
-    """A scale tensor made under torch.inference_mode keeps no version counter: the host then does not
-    claim to know the scale (torch's op), and nothing raises."""
+    """A scale tensor made under torch.inference_mode (no version counter): nothing raises (an earlier
+    version of the check read the counter)."""
     model, opt = _half_model_with_grads(False)
     before = [p.grad.clone() for p in model.parameters()]
     scaler = GradScaler.from_config("cpu", ScaleConfig.static(1.0), allow_fp16_grads=True)
     with torch.inference_mode():
         assert scaler.scale(torch.ones(())).item() == 1.0
-    assert scaler._state.known_scale() is None
     scaler.unscale_(opt)
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
