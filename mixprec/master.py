@@ -121,9 +121,10 @@ class MasterWeights(torch.optim.Optimizer):
             rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
             ``found_inf`` on the host on the CPU (free there); on a GPU the compiled pass takes the flag
             and leaves every tensor as it was (no sync). When ``scaler.step`` only checks the half
-            gradients (no ``unscale_`` before it), it does so with a compiled read-only reduction
-            (:attr:`non_finite_check`); an explicit ``unscale_`` (and so ``scale_loss`` and the Learner,
-            which unscale on their own) uses torch's op.
+            gradients (no ``unscale_`` before it), it does so read-only: natively on the CPU
+            (:mod:`mixprec.non_finite`), elsewhere with a compiled reduction (:attr:`non_finite_check`); an
+            explicit ``unscale_`` (and so ``scale_loss`` and the Learner, which unscale on their own) uses
+            the native check at bf16's scale of 1 on the CPU, else torch's op.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's
             ``.grad`` (see Clipping). One extra pass per explicit unscale; callers whose users clip only
             the masters may pass False (the Learner does; ``mixprec.initialize`` keeps it, so a clip of
@@ -362,8 +363,9 @@ class MasterWeights(torch.optim.Optimizer):
     @property
     def non_finite_check(self) -> Callable[[list[torch.Tensor], torch.Tensor], None] | None:
         """How a GradScaler should look for inf/NaN in the half gradients before this optimizer's step
-        unscales them itself: the compiled read-only check with ``compile_step=True`` (the user chose
-        torch.compile for the step; master_kernel.record_non_finite_), else None (torch's own op)."""
+        unscales them itself, where its native CPU check does not run (a GPU): the compiled read-only
+        check with ``compile_step=True`` (the user chose torch.compile for the step;
+        master_kernel.record_non_finite_), else None (torch's own op)."""
         return record_non_finite_ if self._fused_step is not None and self._fused_step.compiled else None
 
     @property

@@ -25,13 +25,15 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["library", "library_error", "library_threads", "dense"]
+__all__ = ["library", "library_error", "library_threads", "dense", "pointers", "sizes"]
 
 # The loops, one concept per file, linked into one library (one build, one cache entry per machine).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("split_adam.c", "non_finite.c"))
@@ -192,13 +194,13 @@ def library() -> Any | None:
 
 
 def library_error() -> str | None:
-    """Why the native step cannot be built on this machine, or None when it can."""
+    """Why the native loops cannot be built on this machine, or None when they can."""
     library()
     return _LIBRARY.get("error")
 
 
 def library_threads() -> str:
-    """Which threads the built loop runs on, in words (torch's OpenMP threads where it could link them)."""
+    """Which threads the built loops run on, in words (torch's OpenMP threads where it could link them)."""
     library()
     return _LIBRARY.get("threads", "none: not built")
 
@@ -215,3 +217,13 @@ def dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """A loop's table of data pointers (the caller keeps ``tensors`` alive while the loop runs)."""
+    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
+
+
+def sizes(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """A loop's table of element counts, beside :func:`pointers`."""
+    return np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from mixprec.native import dense, library
+from mixprec.native import dense, library, pointers, sizes
 
 __all__ = ["EXPONENT_MASK", "check_half_grads_"]
 
@@ -46,9 +45,8 @@ def check_half_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_sc
     if lib is None or inv_scale.numel() != 1 or not _readable(grads, grads[0].dtype):
         return False
     held = [g for g in grads if g.numel()]  # alive until the loop returns (ctypes lets go of the GIL)
-    pointers = np.fromiter((g.data_ptr() for g in held), dtype=np.uint64, count=len(held))
-    numel = np.fromiter((g.numel() for g in held), dtype=np.int64, count=len(held))
-    bad = lib.half_non_finite(len(held), pointers.ctypes.data, numel.ctypes.data,
+    data, numel = pointers(held), sizes(held)
+    bad = lib.half_non_finite(len(held), data.ctypes.data, numel.ctypes.data,
                               EXPONENT_MASK[grads[0].dtype], torch.get_num_threads(), inv_scale.data_ptr())
     if bad < 0:
         return False  # not a scale of 1: the gradients must be multiplied

@@ -32,7 +32,7 @@ import inspect
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
 
 import torch
@@ -167,6 +167,21 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
         cuda_bf16 = nonempty[0].is_cuda and nonempty[0].dtype == torch.bfloat16
         # the shards' own memory: the DTensors see the result
         torch._foreach_mul_(nonempty, inv_scale.to(torch.bfloat16) if cuda_bf16 else inv_scale)
+
+
+def _read_only_check(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor,
+                     checker: Callable[[list[torch.Tensor], torch.Tensor], None] | None) -> bool:
+    """At an inverse scale of exactly 1 (bf16's static scale; ``checker`` is given only then) unscaling
+    leaves half gradients as they are and only the inf/NaN check is left: the native one on the CPU
+    (non_finite.py: ~3x faster than torch's op; it reads the scale itself and declines any other value),
+    else the optimizer's ``checker``. Whether either ran; if not, the caller runs torch's op."""
+    if check_half_grads_(grads, found, inv_scale):
+        return True
+    # plain tensors only: torch's op also all-reduces the flag of sharded (DTensor) grads
+    if checker is None or not all(type(g) is torch.Tensor for g in grads):
+        return False
+    checker(grads, found)
+    return True
 
 
 def _is_sharded(grad: torch.Tensor) -> bool:
@@ -422,7 +437,8 @@ class GradScaler:
         if isinstance(optimizer, HasMasterGrads):
             optimizer.copy_grads_to_master()
         # check_only (inv_scale is 1: the step unscales): an optimizer may bring a read-only check of its
-        # half gradients (MasterWeights with compile_step=True), faster than torch's op on the CPU
+        # half gradients (MasterWeights with compile_step=True: a compiled one, for where the native
+        # check does not run, a GPU)
         checker = getattr(optimizer, "non_finite_check", None) if check_only else None
         per_device_found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
@@ -430,16 +446,7 @@ class GradScaler:
                 found = per_device_found.setdefault(device, found_inf.to(device, copy=True))
                 dev_inv_scale = inv_scale.to(device)
                 for dtype, grads in per_dtype.items():
-                    # plain tensors only: torch's op also all-reduces the flag of sharded (DTensor) grads
-                    if checker is not None and dtype in HALF_DTYPES and all(type(g) is torch.Tensor
-                                                                            for g in grads):
-                        checker(grads, found)
-                        continue
-                    # at an inverse scale of exactly 1 (bf16's static scale) the unscale leaves half gradients
-                    # as they are: only the check is left, native on the CPU where it can (non_finite.py:
-                    # ~3x faster than torch's op). It reads the scale as torch's CPU kernel would, and
-                    # declines any other value.
-                    if dtype in HALF_DTYPES and check_half_grads_(grads, found, dev_inv_scale):
+                    if dtype in HALF_DTYPES and _read_only_check(grads, found, dev_inv_scale, checker):
                         continue
                     unscale_and_check_(grads, found, dev_inv_scale)
         if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -30,7 +30,6 @@ plans anew. tests/test_split_adam_safety.py moves memory every way a user can.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from mixprec.master_kernel import coefficient_rows, decay_kind, unsupported_flags
-from mixprec.native import dense, library, library_error, library_threads
+from mixprec.native import dense, library, library_error, library_threads, pointers, sizes
 from mixprec.skip_step import record_step_called
 
 __all__ = ["NativeSplitAdam", "library_error", "library_threads"]
@@ -117,10 +116,6 @@ def _member_reason(p: torch.Tensor, low: torch.Tensor | None, state: dict[str, A
     return None
 
 
-def _pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
-
-
 @dataclass
 class _Plan:
     """The pointer tables of one set of parameters, kept between steps while :func:`_key` of the set is
@@ -187,7 +182,7 @@ def _plan(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tenso
     key = _key(optimizer, members, lows, grads)
     assert not isinstance(key, str)  # the gradients were checked before planning
     return _Plan(key, held, [s["step"] for s in states], [k for k, _ in members],
-                 [_pointers(ts) for ts in held], np.array([p.numel() for p in params], dtype=np.int64))
+                 [pointers(ts) for ts in held], sizes(params))
 
 
 class NativeSplitAdam:
@@ -247,7 +242,7 @@ class NativeSplitAdam:
         scaled = 0 if inv_scale is None else _SCALED
         flags = np.array([kind[k] | scaled for k in plan.groups], dtype=np.int32)
         grad_tensors, self._grads = self._grads, []  # those reason() checked: held until the loop returns
-        grads = _pointers(grad_tensors)
+        grads = pointers(grad_tensors)
         high, low, exp_avg, exp_avg_sq = plan.tables
         lib.split_adam_step(
             len(plan.params), high.ctypes.data, low.ctypes.data, grads.ctypes.data, exp_avg.ctypes.data,

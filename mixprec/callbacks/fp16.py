@@ -163,8 +163,7 @@ class MixedPrecision(Callback):
         # (every one the optimizer holds, when the recipe keeps masters), and without masters those it
         # trains (the others, frozen, would otherwise come back rounded). The rest's originals are kept.
         held = [p for g in self.learn.opt.param_groups for p in g["params"]]
-        with_masters = self.recipe.uses_masters or self.recipe.split_masters
-        trained = held if with_masters else [p for p in held if p.requires_grad]
+        trained = held if self.recipe.uses_masters else [p for p in held if p.requires_grad]  # split: O2's
         self.half = prepare(self.learn.model, self.recipe, device)
         if self.recipe.split_masters:
             self.learn.opt = self.split = split_masters_of(self.learn.opt, self.half.fp32_originals())

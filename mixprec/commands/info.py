@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     rates = _rates(args.device) if args.measure else {}
     console.print(_table(decisions, rates))
     if args.device == "cpu":
-        console.print(_split_step_line())
+        console.print(_native_lines())
     console.print(
         f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes) or per dtype, e.g. "
         f"{hardware.ENV_VAR}=fp16=emulated,bf16=native; or "
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_step_line() -> str:
+def _native_lines() -> str:
     from mixprec.split_adam import library_error, library_threads
 
     error = library_error()  # builds the loop once on this machine (about a second), then reads the cache
