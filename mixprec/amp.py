@@ -44,6 +44,7 @@ from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler, _is_sharded
 from mixprec.skip_step import combined_found_inf, step_unless_inf
+from mixprec.split_state_dict import hook_split_state_dict
 
 __all__ = [
     "Properties",
@@ -185,6 +186,9 @@ def initialize(
         # Seeded from the fp32 weights, not their half rounding: the same masters as MixedPrecision's.
         opt_list = [_with_masters(opt, originals, recipe) for opt in opt_list]
         del originals
+        if recipe.split_masters:  # model.state_dict() holds the exact masters; a load sets both halves
+            for half, opt in ((h, _inner(o)) for h in halves for o in opt_list):
+                half.handles += hook_split_state_dict(half.model, opt)  # type: ignore[arg-type]
     else:
         _warn_if_state_underflows(recipe, opt_list)
     for half in halves:
@@ -690,9 +694,8 @@ def restore(model: nn.Module) -> nn.Module:
 def split_master_values(opt: LowPrecisionOptimizer, among: set[torch.Tensor]) -> dict[int, torch.Tensor]:
     """The fp32 values of the split masters of ``among``'s parameters (one model's: another model of the
     same initialize may be restored, fp32, already), by the parameter's id as ``HalfModel.restore`` takes
-    them: the bf16 weight and the low half put together. A weight loaded into the model after the last
-    step keeps that step's low half (within one bf16 ulp of what was loaded): restore before loading other
-    weights, or load the optimizer's state with them."""
+    them: the bf16 weight and the low half put together (``model.load_state_dict`` sets both halves:
+    mixprec.split_state_dict)."""
     params = [p for g in opt.param_groups for p in g["params"] if p in among]
     return {id(p): v for p, v in zip(params, opt.master_values(params), strict=True)}
 

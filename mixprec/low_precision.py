@@ -214,6 +214,23 @@ def _split_bits_(bits: Tensor, high: Tensor) -> None:
     bits.bitwise_and_((1 << 16) - 1).sub_(1 << 15)
 
 
+def _split_pair(bits: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 bit patterns (int32, consumed) as the split layout's (high, low) halves, both int16."""
+    high = torch.empty_like(bits)
+    _split_bits_(bits, high)
+    return high.to(torch.int16), bits.to(torch.int16)  # both in int16's range by construction
+
+
+@torch.no_grad()
+def split_fp32(value: Tensor) -> tuple[Tensor, Tensor]:
+    """``value`` (any floating dtype; fp64 is rounded to fp32 first) as the split layout's pair: the bf16
+    weight (the fp32 value rounded half away from zero) and the int16 low half that completes it to that
+    fp32 value exactly. New tensors of ``value``'s shape, on its device."""
+    fp32 = value.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    high, low = _split_pair(fp32.view(torch.int32))
+    return high.view(torch.bfloat16), low
+
+
 def _store_split(c: _Chunk, generator: torch.Generator) -> None:
     bits, high = c.master.view(torch.int32), c.scratch.view(torch.int32)
     _split_bits_(bits, high)
@@ -382,10 +399,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """Each parameter's weight and low half set so that together they are its fp32 value (the split
         :func:`_store_split` makes)."""
         for p, b in bits.items():
-            high = torch.empty_like(b)
-            _split_bits_(b, high)
+            high, low = _split_pair(b)
             p.view(torch.int16).copy_(high)
-            self._extras[p].copy_(b)
+            self._extras[p].copy_(low)
 
     def _own_existing_state(self) -> None:
         """State made before wrapping (Adagrad's accumulators at construction, or a half-precision run being
@@ -587,6 +603,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def extra_tensors(self) -> list[Tensor]:
         """The mode's per-parameter buffers (kahan: compensations; split: low halves), in param order."""
         return [self._extras[p] for g in self.param_groups for p in g["params"] if p in self._extras]
+
+    def low_halves(self) -> dict[Tensor, Tensor]:
+        """Mode ``"split"``: each parameter's int16 low half, by parameter (the tensors the step writes)."""
+        if self.mode is not UpdateMode.SPLIT:
+            raise ConfigError(f"mode={self.mode.value!r} keeps no low halves.", "use mode='split'.")
+        return {p: self._extras[p] for g in self.param_groups for p in g["params"]}
 
     @torch.no_grad()
     def master_values(self, params: Iterable[Tensor] | None = None) -> list[Tensor]:

@@ -8,6 +8,7 @@ the model was cast from."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 
@@ -255,3 +256,70 @@ def test_an_optimizer_the_split_layout_cannot_step_is_refused_before_the_model_i
         mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, split_masters=True, verbosity=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert getattr(model, "_mixprec_opt_level", None) is None  # initialize can be called again
+
+
+def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
+
+
+def test_the_model_state_dict_holds_the_exact_fp32_masters_not_the_bf16_weights() -> None:
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt)
+    saved = model.state_dict()
+    masters = opt.master_values()  # type: ignore[attr-defined]
+    assert all(v.dtype == torch.float32 for v in saved.values())  # apex O2's contract: fp32 tensors
+    assert _bits_equal(list(saved.values()), masters)
+    assert not _bits_equal(list(saved.values()), [p.float() for p in model.parameters()])  # not rounded
+    mixprec.amp.restore(model)  # the same values an fp32 model gets back
+    assert _bits_equal(list(saved.values()), [p.detach() for p in model.parameters()])
+
+
+def test_fp32_weights_loaded_after_initialize_are_the_masters_as_if_loaded_before() -> None:
+    """Reference: the same fp32 weights loaded into the fp32 model before initialize (the masters start
+    at them exactly). Before, the load wrote only the bf16 weights and each master kept its old low half.
+    The weights include ties between two bf16 values (the split layout rounds those away from zero)."""
+    pretrained = {k: v + 0.01 * torch.randn_like(v) for k, v in _model().state_dict().items()}
+    one = torch.tensor(1.0 + 2.0**-8)  # halfway between bf16's 1.0 and 1.0078125
+    pretrained["0.bias"][:2] = torch.stack([one, -one])
+    before = _model()
+    before.load_state_dict(pretrained)
+    ref_model, ref = _initialize(before, split_masters=True)
+    assert _bits_equal(ref.master_values(), list(pretrained.values()))  # type: ignore[attr-defined]
+    _train(ref_model, ref)
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt, steps=1)  # low halves of a trained model, which the load must not keep
+    model.load_state_dict(pretrained)
+    assert _bits_equal(opt.master_values(), list(pretrained.values()))  # type: ignore[attr-defined]
+    assert model[0].bias[0].item() == 1.0078125 and model[0].bias[1].item() == -1.0078125  # away from 0
+    opt.state.clear()  # Adam's moments and step counts as a new run's
+    _train(model, opt)
+    assert _bits_equal(opt.master_values(), ref.master_values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("model_first", [True, False])
+def test_a_checkpoint_resumes_bit_for_bit_whichever_state_is_loaded_first(model_first: bool) -> None:
+    """The model's state now carries the exact masters and the optimizer's the same low halves: either
+    order gives the saved pairs (a load that kept the new model's low halves, or split the model's rounded
+    weights, would lose them in one of the two)."""
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt, steps=2)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # torch's hold live moments
+    _train(model, opt, steps=2)
+    want = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+    torch.manual_seed(5)  # another start: nothing of it may survive the loads
+    resumed, ropt = _initialize(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)),
+                                split_masters=True)
+    loads = [lambda: resumed.load_state_dict(saved["model"]), lambda: ropt.load_state_dict(saved["opt"])]
+    for load in loads if model_first else loads[::-1]:
+        load()
+    _train(resumed, ropt, steps=2)
+    assert _bits_equal(ropt.master_values(), want)  # type: ignore[attr-defined]
+
+
+def test_the_state_dict_hooks_come_off_with_restore() -> None:
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt, steps=1)
+    mixprec.amp.restore(model)
+    values = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(values)  # an fp32 model now: the values as they are, not split
+    assert _bits_equal([p.detach() for p in model.parameters()], list(values.values()))
