@@ -532,14 +532,14 @@ def scale_loss(
     flags: list[torch.Tensor] = []
     for opt in opts:
         inner = _inner(opt)
-        if scaler.is_enabled():
-            scaler._unscale(inner)
+        by_one = scaler.is_enabled() and scaler._unscale(inner)
         _add_stash(stashes[id(opt)])
         # Only now do the gradients hold every loss of the iteration: mirror them into the model's .grad
         # (MasterWeights), so a clip of the model's parameters reads and edits the sum, not this loss alone.
+        # Unscaled by exactly 1 and no earlier loss added: the model's .grad already hold those values.
         mirror = getattr(inner, "grads_unscaled", None)
         if callable(mirror) and scaler.is_enabled():
-            mirror()
+            mirror(exact_upcasts=by_one and stashes[id(opt)] is None)
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():  # nothing reached them
         _check_gradients_reached(state, opts, others)

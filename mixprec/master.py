@@ -346,12 +346,14 @@ class MasterWeights(torch.optim.Optimizer):
                 self._mirror.copied += zip(params, dst, src, strict=True)
         self._iteration.grads_copied = True
 
-    def grads_unscaled(self) -> None:
+    def grads_unscaled(self, exact_upcasts: bool = False) -> None:
         """Called by ``GradScaler.unscale_`` once the master gradients hold their true values: mirror them
         into the model's ``.grad`` (rounded to its dtype), so that what a user's clip reads and edits there
-        is the unscaled gradient. ``step`` copies the edited ones back (see Clipping above)."""
+        is the unscaled gradient. ``step`` copies the edited ones back (see Clipping above).
+        ``exact_upcasts``: nothing changed the master gradients since they were copied from the model
+        (unscaled by exactly 1, bf16's static scale), so the model's ``.grad`` hold them already."""
         if self.mirror_grads:
-            self._mirror.mirror()
+            self._mirror.mirror(write=not exact_upcasts)
 
     def scaled_grad_params(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` a GradScaler checks and unscales: the masters (and fp32 params), or

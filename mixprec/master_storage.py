@@ -233,9 +233,12 @@ class GradMirror:
         self.copied, self.mirrored = [], []
 
     @torch.no_grad()
-    def mirror(self) -> None:
+    def mirror(self, write: bool = True) -> None:
+        """``write=False``: the master gradients are still the exact upcasts of the model's, whose rounding
+        is the model's gradient itself (bit for bit): only record them, for :meth:`take_edits`."""
         if self.copied:
-            torch._foreach_copy_([h for _, _, h in self.copied], [m for _, m, _ in self.copied])  # round
+            if write:
+                torch._foreach_copy_([h for _, _, h in self.copied], [m for _, m, _ in self.copied])  # round
             self.mirrored = [_Mirrored(p, m, h, h._version) for p, m, h in self.copied]
 
     @torch.no_grad()

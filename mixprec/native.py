@@ -3,9 +3,9 @@
 Two loops live here, each in its own C file, linked into one library:
 
 - ``split_adam.c``: the one-pass Adam/AdamW step over split masters (:mod:`mixprec.split_adam`);
-- ``non_finite.c``: a read-only inf/NaN check of fp16/bf16 gradients (:mod:`mixprec.non_finite`), the
-  scaler's check where the loss scale is exactly 1 (bf16's static scale), ~3x faster than torch's fused
-  check-and-unscale on half gradients on the CPU.
+- ``non_finite.c``: a read-only inf/NaN check of fp16/bf16/fp32 gradients (:mod:`mixprec.non_finite`),
+  the scaler's check where the loss scale is exactly 1 (bf16's static scale), ~3x faster than torch's
+  fused check-and-unscale on half gradients on the CPU.
 
 They include no torch header, so the library builds in well under a second (a torch C++ extension: ~20 s).
 It is compiled with ``$CC`` (else ``cc``, ``gcc``, ``clang``; torch.compile needs one too) into
@@ -169,9 +169,12 @@ def _names() -> str:
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # split_adam_step(n_tensors, 8 pointer tables, inv_scale, n_threads)
     "split_adam_step": (None, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int32]),
-    # half_non_finite(n_tensors, data table, numel table, exponent mask, n_threads, &inv_scale) -> 0, 1, -1
+    # half_/float_non_finite(n_tensors, data table, numel table, exponent mask, n_threads, &inv_scale)
+    # -> 0, 1, or -1 (not a scale of 1)
     "half_non_finite": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
                                          ctypes.c_int32, ctypes.c_void_p]),
+    "float_non_finite": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                          ctypes.c_int32, ctypes.c_void_p]),
 }
 
 

@@ -1,11 +1,15 @@
-"""The scaler's inf/NaN check of fp16/bf16 gradients on the CPU where the loss scale is exactly 1.
+"""The scaler's inf/NaN check of gradients on the CPU where the loss scale is exactly 1.
 
 At a scale of 1 (bf16's static scale; a dynamic scale at its floor of 1), unscaling multiplies every
 gradient by 1 and leaves it as it is, bit for bit (NaN stays NaN, -0 stays -0): what is left of torch's
 fused check-and-unscale is the check. Torch's op converts each half element to fp32 and multiplies it
 anyway, and is slow for half gradients on the CPU: 3.1-3.5 ms for the benchmark GPT's 14.8M bf16 gradients
 on an AMX Xeon with 2 threads (5.8 ms inside a training step), where ``non_finite.c`` tests the exponent
-bits of each element and takes 1.2 ms (benchmarks/RESULTS.md). Same flag, the gradients untouched.
+bits of each element and takes 1.2 ms (benchmarks/RESULTS.md). On fp32 gradients (O2's master gradients,
+O1's) it reads once where torch's op reads and writes. Same flag, the gradients untouched.
+
+One difference, with denormals flushed (``torch.set_flush_denormal(True)``): torch's multiply by 1 flushes
+fp32 (and bf16, which has fp32's exponent range) subnormal gradients to 0; this check leaves them.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ import torch
 
 from mixprec.native import dense, library, pointers, sizes
 
-__all__ = ["EXPONENT_MASK", "check_half_grads_"]
+__all__ = ["EXPONENT_MASK", "check_grads_"]
 
-# All exponent bits set: inf (zero fraction) or NaN (any other), IEEE 754's encoding in both formats.
-EXPONENT_MASK: dict[torch.dtype, int] = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+# All exponent bits set: inf (zero fraction) or NaN (any other), IEEE 754's encoding in every format.
+EXPONENT_MASK: dict[torch.dtype, int] = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80,
+                                         torch.float32: 0x7F800000}
+# The loop for each element width (non_finite.c).
+_LOOP: dict[torch.dtype, str] = {torch.float16: "half_non_finite", torch.bfloat16: "half_non_finite",
+                                 torch.float32: "float_non_finite"}
 
 
 def _readable(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
@@ -29,10 +37,11 @@ def _readable(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def check_half_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> bool:
+def check_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> bool:
     """Where ``inv_scale`` (0-d fp32, the factor an unscale multiplies by) is exactly 1: set ``found`` (0-d
-    fp32) to 1.0 if any of ``grads`` (one half dtype) holds an inf or NaN, reading them only -- what
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` does at that scale -- and return True.
+    fp32) to 1.0 if any of ``grads`` (one dtype: fp16, bf16 or fp32) holds an inf or NaN, reading them
+    only -- what ``torch._amp_foreach_non_finite_check_and_unscale_`` does at that scale -- and return
+    True.
 
     Returns False, having changed nothing, where the scale is any other value (the loop reads it from
     memory, as torch's CPU kernel does: whatever wrote it, no host copy can go stale), or it cannot check
@@ -46,8 +55,9 @@ def check_half_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_sc
         return False
     held = [g for g in grads if g.numel()]  # alive until the loop returns (ctypes lets go of the GIL)
     data, numel = pointers(held), sizes(held)
-    bad = lib.half_non_finite(len(held), data.ctypes.data, numel.ctypes.data,
-                              EXPONENT_MASK[grads[0].dtype], torch.get_num_threads(), inv_scale.data_ptr())
+    dtype = grads[0].dtype
+    bad = getattr(lib, _LOOP[dtype])(len(held), data.ctypes.data, numel.ctypes.data, EXPONENT_MASK[dtype],
+                                     torch.get_num_threads(), inv_scale.data_ptr())
     if bad < 0:
         return False  # not a scale of 1: the gradients must be multiplied
     if bad:

@@ -46,7 +46,7 @@ from mixprec.errors import (
     ScalerStateError,
 )
 from mixprec.hardware import HALF_DTYPES
-from mixprec.non_finite import check_half_grads_
+from mixprec.non_finite import check_grads_
 from mixprec.scale_state import (
     DEFAULT_BACKOFF_FACTOR,
     DEFAULT_GROWTH_FACTOR,
@@ -171,11 +171,12 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
 
 def _read_only_check(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor,
                      checker: Callable[[list[torch.Tensor], torch.Tensor], None] | None) -> bool:
-    """At an inverse scale of exactly 1 (bf16's static scale; ``checker`` is given only then) unscaling
-    leaves half gradients as they are and only the inf/NaN check is left: the native one on the CPU
-    (non_finite.py: ~3x faster than torch's op; it reads the scale itself and declines any other value),
-    else the optimizer's ``checker``. Whether either ran; if not, the caller runs torch's op."""
-    if check_half_grads_(grads, found, inv_scale):
+    """At an inverse scale of exactly 1 (bf16's static scale) unscaling leaves gradients as they are and
+    only the inf/NaN check is left: the native one on the CPU (non_finite.py: ~3x faster than torch's op
+    on half gradients; it reads the scale itself and declines any other value), else the optimizer's
+    ``checker`` (half gradients; given only where the scale is known to be 1). Whether either ran; if
+    not, the caller runs torch's op."""
+    if check_grads_(grads, found, inv_scale):
         return True
     # plain tensors only: torch's op also all-reduces the flag of sharded (DTensor) grads
     if checker is None or not all(type(g) is torch.Tensor for g in grads):
@@ -434,6 +435,13 @@ class GradScaler:
         allow_fp16: bool,
         check_only: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
+        return self._unscale_grads_reporting(optimizer, inv_scale, found_inf, allow_fp16, check_only)[0]
+
+    def _unscale_grads_reporting(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                                 found_inf: torch.Tensor, allow_fp16: bool, check_only: bool = False
+                                 ) -> tuple[dict[torch.device, torch.Tensor], bool]:
+        """``_unscale_grads_`` (torch's name and result), and whether every gradient was only read: the
+        native check ran on each, so the inverse scale was exactly 1 and no value changed."""
         if isinstance(optimizer, HasMasterGrads):
             optimizer.copy_grads_to_master()
         # check_only (inv_scale is 1: the step unscales): an optimizer may bring a read-only check of its
@@ -441,14 +449,17 @@ class GradScaler:
         # check does not run, a GPU)
         checker = getattr(optimizer, "non_finite_check", None) if check_only else None
         per_device_found: dict[torch.device, torch.Tensor] = {}
+        read_only = True
         with torch.no_grad():
             for device, per_dtype in self._grads_by_device_and_dtype(optimizer, allow_fp16).items():
                 found = per_device_found.setdefault(device, found_inf.to(device, copy=True))
                 dev_inv_scale = inv_scale.to(device)
                 for dtype, grads in per_dtype.items():
-                    if dtype in HALF_DTYPES and _read_only_check(grads, found, dev_inv_scale, checker):
+                    half_checker = checker if dtype in HALF_DTYPES else None
+                    if _read_only_check(grads, found, dev_inv_scale, half_checker):
                         continue
                     unscale_and_check_(grads, found, dev_inv_scale)
+                    read_only = False
         if self._sync_found_inf and torch.distributed.is_available() and torch.distributed.is_initialized():
             if not per_device_found:  # no gradients here this step: still join the other ranks' all-reduce
                 per_device_found[found_inf.device] = torch.zeros_like(found_inf)
@@ -457,7 +468,7 @@ class GradScaler:
                 torch.distributed.all_reduce(
                     found, op=torch.distributed.ReduceOp.MAX, group=self._process_group
                 )
-        return per_device_found
+        return per_device_found, read_only
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.
@@ -466,12 +477,16 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        self._unscale(optimizer)
+        by_one = self._unscale(optimizer)
         mirror = getattr(optimizer, "grads_unscaled", None)
         if callable(mirror):
-            mirror()  # MasterWeights: the model's .grad show the unscaled values (torch.amp's clip recipe)
+            # MasterWeights: the model's .grad show the unscaled values (torch.amp's clip recipe)
+            mirror(exact_upcasts=by_one)
 
-    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale ``optimizer``'s gradients; whether they were only read (the native check at an inverse
+        scale of exactly 1, on the CPU): then master gradients still hold the exact upcasts of the model's
+        half gradients, which a mirror back into the model need not write again. No host read."""
         dev = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
@@ -486,10 +501,11 @@ class GradScaler:
         # FP32 division can be imprecise under some compile options, so take the reciprocal in FP64.
         inv_scale = dev.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=dev.scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(
+        state["found_inf_per_device"], read_only = self._unscale_grads_reporting(
             optimizer, inv_scale, found_inf, self._allow_fp16_grads
         )
         state["stage"] = OptState.UNSCALED
+        return read_only
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

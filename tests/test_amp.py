@@ -158,8 +158,9 @@ def test_two_losses_feeding_one_optimizer_match_fp32() -> None:
 
 
 @pytest.mark.parametrize("options", [{"dtype": torch.float16, "loss_scale": 128.0},
+                                     {"dtype": torch.bfloat16},
                                      {"dtype": torch.bfloat16, "master_grads": False}],
-                         ids=["O2 fp16", "O2 bf16 without master grads"])
+                         ids=["O2 fp16", "O2 bf16 (a scale of 1)", "O2 bf16 without master grads"])
 def test_two_losses_into_one_o2_optimizer_train_as_one_loss_of_their_sum(options: dict) -> None:
     # apex: the losses of an iteration that feed one optimizer add up, and what a user clips between them
     # and the step (here the model's parameters, a no-op clip that still rewrites the gradients) is the sum.

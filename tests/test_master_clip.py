@@ -30,16 +30,17 @@ def _setup(flat: bool, dtype: torch.dtype) -> Setup:
     return ref, half, opt, torch.optim.SGD(ref.parameters(), lr=0.5)
 
 
-def _train(flat: bool, dtype: torch.dtype, clip: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+def _train(flat: bool, dtype: torch.dtype, clip: str, scale: float = SCALE
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     ref, half, opt, plain = _setup(flat, dtype)
-    scaler = GradScaler("cpu", init_scale=SCALE, growth_interval=10**6)
+    scaler = GradScaler("cpu", init_scale=scale, growth_interval=10**6)
     norms = []
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
         scaler.scale(nn.functional.cross_entropy(half(x.to(dtype)).float(), y)).backward()
         for p, q in zip(half.parameters(), ref.parameters(), strict=True):
-            q.grad = p.grad.float() / SCALE  # exact: a power of two
+            q.grad = p.grad.float() / scale  # exact: a power of two
         scaler.unscale_(opt)
         if clip == "recipe":
             norm = nn.utils.clip_grad_norm_(half.parameters(), MAX_NORM)
@@ -54,13 +55,16 @@ def _train(flat: bool, dtype: torch.dtype, clip: str) -> tuple[list[torch.Tensor
     return list(opt.master_views()), [p.detach() for p in ref.parameters()], norms
 
 
+@pytest.mark.parametrize("scale", [SCALE, 1.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("flat", [False, True])
-def test_torch_amp_clip_recipe_clips_what_the_masters_step(flat: bool, dtype: torch.dtype) -> None:
+def test_torch_amp_clip_recipe_clips_what_the_masters_step(flat: bool, dtype: torch.dtype,
+                                                           scale: float) -> None:
     """The recipe clips the model's .grad, which hold the unscaled gradients rounded to half precision;
     clip_grad_norm_ computes the norm in that dtype too. So: within half precision's rounding (bf16 keeps
-    8 bits: 2**-8 ~ 0.4% per rounding, a few roundings -> 2e-2)."""
-    masters, ref, norms = _train(flat, dtype, "recipe")
+    8 bits: 2**-8 ~ 0.4% per rounding, a few roundings -> 2e-2). At a scale of 1 the model's .grad are not
+    written again (they hold those values already), and the clip's edits must still reach the step."""
+    masters, ref, norms = _train(flat, dtype, "recipe", scale)
     for got, want in norms:
         assert got == pytest.approx(want, rel=2e-2)  # the true norm, not 2**10 times it
     start = [p.detach() for p in _setup(flat, dtype)[0].parameters()]
@@ -112,3 +116,20 @@ def test_without_master_grads_the_norm_is_fp32_and_each_gradient_is_rounded_once
     assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-6)
     for p, r in zip(half.parameters(), ref, strict=True):
         assert torch.equal(p.grad, r.grad.bfloat16())
+
+
+@pytest.mark.parametrize(("scale", "written"), [(SCALE, True), (1.0, False)])
+def test_unscale_writes_the_model_gradients_only_where_the_scale_changed_them(scale: float,
+                                                                              written: bool) -> None:
+    """The mirror into the model's .grad is a pass over every gradient; at an inverse scale of exactly 1
+    (bf16's static scale) it would write the bits that are there already, so it is skipped (a write
+    would move the version counters). Either way the model's .grad are the masters' rounding, bit for bit."""
+    _, half, opt, _ = _setup(False, torch.bfloat16)
+    scaler = GradScaler("cpu", init_scale=scale, growth_interval=10**6)
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    scaler.scale(nn.functional.cross_entropy(half(x.bfloat16()).float(), y)).backward()
+    versions = [p.grad._version for p in half.parameters()]
+    scaler.unscale_(opt)
+    assert ([p.grad._version for p in half.parameters()] != versions) is written
+    for p, m in zip(half.parameters(), opt.master_views(), strict=True):
+        assert torch.equal(p.grad, m.grad.to(p.dtype))

@@ -89,7 +89,8 @@ def _native_lines() -> str:
         f"generic step ({error})")
     check = "native, mixprec/non_finite.c" if error is None else "torch's check-and-unscale"
     return (f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}\n"
-            f"[bold]inf/NaN check[/bold]  of fp16/bf16 gradients at a loss scale of 1 on the CPU: {check}")
+            f"[bold]inf/NaN check[/bold]  of fp16/bf16/fp32 gradients at a loss scale of 1 on the CPU: "
+            f"{check}")
 
 
 def _rates(device_type: str) -> dict[torch.dtype, float]:
