@@ -626,7 +626,8 @@ def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
 # ------------------------------------------------------------------------------------------------ access
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise
-    (also O2 with ``split_masters``: a clip of these computes in bf16, its norm ~0.3% off the fp32 one).
+    (also O2 with ``split_masters``: a clip of these computes in bf16, its norm ~0.3% off the fp32 one;
+    ``opt.clip_grad_norm_(max_norm)`` takes it in fp32).
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``.
 
     Where the model holds gradients its masters have not received (backward outside ``scale_loss``, or a

@@ -97,6 +97,28 @@ class _Iteration:
     grads_copied: bool = False  # the model's gradients are in the masters' (by the scaler, or clipping)
 
 
+@torch.no_grad()
+def clip_half_grads_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over half-precision gradients with the norm taken in fp32 (torch's
+    sums the squares and rounds each tensor's norm in the gradients' dtype: ~0.3% off in bf16) and each
+    gradient scaled in place with one rounding. Returns the fp32 total norm (a device tensor: no sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    # fp32 accumulation of the norm: the half gradients' squares summed in half lose their low bits
+    norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)  # one kernel per device, as torch
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(  # torch's message
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
+            "To disable this error, set error_if_nonfinite=False"
+        )
+    # the factor stays fp32 (total is): each half gradient is multiplied in fp32 and rounded once
+    nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 class MasterWeights(torch.optim.Optimizer):
     """Keep fp32 master weights for a half-precision model and let ``optimizer`` update them.
 
@@ -404,19 +426,7 @@ class MasterWeights(torch.optim.Optimizer):
         params = list(self.scaled_grad_params())
         if self.keeps_master_grads:
             return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        # fp32 accumulation of the norm: the half gradients' squares summed in half lose their low bits
-        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)  # one kernel per device, as torch
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(  # torch's message
-                f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
-                "To disable this error, set error_if_nonfinite=False"
-            )
-        nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return clip_half_grads_(params, max_norm, norm_type, error_if_nonfinite)
 
     @torch.no_grad()
     def copy_master_to_model(self) -> None:

@@ -57,8 +57,9 @@ def _load_masters(state_dict: dict[str, Any], prefix: str, local_metadata: Any, 
     # what this load writes, not the caller's dict.
     for name, p in own.items():
         value = state_dict.get(prefix + name)
-        if not (isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape):
-            continue  # absent, or torch's load reports what is wrong with it
+        if not (isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape
+                and not value.is_meta):
+            continue  # absent, holds no values, or torch's load reports what is wrong with it
         high, low = split_fp32(value.to(p.device))
         with torch.no_grad():
             lows[p].copy_(low)

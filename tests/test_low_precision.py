@@ -319,6 +319,29 @@ def test_unscale_then_clip_then_step_with_bf16() -> None:
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0], strict=True))
 
 
+def test_clip_grad_norm_takes_the_norm_in_fp32_and_rounds_each_gradient_once() -> None:
+    """Reference: torch's clip of the fp32 upcasts, each result rounded to bf16 once. torch's clip of the
+    bf16 gradients themselves sums and rounds in bf16 (its norm is off by ~0.3%)."""
+    ps = [nn.Parameter(t) for t in _groups(BF16)]
+    opt = LowPrecisionOptimizer(OPTS["adamw"](ps), "split")
+    g = torch.Generator().manual_seed(0)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).to(BF16)
+    ref = [nn.Parameter(p.detach().float()) for p in ps]
+    for r, p in zip(ref, ps, strict=True):
+        r.grad = p.grad.float()
+    want = nn.utils.clip_grad_norm_(ref, 0.5)
+    plain = [nn.Parameter(p.detach().clone()) for p in ps]
+    for q, p in zip(plain, ps, strict=True):
+        q.grad = p.grad.clone()
+    in_bf16 = nn.utils.clip_grad_norm_(plain, math.inf)
+    got = opt.clip_grad_norm_(0.5)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-6)
+    assert float(in_bf16) != pytest.approx(float(want), rel=1e-4)  # what the fp32 norm avoids
+    for p, r in zip(ps, ref, strict=True):
+        assert torch.equal(p.grad, r.grad.to(BF16))
+
+
 def test_closure_is_evaluated_and_its_gradients_used() -> None:
     w = nn.Parameter(torch.ones(3, dtype=BF16))
     opt = LowPrecisionOptimizer(torch.optim.SGD([w], lr=0.5), "split")

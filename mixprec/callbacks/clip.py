@@ -26,7 +26,11 @@ def check_max_norm(name: str, value: float | None) -> None:
 def clip_master_grads(opt: torch.optim.Optimizer, max_norm: float) -> Tensor:
     """Clip the gradients the optimizer reads (the fp32 masters under ``MasterWeights``, the parameters
     otherwise) to a total norm of ``max_norm``; returns the norm before clipping (a device tensor: no
-    sync)."""
+    sync). An optimizer with its own ``clip_grad_norm_`` (MasterWeights, LowPrecisionOptimizer) clips
+    itself: over half gradients (split masters, master_grads=False) it takes the norm in fp32."""
+    own = getattr(opt, "clip_grad_norm_", None)
+    if callable(own):
+        return own(max_norm)
     # master_params moves gradients the masters have not received yet (a MasterWeights built by hand, no
     # callback to fill them) into them first, and the step uses what this clip did
     return nn.utils.clip_grad_norm_(list(master_params(opt)), max_norm)
