@@ -626,7 +626,7 @@ def _add_stash(stash: dict[torch.Tensor, torch.Tensor] | None) -> None:
 # ------------------------------------------------------------------------------------------------ access
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """The parameters the optimizer updates: fp32 masters under O2, the model's parameters otherwise
-    (also O2 with ``split_masters``: a clip of these computes in bf16, its norm ~0.3% off the fp32 one;
+    (also O2 with ``split_masters``: a clip of these computes in bf16, its norm up to ~1% off the fp32 one;
     ``opt.clip_grad_norm_(max_norm)`` takes it in fp32).
     Clip these: ``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), max_norm)``.
 
@@ -637,6 +637,8 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     inner = _inner(optimizer)
     if isinstance(inner, MasterWeights) and inner.master_grads_pending() and not _delayed(optimizer):
         inner.copy_grads_to_master()
+    if isinstance(inner, MasterWeights):
+        inner.take_grad_edits()  # a clip of model.parameters() after scale_loss: the masters show it now
     yield from _step_params(inner)
 
 

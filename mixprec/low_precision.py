@@ -602,7 +602,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
                         ) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the half gradients the step reads, with the norm taken in
-        fp32 (torch's, over half gradients, is ~0.3% off in bf16) and each gradient scaled with one
+        fp32 (torch's, over half gradients, is up to ~1% off in bf16) and each gradient scaled with one
         rounding: ``MasterWeights(master_grads=False).clip_grad_norm_``'s rule. Call it where torch.amp
         clips: after ``scaler.unscale_(opt)`` (or ``scale_loss``'s exit), before the step."""
         params = [p for g in self.param_groups for p in g["params"]]

@@ -101,7 +101,7 @@ class _Iteration:
 def clip_half_grads_(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                      error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over half-precision gradients with the norm taken in fp32 (torch's
-    sums the squares and rounds each tensor's norm in the gradients' dtype: ~0.3% off in bf16) and each
+    sums the squares and rounds each tensor's norm in the gradients' dtype: up to ~1% off in bf16) and each
     gradient scaled in place with one rounding. Returns the fp32 total norm (a device tensor: no sync)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -161,7 +161,7 @@ class MasterWeights(torch.optim.Optimizer):
     ``clip_grad_norm_(model.parameters(), max_norm)`` then ``scaler.step(opt)``: unscale_ fills the fp32
     master gradients and mirrors them, unscaled and rounded to the model's dtype, into the model's
     ``.grad``; ``step`` takes over any gradient edited there since (it watches each tensor's version
-    counter). That clip computes in the model's dtype (its norm in bf16 is ~0.3% off) and, for fp16, the
+    counter). That clip computes in the model's dtype (its norm in bf16 is up to ~1% off) and, for fp16, the
     mirror rounds small gradients to fp16 subnormals; ``opt.clip_grad_norm_(max_norm)`` clips the fp32
     master gradients instead and loses nothing (with ``master_grads=False``: an fp32 norm, the half
     gradients scaled with one rounding).
@@ -397,6 +397,12 @@ class MasterWeights(torch.optim.Optimizer):
         """Whether the masters get fp32 gradients (False: the step reads the half gradients itself)."""
         return self._fused_step is None
 
+    def take_grad_edits(self) -> None:
+        """Give the master gradients what was edited in the model's ``.grad`` since ``scaler.unscale_``
+        mirrored them there (torch.amp's recipe: a clip of ``model.parameters()``), now rather than at the
+        step, so that the masters' gradients read before it show the clip. Later edits are taken too."""
+        self._mirror.take_edits(keep_watching=True)
+
     def master_grads_pending(self) -> bool:
         """Whether the model holds gradients its masters have not received yet (they arrive at unscale_ or
         at the step): a clip of :meth:`master_params` now would find no gradient to clip."""
@@ -418,11 +424,11 @@ class MasterWeights(torch.optim.Optimizer):
         (norm and scaling in fp32). Call it where torch.amp clips: after ``scaler.unscale_(opt)``.
 
         With ``master_grads=False`` the step reads the model's half gradients: their norm is taken in fp32
-        too (torch's would sum squares in half: ~0.3% off in bf16), and each is scaled in place with one
+        too (torch's would sum squares in half: up to ~1% off in bf16), and each is scaled in place with one
         rounding to half."""
         if not self._iteration.grads_copied:
             self.copy_grads_to_master()
-        self._mirror.take_edits()
+        self._mirror.take_edits(keep_watching=True)  # a clip of model.parameters() before this one
         params = list(self.scaled_grad_params())
         if self.keeps_master_grads:
             return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)

@@ -242,8 +242,14 @@ class GradMirror:
             self.mirrored = [_Mirrored(p, m, h, h._version) for p, m, h in self.copied]
 
     @torch.no_grad()
-    def take_edits(self) -> None:
+    def take_edits(self, keep_watching: bool = False) -> None:
+        """Copy the model gradients edited since the mirror into the master gradients. ``keep_watching``:
+        not before a step -- edits made after this one are taken again (the step's own call)."""
         edited = [m for m in self.mirrored if m.edited()]
         if edited:
             torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
-        self.mirrored = []
+        if not keep_watching:
+            self.mirrored = []
+            return
+        for m in edited:  # what was taken is the new reference (a replaced .grad too)
+            m.grad, m.version = m.param.grad, m.param.grad._version

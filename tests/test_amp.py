@@ -958,3 +958,26 @@ def test_restore_keeps_weights_loaded_after_the_last_step() -> None:
     model.load_state_dict(best)
     amp.restore(model)
     assert torch.equal(model.weight, best["weight"].half().float())  # the loaded weights, as held in fp16
+
+
+def test_a_clip_of_the_model_parameters_after_scale_loss_shows_in_the_masters_gradients() -> None:
+    """A user trial: after clip_grad_norm_(model.parameters()) outside the block, master_params(opt) still
+    held the unclipped gradients (norm 0.93 against the clip's 0.5) until the step took the edit. A clip
+    made after master_params was read still reaches the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2",
+                                    dtype=torch.bfloat16, verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+    masters = list(amp.master_params(opt))
+    clipped = [p.grad.float() for p in model.parameters()]
+    assert all(torch.equal(m.grad, c) for m, c in zip(masters, clipped, strict=True))  # exact upcasts
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # a second clip, after the masters were read
+    before = [m.detach().clone() for m in masters]
+    want = [p.grad.float() for p in model.parameters()]
+    opt.step()
+    for m, b, g in zip(amp.master_params(opt), before, want, strict=True):
+        torch.testing.assert_close(m.detach(), b - g, rtol=0, atol=1e-7)  # SGD, lr 1: the second clip's
