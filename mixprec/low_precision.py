@@ -365,6 +365,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._extras, self._generators = _buffers_of(optimizer, (self.mode, state_dtype, seed))
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
+        # Set by load_state_dict until the next step (or a whole model's load_state_dict under
+        # initialize's split masters): the low halves came from a checkpoint and await their weights.
+        self.lows_await_weights = False
         initial_bits = None if initial is None else self._initial_bits(initial)
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -460,6 +463,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient. Syncs once to read ``found_inf`` when a GradScaler
         passed it (``scaler.step(wrapper)``), otherwise never."""
+        self.lows_await_weights = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -613,11 +617,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """The mode's per-parameter buffers (kahan: compensations; split: low halves), in param order."""
         return [self._extras[p] for g in self.param_groups for p in g["params"] if p in self._extras]
 
-    def low_halves(self) -> dict[Tensor, Tensor]:
-        """Mode ``"split"``: each parameter's int16 low half, by parameter (the tensors the step writes)."""
+    def low_half(self, param: Tensor) -> Tensor | None:
+        """Mode ``"split"``: ``param``'s int16 low half (the tensor the step writes), or None for a tensor
+        this wrapper does not hold (yet: a group added later has one from then on)."""
         if self.mode is not UpdateMode.SPLIT:
             raise ConfigError(f"mode={self.mode.value!r} keeps no low halves.", "use mode='split'.")
-        return {p: self._extras[p] for g in self.param_groups for p in g["params"]}
+        return self._extras.get(param)
 
     @torch.no_grad()
     def master_values(self, params: Iterable[Tensor] | None = None) -> list[Tensor]:
@@ -657,6 +662,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 extra.copy_(saved_extra)
         for device, gen_state in state_dict["generators"].items():
             self._generator(torch.device(device)).set_state(gen_state)
+        self.lows_await_weights = self.mode is UpdateMode.SPLIT
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         if set(state_dict) != {"optimizer", "mode", "state_dtype", "extras", "generators"}:

@@ -213,10 +213,21 @@ class _Mirrored:
     master_grad: torch.Tensor  # the fp32 gradient the step reads
     grad: torch.Tensor  # the half gradient tensor we wrote
     version: int  # its version counter after our write: any in-place edit (a clip) bumps it
+    master_version: int  # the master gradient's, after our last write of it
 
     def edited(self) -> bool:
+        """The model's gradient was edited (or replaced) since, and the master's was not: once the master
+        gradient itself was edited (``opt.clip_grad_norm_``, a clip of ``master_params``), it is what the
+        step uses, whatever touches the model's gradient later (a norm logged with
+        ``clip_grad_norm_(model.parameters(), inf)`` multiplies it by 1 in place)."""
         grad = self.param.grad
-        return grad is not None and (grad is not self.grad or grad._version != self.version)
+        model_edited = grad is not None and (grad is not self.grad or grad._version != self.version)
+        return model_edited and self.master_grad._version == self.master_version
+
+    def taken(self) -> None:
+        """After the model's gradient was copied into the master's: both are the new reference."""
+        self.grad = self.param.grad
+        self.version, self.master_version = self.grad._version, self.master_grad._version
 
 
 class GradMirror:
@@ -239,17 +250,18 @@ class GradMirror:
         if self.copied:
             if write:
                 torch._foreach_copy_([h for _, _, h in self.copied], [m for _, m, _ in self.copied])  # round
-            self.mirrored = [_Mirrored(p, m, h, h._version) for p, m, h in self.copied]
+            self.mirrored = [_Mirrored(p, m, h, h._version, m._version) for p, m, h in self.copied]
 
     @torch.no_grad()
     def take_edits(self, keep_watching: bool = False) -> None:
-        """Copy the model gradients edited since the mirror into the master gradients. ``keep_watching``:
-        not before a step -- edits made after this one are taken again (the step's own call)."""
+        """Copy the model gradients edited since the mirror (and whose master gradients were not) into the
+        master gradients. ``keep_watching``: not before a step -- edits made after this one are taken
+        again (the step's own call)."""
         edited = [m for m in self.mirrored if m.edited()]
         if edited:
             torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
         if not keep_watching:
             self.mirrored = []
             return
-        for m in edited:  # what was taken is the new reference (a replaced .grad too)
-            m.grad, m.version = m.param.grad, m.param.grad._version
+        for m in edited:
+            m.taken()

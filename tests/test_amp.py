@@ -960,10 +960,8 @@ def test_restore_keeps_weights_loaded_after_the_last_step() -> None:
     assert torch.equal(model.weight, best["weight"].half().float())  # the loaded weights, as held in fp16
 
 
-def test_a_clip_of_the_model_parameters_after_scale_loss_shows_in_the_masters_gradients() -> None:
-    """A user trial: after clip_grad_norm_(model.parameters()) outside the block, master_params(opt) still
-    held the unclipped gradients (norm 0.93 against the clip's 0.5) until the step took the edit. A clip
-    made after master_params was read still reaches the step."""
+def _o2_bf16_sgd_after_backward() -> tuple[nn.Module, Any]:
+    """O2 bf16 over SGD with lr 1 (a step subtracts the gradient), after one scale_loss block."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
     model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), "O2",
@@ -971,6 +969,14 @@ def test_a_clip_of_the_model_parameters_after_scale_loss_shows_in_the_masters_gr
     x, y = next(_batches(1))
     with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
         scaled.backward()
+    return model, opt
+
+
+def test_a_clip_of_the_model_parameters_after_scale_loss_shows_in_the_masters_gradients() -> None:
+    """A user trial: after clip_grad_norm_(model.parameters()) outside the block, master_params(opt) still
+    held the unclipped gradients (norm 0.93 against the clip's 0.5) until the step took the edit. A clip
+    made after master_params was read still reaches the step."""
+    model, opt = _o2_bf16_sgd_after_backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
     masters = list(amp.master_params(opt))
     clipped = [p.grad.float() for p in model.parameters()]
@@ -981,3 +987,22 @@ def test_a_clip_of_the_model_parameters_after_scale_loss_shows_in_the_masters_gr
     opt.step()
     for m, b, g in zip(amp.master_params(opt), before, want, strict=True):
         torch.testing.assert_close(m.detach(), b - g, rtol=0, atol=1e-7)  # SGD, lr 1: the second clip's
+
+
+@pytest.mark.parametrize("clip", ["opt.clip_grad_norm_", "clip of master_params"])
+def test_a_clip_of_the_masters_survives_a_later_touch_of_the_model_gradients(clip: str) -> None:
+    """From a review: after the masters' gradients were clipped, a norm logged with
+    clip_grad_norm_(model.parameters(), inf) (a multiply by 1 in place) made the step copy the model's
+    unclipped gradients back over them: an update of norm 0.79 instead of the clip's 1e-3."""
+    model, opt = _o2_bf16_sgd_after_backward()
+    if clip == "opt.clip_grad_norm_":
+        opt.clip_grad_norm_(1e-3)
+    else:
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e-3)
+    logged = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert logged.item() > 0.1  # the model's gradients are the unclipped ones
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    opt.step()
+    after = amp.master_params(opt)
+    update = torch.cat([(b - m.detach()).flatten() for b, m in zip(before, after, strict=True)])
+    assert update.norm().item() == pytest.approx(1e-3, rel=1e-4)  # SGD, lr 1: the clipped gradient

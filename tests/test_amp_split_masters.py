@@ -323,3 +323,44 @@ def test_the_state_dict_hooks_come_off_with_restore() -> None:
     values = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(values)  # an fp32 model now: the values as they are, not split
     assert _bits_equal([p.detach() for p in model.parameters()], list(values.values()))
+
+
+def test_a_checkpoint_of_bf16_weights_loaded_after_the_optimizers_state_keeps_its_low_halves() -> None:
+    """From a review: a checkpoint written before the model's state held the masters (the bf16 weights, as
+    fp32) and loaded optimizer-first lost every low half to the model's load. A value that is the weight
+    the model holds already keeps its low half; one that is not (model first) is taken exactly."""
+    model, opt = _initialize(_model(), split_masters=True)
+    _train(model, opt, steps=2)
+    old = copy.deepcopy({"model": {k: p.detach().float() for k, p in model.named_parameters()},
+                         "opt": opt.state_dict()})
+    want = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+    for model_first in (False, True):
+        torch.manual_seed(5)
+        resumed, ropt = _initialize(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)),
+                                    split_masters=True)
+        if model_first:
+            resumed.load_state_dict(old["model"])
+        ropt.load_state_dict(old["opt"])
+        if not model_first:
+            resumed.load_state_dict(old["model"])
+        assert _bits_equal(ropt.master_values(), want), f"model_first={model_first}"  # type: ignore[attr-defined]
+    _train(resumed, ropt, steps=1)
+    values = {k: torch.randn_like(v).bfloat16().float() for k, v in old["model"].items()}  # bf16 weights
+    resumed.load_state_dict(values)  # after a step (pretrained, say): the masters, exactly, low halves 0
+    assert _bits_equal(ropt.master_values(), list(values.values()))  # type: ignore[attr-defined]
+
+
+def test_a_param_group_added_after_initialize_saves_and_loads_its_masters() -> None:
+    """From a review: the hooks took their parameters once, at initialize; a group added later (a layer
+    unfrozen) was saved as its bf16 weights and loaded into the high halves only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    model, opt = mixprec.initialize(model, torch.optim.AdamW(model[0].parameters(), lr=1e-2), "O2",
+                                    dtype=torch.bfloat16, split_masters=True, verbosity=0)
+    opt.add_param_group({"params": list(model[2].parameters())})
+    _train(model, opt, steps=3)
+    saved = model.state_dict()
+    assert _bits_equal([saved["2.weight"], saved["2.bias"]], opt.master_values(list(model[2].parameters())))
+    values = {k: torch.randn_like(v) for k, v in saved.items()}
+    model.load_state_dict(values)
+    assert _bits_equal(opt.master_values(), list(values.values()))  # type: ignore[attr-defined]
