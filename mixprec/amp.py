@@ -70,6 +70,9 @@ class _PendingStep:
     unscaled: bool = False  # grads currently hold unscaled values from an earlier loss this iteration
     stepped: bool = False  # step() has consumed these flags; another step() would reuse the gradients
     delayed: bool = False  # a delay_unscale backward left scaled gradients for a later scale_loss
+    # unscaled gradients of earlier losses set aside when a delay_unscale loss began, added back by the next
+    # scale_loss that unscales (apex: the iteration's gradients are the sum of all its losses')
+    carried: dict[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -527,19 +530,26 @@ def scale_loss(
     yield scaler.scale(loss)
     if delay_unscale:
         for opt in opts:
-            state.pending.setdefault(id(opt), _PendingStep()).delayed = True
+            pending = state.pending.setdefault(id(opt), _PendingStep())
+            pending.carried = _summed(pending.carried, stashes[id(opt)])
+            # the gradients hold this loss's scaled ones now: the next loss must not set them aside
+            pending.delayed, pending.unscaled = True, False
         return
     flags: list[torch.Tensor] = []
     for opt in opts:
         inner = _inner(opt)
         by_one = scaler.is_enabled() and scaler._unscale(inner)
-        _add_stash(stashes[id(opt)])
+        pending = state.pending.get(id(opt))
+        earlier = _summed(pending.carried if pending is not None else None, stashes[id(opt)])
+        if pending is not None:
+            pending.carried = None
+        _add_stash(earlier)
         # Only now do the gradients hold every loss of the iteration: mirror them into the model's .grad
         # (MasterWeights), so a clip of the model's parameters reads and edits the sum, not this loss alone.
         # Unscaled by exactly 1 and no earlier loss added: the model's .grad already hold those values.
         mirror = getattr(inner, "grads_unscaled", None)
         if callable(mirror) and scaler.is_enabled():
-            mirror(exact_upcasts=by_one and stashes[id(opt)] is None)
+            mirror(exact_upcasts=by_one and earlier is None)
         flags.extend(scaler._found_inf_per_device(inner).values())
     if not flags and scaler.is_enabled():  # nothing reached them
         _check_gradients_reached(state, opts, others)
@@ -612,6 +622,14 @@ def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tens
     stash = {p: p.grad.clone() for p in _step_params(opt) if p.grad is not None}
     _inner(opt).zero_grad(set_to_none=True)
     return stash or None
+
+
+def _summed(a: dict[torch.Tensor, torch.Tensor] | None, b: dict[torch.Tensor, torch.Tensor] | None
+            ) -> dict[torch.Tensor, torch.Tensor] | None:
+    """Two stashes as one: a tensor in both gets the sum of its gradients."""
+    if not a or not b:
+        return a or b
+    return {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}}
 
 
 @torch.no_grad()

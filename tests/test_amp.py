@@ -1006,3 +1006,30 @@ def test_a_clip_of_the_masters_survives_a_later_touch_of_the_model_gradients(cli
     after = amp.master_params(opt)
     update = torch.cat([(b - m.detach()).flatten() for b, m in zip(before, after, strict=True)])
     assert update.norm().item() == pytest.approx(1e-3, rel=1e-4)  # SGD, lr 1: the clipped gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_delayed_loss_between_two_unscaled_ones_adds_up_with_them(dtype: torch.dtype) -> None:
+    """From a review: losses 1x, 2x with delay_unscale, then 4x into one O2 optimizer gave the masters 4x
+    the gradient: the first loss's unscaled gradients, set aside when the delayed one began, were dropped
+    at its exit, and the delayed loss's own were zeroed by the next. Reference: one loss of 7x."""
+    def master_grads(parts: list[tuple[float, bool]]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4))
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                        dtype=dtype, loss_scale=2.0**4, verbosity=0)
+        x, y = next(_batches(1))
+        for k, delay in parts:
+            with mixprec.scale_loss(k * nn.functional.cross_entropy(model(x), y), opt,
+                                    delay_unscale=delay) as scaled:
+                scaled.backward()
+        grads = [m.grad.clone() for m in amp.master_params(opt)]
+        amp.reset()
+        return grads
+
+    # within the half backward's rounding (7x computed once against 2x + 4x summed in the half .grad): two
+    # units in the last place of the largest gradient (4/7 of it, before the fix, is far outside)
+    parts = master_grads([(1.0, False), (2.0, True), (4.0, False)])
+    for got, want in zip(parts, master_grads([(7.0, False)]), strict=True):
+        ulp = torch.finfo(dtype).eps * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
