@@ -258,6 +258,9 @@ class GradMirror:
         master gradients. ``keep_watching``: not before a step -- edits made after this one are taken
         again (the step's own call)."""
         edited = [m for m in self.mirrored if m.edited()]
+        # masters the user edited since (they win), judged before our copy bumps their version counters:
+        # flat masters are views of one buffer and share one counter
+        theirs = [m.master_grad._version != m.master_version for m in self.mirrored]
         if edited:
             torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
         if not keep_watching:
@@ -265,3 +268,6 @@ class GradMirror:
             return
         for m in edited:
             m.taken()
+        for m, user_edited in zip(self.mirrored, theirs, strict=True):
+            if not user_edited:  # our copy moved a shared counter: still ours
+                m.master_version = m.master_grad._version

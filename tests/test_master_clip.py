@@ -133,3 +133,25 @@ def test_unscale_writes_the_model_gradients_only_where_the_scale_changed_them(sc
     assert ([p.grad._version for p in half.parameters()] != versions) is written
     for p, m in zip(half.parameters(), opt.master_views(), strict=True):
         assert torch.equal(p.grad, m.grad.to(p.dtype))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_model_gradient_edits_before_and_after_taking_them_early_all_reach_the_step(flat: bool) -> None:
+    """take_grad_edits (amp.master_params calls it) copies edits into the masters' gradients before the
+    step; with flat masters (views of one buffer, one version counter) that copy made every other master
+    gradient look edited by the user, and a later edit of their model gradients was dropped. Reference:
+    SGD (lr 0.5) subtracts half the gradients as last edited."""
+    _, half, opt, _ = _setup(flat, torch.bfloat16)
+    scaler = GradScaler("cpu", init_scale=1.0)
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    scaler.scale(nn.functional.cross_entropy(half(x.bfloat16()).float(), y)).backward()
+    scaler.unscale_(opt)
+    params = list(half.parameters())
+    params[0].grad.mul_(0.5)
+    opt.take_grad_edits()
+    params[2].grad.mul_(0.25)
+    want = [0.5 * p.grad.float() for p in params]
+    before = [m.detach().clone() for m in opt.master_views()]
+    scaler.step(opt)
+    for b, m, w in zip(before, opt.master_views(), want, strict=True):
+        torch.testing.assert_close(b - m, w, rtol=0, atol=1e-6)
