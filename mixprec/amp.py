@@ -410,6 +410,11 @@ def _patch_step(opt: Any, state: _AmpState) -> None:
 def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
     state: _AmpState = getattr(opt, _OPT_STATE_ATTR)
     plain = opt._mixprec_plain_step
+    inner = _inner(opt)
+    if isinstance(inner, MasterWeights):
+        # a clip of model.parameters() reaches the masters' gradients before a wrapper around them (apex's
+        # LARC) scales them: after that the masters' edit would win
+        inner.take_grad_edits()
     pending = state.pending.get(id(opt))
     if pending is None or not pending.found_infs:
         return plain(*args, **kwargs)
@@ -525,6 +530,10 @@ def scale_loss(
     for opt in opts:  # a new iteration for these optimizers: flags of a consumed step are done
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
             del state.pending[id(opt)]
+    for opt in opts:  # gradients carried past a delayed loss, zeroed since (zero_grad): gone with them
+        pending = state.pending.get(id(opt))
+        if pending is not None and pending.carried and all(p.grad is None for p in _held_params(_inner(opt))):
+            pending.carried = None
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss)

@@ -365,9 +365,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._extras, self._generators = _buffers_of(optimizer, (self.mode, state_dtype, seed))
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
-        # Set by load_state_dict until the next step (or a whole model's load_state_dict under
-        # initialize's split masters): the low halves came from a checkpoint and await their weights.
-        self.lows_await_weights = False
+        # ids of the parameters whose low halves load_state_dict set, until the next step or the weight's own
+        # load (initialize's split masters, mixprec.split_state_dict): they came from a checkpoint and
+        # await their weights
+        self.lows_await_weights: set[int] = set()
         initial_bits = None if initial is None else self._initial_bits(initial)
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -463,7 +464,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient. Syncs once to read ``found_inf`` when a GradScaler
         passed it (``scaler.step(wrapper)``), otherwise never."""
-        self.lows_await_weights = False
+        self.lows_await_weights = set()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -662,7 +663,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 extra.copy_(saved_extra)
         for device, gen_state in state_dict["generators"].items():
             self._generator(torch.device(device)).set_state(gen_state)
-        self.lows_await_weights = self.mode is UpdateMode.SPLIT
+        if self.mode is UpdateMode.SPLIT:
+            self.lows_await_weights = {id(p) for g in self.param_groups for p in g["params"]}
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         if set(state_dict) != {"optimizer", "mode", "state_dtype", "extras", "generators"}:

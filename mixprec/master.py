@@ -436,9 +436,13 @@ class MasterWeights(torch.optim.Optimizer):
             self.copy_grads_to_master()
         self._mirror.take_edits(keep_watching=True)  # a clip of model.parameters() before this one
         params = list(self.scaled_grad_params())
-        if self.keeps_master_grads:
-            return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        return clip_half_grads_(params, max_norm, norm_type, error_if_nonfinite)
+        if not self.keeps_master_grads:
+            return clip_half_grads_(params, max_norm, norm_type, error_if_nonfinite)
+        total = nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        # the mirrored model .grad show the clip (a norm logged there reads it), and a clip of them after
+        # this one (even of max_norm=inf, a multiply by 1 here) still reaches the step
+        self._mirror.remirror()
+        return total
 
     @torch.no_grad()
     def copy_master_to_model(self) -> None:

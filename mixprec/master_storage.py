@@ -253,6 +253,16 @@ class GradMirror:
             self.mirrored = [_Mirrored(p, m, h, h._version, m._version) for p, m, h in self.copied]
 
     @torch.no_grad()
+    def remirror(self) -> None:
+        """After a clip of the master gradients by the wrapper itself (``opt.clip_grad_norm_``): the model's
+        ``.grad`` show it too, and an edit of them after this one is taken again."""
+        live = [m for m in self.mirrored if m.param.grad is not None]
+        if live:
+            torch._foreach_copy_([m.param.grad for m in live], [m.master_grad for m in live])  # round
+        for m in live:
+            m.taken()
+
+    @torch.no_grad()
     def take_edits(self, keep_watching: bool = False) -> None:
         """Copy the model gradients edited since the mirror (and whose master gradients were not) into the
         master gradients. ``keep_watching``: not before a step -- edits made after this one are taken
@@ -261,8 +271,11 @@ class GradMirror:
         # masters the user edited since (they win), judged before our copy bumps their version counters:
         # flat masters are views of one buffer and share one counter
         theirs = [m.master_grad._version != m.master_version for m in self.mirrored]
-        if edited:
-            torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
+        for m in edited:
+            # element by element: one still at its master's rounding keeps the fp32 value (a norm logged with
+            # clip_grad_norm_(..., inf) multiplies by 1 in place and changes nothing)
+            grad, master = m.param.grad, m.master_grad
+            master.copy_(torch.where(grad == master.to(grad.dtype), master, grad.float()))
         if not keep_watching:
             self.mirrored = []
             return

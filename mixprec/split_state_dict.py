@@ -11,8 +11,8 @@ after ``initialize`` (pretrained, or a checkpoint's) are the masters exactly, an
 
 The rule, element by element: whatever is loaded is the master (fp32; an fp64 value rounds to fp32 first),
 but a value that is exactly a bf16 value (a low half of 0) keeps the low half there where the optimizer's
-state was just loaded (``opt.load_state_dict`` since the last step and the model's last whole load: the low
-halves await their weights) or where it is the weight the model holds already. So a checkpoint of bf16
+state was just loaded (``opt.load_state_dict`` since the last step, and this weight not loaded since: its
+low half awaits it) or where it is the weight the model holds already. So a checkpoint of bf16
 values (an older one of this layout) resumes in either order too, and bf16 weights loaded later (pretrained
 ones) are the masters exactly. Writes that do not go through ``load_state_dict`` (an in-place edit,
 ``.data``) leave the low halves as they are. The hooks look the low halves up when they run, so a param
@@ -37,8 +37,7 @@ def hook_split_state_dict(model: nn.Module, opt: LowPrecisionOptimizer) -> list[
     """Hooks on each module of ``model`` that owns parameters (see the module docstring); those ``opt``
     holds no split master of are left to torch. Register them after apex's fp32 state-dict hook: they run
     after it and replace what it wrote. Returns their handles."""
-    # once a whole model is loaded, optimizer-loaded low halves have met their weights
-    handles = [model.register_load_state_dict_post_hook(lambda module, keys: _weights_met(opt))]
+    handles: list[RemovableHandle] = []
     for module in model.modules():
         own = dict(module.named_parameters(recurse=False))
         if own:
@@ -70,12 +69,11 @@ def _load_masters(state_dict: dict[str, Any], prefix: str, local_metadata: Any, 
         # a low half of 0 is a value that is exactly its bf16 weight: it keeps the low half there where that
         # came with the checkpoint (the optimizer's state, loaded first) or the weight is already this one
         same = high.view(torch.int16) == p.view(torch.int16)
-        keep = (low == 0) & same if not opt.lows_await_weights else low == 0
+        awaited = id(p) in opt.lows_await_weights
+        opt.lows_await_weights.discard(id(p))  # met its weight
+        keep = low == 0 if awaited else (low == 0) & same
         low_now.copy_(torch.where(keep, low_now, low))
         # torch's load copies this into the weight: the high half exactly, where copying the fp32 value
         # would round a tie to even, not away from zero as the split layout does
         state_dict[prefix + name] = high
 
-
-def _weights_met(opt: LowPrecisionOptimizer) -> None:
-    opt.lows_await_weights = False

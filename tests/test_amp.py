@@ -1000,7 +1000,10 @@ def test_a_clip_of_the_masters_survives_a_later_touch_of_the_model_gradients(cli
     else:
         torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e-3)
     logged = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    assert logged.item() > 0.1  # the model's gradients are the unclipped ones
+    if clip == "opt.clip_grad_norm_":  # the wrapper's clip shows in the model's .grad too
+        assert logged.item() == pytest.approx(1e-3, rel=1e-2)  # their bf16 rounding
+    else:  # a clip of the masters outside the library: the model's .grad are the unclipped ones
+        assert logged.item() > 0.1
     before = [m.detach().clone() for m in amp.master_params(opt)]
     opt.step()
     after = amp.master_params(opt)
@@ -1008,28 +1011,75 @@ def test_a_clip_of_the_masters_survives_a_later_touch_of_the_model_gradients(cli
     assert update.norm().item() == pytest.approx(1e-3, rel=1e-4)  # SGD, lr 1: the clipped gradient
 
 
+def _master_grads_of_losses(parts: list[tuple[float, bool, bool]], dtype: torch.dtype = torch.float16
+                            ) -> list[torch.Tensor]:
+    """O2's master gradients after losses k x cross-entropy of one batch, each (k, delay_unscale,
+    zero_grad before it), at a static scale of 16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4))
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                    dtype=dtype, loss_scale=2.0**4, verbosity=0)
+    x, y = next(_batches(1))
+    for k, delay, zero_first in parts:
+        if zero_first:
+            opt.zero_grad()
+        with mixprec.scale_loss(k * nn.functional.cross_entropy(model(x), y), opt,
+                                delay_unscale=delay) as scaled:
+            scaled.backward()
+    grads = [m.grad.clone() for m in amp.master_params(opt)]
+    amp.reset()
+    return grads
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_delayed_loss_between_two_unscaled_ones_adds_up_with_them(dtype: torch.dtype) -> None:
     """From a review: losses 1x, 2x with delay_unscale, then 4x into one O2 optimizer gave the masters 4x
     the gradient: the first loss's unscaled gradients, set aside when the delayed one began, were dropped
     at its exit, and the delayed loss's own were zeroed by the next. Reference: one loss of 7x."""
-    def master_grads(parts: list[tuple[float, bool]]) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4))
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
-                                        dtype=dtype, loss_scale=2.0**4, verbosity=0)
-        x, y = next(_batches(1))
-        for k, delay in parts:
-            with mixprec.scale_loss(k * nn.functional.cross_entropy(model(x), y), opt,
-                                    delay_unscale=delay) as scaled:
-                scaled.backward()
-        grads = [m.grad.clone() for m in amp.master_params(opt)]
-        amp.reset()
-        return grads
-
     # within the half backward's rounding (7x computed once against 2x + 4x summed in the half .grad): two
     # units in the last place of the largest gradient (4/7 of it, before the fix, is far outside)
-    parts = master_grads([(1.0, False), (2.0, True), (4.0, False)])
-    for got, want in zip(parts, master_grads([(7.0, False)]), strict=True):
+    parts = _master_grads_of_losses([(1.0, False, False), (2.0, True, False), (4.0, False, False)], dtype)
+    for got, want in zip(parts, _master_grads_of_losses([(7.0, False, False)], dtype), strict=True):
         ulp = torch.finfo(dtype).eps * want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
+
+
+def _update_norm_of_step(opt: Any) -> float:
+    """The norm of what ``opt.step()`` changed in the masters (read without amp.master_params, which
+    takes the model's gradient edits itself)."""
+    masters = getattr(opt, "optim", opt)  # a LARC-like wrapper holds the MasterWeights
+    before = [m.detach().clone() for m in masters.master_params()]
+    opt.step()
+    after = masters.master_params()
+    return torch.cat([(b - m.detach()).flatten() for b, m in zip(before, after, strict=True)]).norm().item()
+
+
+def test_a_clip_of_the_model_parameters_after_a_norm_logged_through_the_wrapper_reaches_the_step() -> None:
+    """From a review: opt.clip_grad_norm_(inf) (the fp32 norm, for a log) multiplies the masters'
+    gradients by 1 in place; a clip of model.parameters() after it was then dropped (update 0.18 for 1e-3)."""
+    model, opt = _o2_bf16_sgd_after_backward()
+    opt.clip_grad_norm_(float("inf"))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert _update_norm_of_step(opt) == pytest.approx(1e-3, rel=1e-2)  # the clip of bf16 gradients
+
+
+def test_a_clip_of_the_model_parameters_reaches_the_masters_before_a_larc_like_wrapper_scales_them() -> None:
+    """From a review: the wrapper's in-place trust-ratio scaling of the masters' gradients made them look
+    edited by the user, and the model clip before it was dropped. Reference: lr x trust x the clip."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 4))
+    larc = _LarcLike(torch.optim.SGD(model.parameters(), lr=1.0), trust=0.1)
+    model, opt = mixprec.initialize(model, larc, "O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+    assert _update_norm_of_step(opt) == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_a_zero_grad_after_a_delayed_loss_drops_the_gradients_carried_past_it() -> None:
+    """From a review: 1x, 2x delayed, zero_grad, 4x gave 5x: the first loss's gradients, carried past the
+    delayed one, came back after the zero_grad. Reference: the 4x loss alone."""
+    got = _master_grads_of_losses([(1.0, False, False), (2.0, True, False), (4.0, False, True)])
+    for g, want in zip(got, _master_grads_of_losses([(4.0, False, False)]), strict=True):
+        assert torch.equal(g, want)

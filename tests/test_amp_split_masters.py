@@ -364,3 +364,33 @@ def test_a_param_group_added_after_initialize_saves_and_loads_its_masters() -> N
     values = {k: torch.randn_like(v) for k, v in saved.items()}
     model.load_state_dict(values)
     assert _bits_equal(opt.master_values(), list(values.values()))  # type: ignore[attr-defined]
+
+
+def test_an_old_checkpoint_of_two_models_with_one_optimizer_resumes_optimizer_first() -> None:
+    """From a review: the first model's load marked every low half as met, and the second model's bf16
+    weights then set low halves of 0. Each weight's low half now awaits that weight's own load."""
+    def build(seed: int) -> tuple[list[nn.Module], torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        a, b = nn.Linear(8, 8), nn.Linear(8, 4)
+        opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return mixprec.initialize([a, b], opt, "O2", dtype=torch.bfloat16, split_masters=True,
+                                      verbosity=0)
+
+    (a, b), opt = build(0)
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        with mixprec.scale_loss(b(a(x)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    old = copy.deepcopy({"a": {k: p.detach().float() for k, p in a.named_parameters()},
+                         "b": {k: p.detach().float() for k, p in b.named_parameters()},
+                         "opt": opt.state_dict()})
+    want = [v.clone() for v in opt.master_values()]  # type: ignore[attr-defined]
+    (a2, b2), opt2 = build(5)
+    opt2.load_state_dict(old["opt"])
+    a2.load_state_dict(old["a"])
+    b2.load_state_dict(old["b"])
+    assert _bits_equal(opt2.master_values(), want)  # type: ignore[attr-defined]
