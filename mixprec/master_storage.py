@@ -271,11 +271,11 @@ class GradMirror:
         # masters the user edited since (they win), judged before our copy bumps their version counters:
         # flat masters are views of one buffer and share one counter
         theirs = [m.master_grad._version != m.master_version for m in self.mirrored]
-        for m in edited:
-            # element by element: one still at its master's rounding keeps the fp32 value (a norm logged with
-            # clip_grad_norm_(..., inf) multiplies by 1 in place and changes nothing)
-            grad, master = m.param.grad, m.master_grad
-            master.copy_(torch.where(grad == master.to(grad.dtype), master, grad.float()))
+        # Whole tensors, as the model holds them (their half rounding): an element-wise "keep the master
+        # where the model's value is still its rounding" took 35 ms against this copy's 2 ms (the GPT's
+        # 14.8M gradients), every step of torch.amp's clip recipe.
+        if edited:
+            torch._foreach_copy_([m.master_grad for m in edited], [m.param.grad for m in edited])
         if not keep_watching:
             self.mirrored = []
             return

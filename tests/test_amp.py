@@ -1008,7 +1008,9 @@ def test_a_clip_of_the_masters_survives_a_later_touch_of_the_model_gradients(cli
     opt.step()
     after = amp.master_params(opt)
     update = torch.cat([(b - m.detach()).flatten() for b, m in zip(before, after, strict=True)])
-    assert update.norm().item() == pytest.approx(1e-3, rel=1e-4)  # SGD, lr 1: the clipped gradient
+    # SGD, lr 1: the clipped gradient (after the wrapper's clip, the log's edit is taken as the model holds
+    # it: the clip rounded to bf16)
+    assert update.norm().item() == pytest.approx(1e-3, rel=1e-2)
 
 
 def _master_grads_of_losses(parts: list[tuple[float, bool, bool]], dtype: torch.dtype = torch.float16
