@@ -411,9 +411,9 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
     state: _AmpState = getattr(opt, _OPT_STATE_ATTR)
     plain = opt._mixprec_plain_step
     inner = _inner(opt)
-    if isinstance(inner, MasterWeights):
+    if inner is not opt and isinstance(inner, MasterWeights):
         # a clip of model.parameters() reaches the masters' gradients before a wrapper around them (apex's
-        # LARC) scales them: after that the masters' edit would win
+        # LARC) scales them: after that the masters' edit would win (MasterWeights.step takes them itself)
         inner.take_grad_edits()
     pending = state.pending.get(id(opt))
     if pending is None or not pending.found_infs:
