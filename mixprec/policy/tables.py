@@ -38,7 +38,9 @@ def _torch_rules(action: Action, *ops: str) -> tuple[OpRule, ...]:
 # --------------------------------------------------------------------------------------------------------
 
 # The torch release the tables were read from. Other releases list a few ops differently (torch 2.11's
-# CUDA list has _cudnn_rnn and lacks rms_norm); there torch's own autocast handles those ops as it does.
+# CUDA list has _cudnn_rnn and lacks rms_norm; 2.14.1's adds linalg_matrix_sqrth on both devices and
+# _cudnn_rnn on CUDA, and drops CPU cholesky and qr, whose linalg_ forms stay fp32); there torch's own
+# autocast handles those ops as it does.
 TABLES_TORCH_VERSION = (2, 13)
 
 TORCH_CPU: tuple[OpRule, ...] = (
