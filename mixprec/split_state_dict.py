@@ -14,8 +14,9 @@ but a value that is exactly a bf16 value (a low half of 0) keeps the low half th
 state was just loaded (``opt.load_state_dict`` since the last step, and this weight not loaded since: its
 low half awaits it) or where it is the weight the model holds already. So a checkpoint of bf16
 values (an older one of this layout) resumes in either order too, and bf16 weights loaded later (pretrained
-ones) are the masters exactly. Writes that do not go through ``load_state_dict`` (an in-place edit,
-``.data``) leave the low halves as they are. The hooks look the low halves up when they run, so a param
+ones) are the masters exactly, but for elements equal to the weight already there (they keep its low half).
+Writes that do not go through ``load_state_dict`` (an in-place edit, ``.data``) leave the low halves as
+they are. The hooks look the low halves up when they run, so a param
 group added to the optimizer after ``initialize`` is covered too.
 """
 
