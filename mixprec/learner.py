@@ -322,12 +322,14 @@ class Learner:
         resume: str | os.PathLike[str] | None = None,
         *,
         steps: int | None = None,
+        callbacks: Iterable[Callback] = (),
     ) -> None:
         """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`) over ``epochs``
         or ``steps``; ``checkpoint`` and ``resume`` as in :meth:`fit` (resume with the same length: the
-        schedule spans it all)."""
+        schedule spans it all); ``callbacks`` for this fit only, beside the schedule (fastai v1's
+        ``fit_one_cycle(..., callbacks=)``: ``GradientClipping``, say)."""
         sched = OneCycleScheduler(lr_max, div_factor, pct_start, final_div, moms)
-        self.fit(epochs, lr_max / div_factor, [sched], checkpoint, resume, steps=steps)
+        self.fit(epochs, lr_max / div_factor, [sched, *callbacks], checkpoint, resume, steps=steps)
 
     def _fit(self) -> None:
         try:

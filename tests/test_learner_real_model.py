@@ -206,29 +206,45 @@ def test_decay_groups_follow_the_dimension_rule_with_tied_weights_once() -> None
 
 
 # ------------------------------------------------------------------------------------------ clipping
+class _Norm(Callback):
+    """Records the norm of the gradients the optimizer reads, in fp32, after clipping."""
+
+    order = 1000  # after clipping
+
+    def __init__(self, norms: list[float]) -> None:
+        self.norms = norms
+
+    def on_backward_end(self) -> None:
+        grads = [p.grad.flatten() for p in mixprec.master_params(self.opt) if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.cat(grads).float())))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16 split masters"])
 def test_gradient_clipping_bounds_the_norm_the_optimizer_reads(precision: str) -> None:
     """Every step is clipped (max_norm is far below the gradients' norm): the norm the step reads is
     max_norm. Split masters step on the bf16 gradients: clipped with an fp32 norm and each rounded once,
     their norm is within 2**-11 of it (2e-4 here; torch's clip of the bf16 gradients was 1.5-3.5e-3 off)."""
     norms: list[float] = []
-
-    class Norm(Callback):
-        order = 1000  # after clipping
-
-        def on_backward_end(self) -> None:
-            grads = [p.grad.flatten() for p in mixprec.master_params(self.opt) if p.grad is not None]
-            norms.append(float(torch.linalg.vector_norm(torch.cat(grads).float())))
-
     torch.manual_seed(0)
     learn = Learner(_data(), LossModel(), loss_func=None, silent=True)
     if precision == "fp16":
         learn.to_fp16()
     if precision == "bf16 split masters":
         learn.to_recipe(mixprec.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True))
-    learn.fit(steps=5, lr=0.05, callbacks=[GradientClipping(0.01), Norm()])
+    learn.fit(steps=5, lr=0.05, callbacks=[GradientClipping(0.01), _Norm(norms)])
     tolerance = 2**-11 if precision == "bf16 split masters" else 1e-5
     assert len(norms) == 5 and all(abs(n / 0.01 - 1) <= tolerance for n in norms), norms
+
+
+def test_fit_one_cycle_takes_callbacks_for_its_fit_as_fastai_v1() -> None:
+    """A user trial: fit_one_cycle had no callbacks= (fastai v1's has), so one-cycle with clipping needed the
+    Learner's own callbacks. The clip must reach every step of the one-cycle fit."""
+    norms: list[float] = []
+    torch.manual_seed(0)
+    learn = Learner(_data(), LossModel(), loss_func=None, silent=True)
+    learn.fit_one_cycle(steps=5, lr_max=0.05, callbacks=[GradientClipping(0.01), _Norm(norms)])
+    assert len(norms) == 5 and all(abs(n / 0.01 - 1) <= 1e-5 for n in norms), norms
+    assert not any(isinstance(c, _Norm) for c in learn.callbacks)  # this fit only
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, math.inf])
