@@ -188,7 +188,10 @@ def banner(recipe: Recipe, verbosity: int) -> list[str]:
     # mixprec's own master-step options, said only when set: an apex user's output stays apex's
     extras = [f"{k}={getattr(recipe, k)}" for k in ("master_grads", "compile_step", "split_masters")
               if getattr(recipe, k) != _DEFAULTS[k]]
-    tail = ["mixprec master step: " + ", ".join(extras)] if extras else []
+    # split masters are still fp32 masters (apex's master_weights=True above), held in two halves: say so,
+    # a user trial read "FP32 master weights" and "split_masters=True" as a contradiction
+    held = " (the fp32 masters held as the bf16 weights + int16 low halves)" if recipe.split_masters else ""
+    tail = ["mixprec master step: " + ", ".join(extras) + held] if extras else []
     if verbosity == 1:
         return [heading + " (" + ", ".join(f"{k}={v}" for k, v in props.items()) + ")", *tail]
     return [heading, *(f"{k:<22} : {v}" for k, v in props.items()), *tail]

@@ -116,7 +116,8 @@ def test_restore_gives_the_model_its_exact_fp32_masters() -> None:
 def test_the_banner_says_split_masters() -> None:
     lines = mixprec.apex_properties.banner(
         mixprec.recipe.Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True), 1)
-    assert lines[-1] == "mixprec master step: split_masters=True"
+    assert lines[-1] == ("mixprec master step: split_masters=True (the fp32 masters held as the bf16 weights "
+                         "+ int16 low halves)")
 
 
 @pytest.mark.parametrize(
