@@ -416,6 +416,14 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
         # LARC) scales them: after that the masters' edit would win (MasterWeights.step takes them itself)
         inner.take_grad_edits()
     pending = state.pending.get(id(opt))
+    if pending is not None and pending.delayed and not pending.stepped:
+        raise ScalerStateError(
+            "optimizer.step() after scale_loss(..., delay_unscale=True) with no scale_loss after it that "
+            "unscales: the gradients are still multiplied by the loss scale (under O2 the fp32 masters have "
+            "not received them at all), so the step would apply them scaled.",
+            "end each accumulation with a scale_loss without delay_unscale (the last micro-batch's), then "
+            "step.",
+        )
     if pending is None or not pending.found_infs:
         return plain(*args, **kwargs)
     if pending.stepped:

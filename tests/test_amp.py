@@ -14,7 +14,7 @@ from torch import nn
 
 import mixprec
 from mixprec import amp
-from mixprec.errors import ConfigError, ParameterMismatchError
+from mixprec.errors import ConfigError, ParameterMismatchError, ScalerStateError
 from mixprec.master import MasterWeights
 
 pytestmark = pytest.mark.usefixtures("fresh_amp_state")
@@ -1085,3 +1085,27 @@ def test_a_zero_grad_after_a_delayed_loss_drops_the_gradients_carried_past_it() 
     got = _master_grads_of_losses([(1.0, False, False), (2.0, True, False), (4.0, False, True)])
     for g, want in zip(got, _master_grads_of_losses([(4.0, False, False)]), strict=True):
         assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_step_right_after_a_delayed_loss_is_refused_with_the_fix(dtype: torch.dtype) -> None:
+    """apex's docs: the last scale_loss of an accumulation must unscale. A step right after a delayed one
+    applied gradients still multiplied by the scale (fp16's 2**16: NaN weights in a review's run); it is
+    refused, nothing changed, and the accumulation ended properly then steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 4))
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", dtype=dtype,
+                                    verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ScalerStateError, match="delay_unscale=True") as err:
+        opt.step()
+    assert "without delay_unscale" in err.value.fix
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
