@@ -670,9 +670,9 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     ``opt.clip_grad_norm_`` does, and the step uses them: a clip of the masters had clipped nothing. Between
     the micro-steps of a ``delay_unscale`` accumulation they are left where they are (still scaled)."""
     inner = _inner(optimizer)
-    if isinstance(inner, MasterWeights) and inner.master_grads_pending() and not _delayed(optimizer):
-        inner.copy_grads_to_master()
     if isinstance(inner, MasterWeights):
+        if inner.master_grads_pending() and not _delayed(optimizer):
+            inner.copy_grads_to_master()
         inner.take_grad_edits()  # a clip of model.parameters() after scale_loss: the masters show it now
     yield from _step_params(inner)
 

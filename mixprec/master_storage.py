@@ -268,9 +268,9 @@ class GradMirror:
         master gradients. ``keep_watching``: not before a step -- edits made after this one are taken
         again (the step's own call)."""
         edited = [m for m in self.mirrored if m.edited()]
-        # masters the user edited since (they win), judged before our copy bumps their version counters:
-        # flat masters are views of one buffer and share one counter
-        theirs = [m.master_grad._version != m.master_version for m in self.mirrored]
+        # kept watching: the masters the user edited since (they win), judged before our copy bumps their
+        # version counters (flat masters are views of one buffer and share one counter)
+        theirs = [m.master_grad._version != m.master_version for m in self.mirrored] if keep_watching else []
         # Whole tensors, as the model holds them (their half rounding): an element-wise "keep the master
         # where the model's value is still its rounding" took 35 ms against this copy's 2 ms (the GPT's
         # 14.8M gradients), every step of torch.amp's clip recipe.

@@ -170,11 +170,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # split_adam_step(n_tensors, 8 pointer tables, inv_scale, n_threads)
     "split_adam_step": (None, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int32]),
     # half_/float_non_finite(n_tensors, data table, numel table, exponent mask, n_threads, &inv_scale)
-    # -> 0, 1, or -1 (not a scale of 1)
-    "half_non_finite": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                                         ctypes.c_int32, ctypes.c_void_p]),
-    "float_non_finite": (ctypes.c_int32, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                                          ctypes.c_int32, ctypes.c_void_p]),
+    # -> 0, 1, or -1 (not a scale of 1): one signature for both widths
+    **dict.fromkeys(("half_non_finite", "float_non_finite"), (ctypes.c_int32, [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])),
 }
 
 
@@ -211,15 +209,8 @@ def library_threads() -> str:
 def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of dimensions
     (contiguous, channels_last, a transposed contiguous tensor, ...): what a loop over ``t.numel()``
-    elements from ``t.data_ptr()`` may read."""
-    if t.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    elements from ``t.data_ptr()`` may read. torch's own test (its TensorImpl keeps the answer)."""
+    return bool(torch.ops.aten.is_non_overlapping_and_dense(t))
 
 
 def pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:

@@ -1089,7 +1089,8 @@ def test_a_zero_grad_after_a_delayed_loss_drops_the_gradients_carried_past_it() 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_step_right_after_a_delayed_loss_is_refused_with_the_fix(dtype: torch.dtype) -> None:
-    """apex's docs: the last scale_loss of an accumulation must unscale. A step right after a delayed one
+    """apex's scale_loss docstring: on exit, with delay_unscale=False, the gradients are unscaled "so that
+    optimizer.step() can be called" (apex/amp/handle.py). A step right after a delayed one
     applied gradients still multiplied by the scale (fp16's 2**16: NaN weights in a review's run); it is
     refused, nothing changed, and the accumulation ended properly then steps."""
     torch.manual_seed(0)
