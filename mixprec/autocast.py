@@ -289,15 +289,22 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         return region_for(made, self.device, self.fast_dtype, self._cache_enabled)
 
     def __enter__(self) -> autocast:
-        if self._enabled and torch.compiler.is_exporting():
-            _refuse_export()
-        if torch.compiler.is_compiling():
-            if TRACEABLE_ENTER:
-                return self._enter_compiled()
+        if torch.compiler.is_compiling() and not TRACEABLE_ENTER:
+            # Before torch 2.13 Dynamo also answers is_exporting() with True in any traced code (a constant
+            # it folds, not the flag torch.export sets), so the export check is made untraced, where it
+            # reads the flag.
             return _untraced(self._enter_eager_from_compiled)()
+        self._refuse_export_if_exporting()
+        if torch.compiler.is_compiling():
+            return self._enter_compiled()
         return self._enter_eager()
 
+    def _refuse_export_if_exporting(self) -> None:
+        if self._enabled and torch.compiler.is_exporting():
+            _refuse_export()
+
     def _enter_eager_from_compiled(self) -> autocast:
+        self._refuse_export_if_exporting()
         _warn_eager_region()  # here, not while tracing: Dynamo inlines the function and ignores its cache
         return self._enter_eager()
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.overrides import TorchFunctionMode
 
 from mixprec.cast_cache import CastCache
@@ -46,8 +48,24 @@ class Region:
     actions: dict[str, Action]
 
 
+def _compiled_only_inlined(function: Callable[..., Any]) -> None:
+    """Dynamo compiles ``function`` inside the code it traces (inlined), never as a frame of its own: called
+    from code Dynamo runs eagerly, it runs eagerly, with whatever it calls.
+
+    A mode's ``__torch_function__`` called from a frame Dynamo gave up on (torch 2.11: a checkpointed block
+    in a loop made it run a GPT's whole forward eagerly) was compiled as a frame per op, and decided wrong
+    there: the loss came out in fp16. Eager code is to get the eager region's ops anyway.
+    """
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
 class RegionMode(TorchFunctionMode):
     """Base of the torch-function modes mixprec regions push (a checkpoint recompute re-enters them)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__torch_function__" in cls.__dict__:
+            _compiled_only_inlined(cls.__torch_function__)
 
 
 # Modes of regions entered inside compiled code, by a string key. Dynamo reads this dict as a global, so

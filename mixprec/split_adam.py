@@ -147,8 +147,10 @@ def _key(optimizer: torch.optim.Optimizer, members: list[tuple[int, torch.Tensor
     for (k, p), g in zip(members, grads, strict=True):
         # the shape too: a (1, n) tensor has an (m, n) one's strides, and the loop reads p.numel() elements;
         # on the CPU, as the plan checked the parameter (is_cpu: comparing devices costs ~1 us a tensor)
+        if not g.is_cpu:  # type: ignore[union-attr]
+            return f"the native step runs on the CPU only, and a gradient is on {g.device}"  # type: ignore[union-attr]
         if g.dtype is not bf16 or g.layout is not torch.strided or g.shape != p.shape or (  # type: ignore[union-attr]
-                not g.is_cpu or (g.stride() != p.stride() and not _same_layout(g, p))):  # type: ignore[union-attr]
+                g.stride() != p.stride() and not _same_layout(g, p)):  # type: ignore[union-attr]
             return f"the gradient of a parameter of shape {tuple(p.shape)} is not bf16 laid out as it"
         st = state.get(p, none)
         low, m, v = lows.get(p), st.get("exp_avg"), st.get("exp_avg_sq")

@@ -535,7 +535,9 @@ def test_cache_enabled_none_inherits_as_in_torch() -> None:
 
 
 def test_decorating_something_not_callable_is_a_type_error_as_in_torch() -> None:
-    for region in (torch.autocast, autocast):
+    # torch 2.11's autocast returned a wrapper of the int, which failed only when called; 2.13 checks.
+    regions = (torch.autocast, autocast) if torch.__version__ >= (2, 13) else (autocast,)
+    for region in regions:
         with pytest.raises(TypeError):
             region("cpu")(3)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import mixprec.policy
 from mixprec.diagnostics import CastTrace
@@ -108,3 +110,31 @@ def test_a_registration_after_compiling_reaches_a_compiled_half_model(
     mixprec.policy.register_half_function(torch, "cumsum")
     compiled(x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_forward_dynamo_gives_up_on_still_computes_its_loss_in_fp32() -> None:
+    """Checkpointed blocks in a loop: torch 2.11's Dynamo gave up on the whole function and ran it eagerly,
+    and compiled the region's __torch_function__ as a frame of its own for each op, which let the loss
+    through in fp16. Now that method is only ever compiled inlined; eager code gets the eager region."""
+    blocks = nn.ModuleList(_Block() for _ in range(2)).half()
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with half_compute("cpu", torch.float16):
+            for block in blocks:
+                x = block(x)
+            return F.cross_entropy(x * 3, torch.arange(4) % 8)
+
+    x = torch.randn(4, 8).half()
+    assert run(x).dtype == torch.compile(run)(x).dtype == torch.float32

@@ -2,7 +2,7 @@
 # Everything a lent GPU is needed for, in one run, sized for a session's 15 minutes of device time, of
 # which starting a machine takes 1-2: the CUDA tests, the GPT benchmark at a batch that keeps the GPU
 # busier, each phase of the compiled step and the host's waits in it, the FSDP2 recipe on the GPU. The
-# default limits add up to 500 s, inside one call's 600; the options below add to that, so give them a
+# default limits add up to 530 s, inside one call's 600; the options below add to that, so give them a
 # call of their own. Run from the repository root on the GPU machine, with the torch already there (no
 # venv: it has no network):
 #
@@ -29,10 +29,10 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$out/cuda_tests.log" | tail -n 20
 
 # The bf16 configurations torch.autocast is measured against; eager and compiled.
 configs=(--config "torch.autocast bf16" --config "mixprec O1 bf16" --config "mixprec O2 bf16, 16 B/param"
-         --config "mixprec Learner.to_bf16()")
+         --config "mixprec Learner.to_bf16()" --config "mixprec O2 bf16, split masters (14 B/param)")
 for batch in ${BATCHES:-128}; do
     echo "== train_step.py --device cuda --workload gpt --batch $batch"
-    timeout "${BENCH_S:-170}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch "$batch" \
+    timeout "${BENCH_S:-200}" python3 benchmarks/train_step.py --device cuda --workload gpt --batch "$batch" \
         --steps "${STEPS:-20}" "${configs[@]}" > "$out/gpt_b$batch.log" 2>&1
     grep -E "^hardware|GEMM 8192|configuration|│ (torch|mixprec)|failed" "$out/gpt_b$batch.log"
 done
