@@ -172,6 +172,40 @@ def test_a_split_recipe_trains_the_learner_on_split_masters_and_ends_on_their_fp
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the same masters, to a few fp32 ulps
 
 
+class _SaveFirstLoadLast(Callback):
+    """Saves ``model.state_dict()`` after the first epoch and loads it back after the last (a best epoch's
+    weights), with the masters' fp32 values when saved."""
+
+    order = 50
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs, self.saved, self.masters = epochs, {}, []
+
+    def on_epoch_end(self) -> None:
+        from mixprec.amp import split_master_values
+
+        if self.epoch == 0:
+            self.saved = {k: v.clone() for k, v in self.learn.model.state_dict().items()}
+            values = split_master_values(self.learn.opt, set(self.learn.model.parameters()))
+            self.masters = [values[id(p)] for p in self.learn.model.parameters()]
+        if self.epoch == self.epochs - 1:
+            self.learn.model.load_state_dict(self.saved)
+
+
+def test_a_split_fit_saves_and_loads_the_model_on_its_exact_fp32_masters() -> None:
+    """Mid-fit, the model's state dict held the bf16 weights and a load set only them: the best epoch's
+    weights came back within half a bf16 spacing, with the last epoch's low halves. Now as after
+    initialize: the state dict is the masters, and loading it back ends the fit on them exactly."""
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    learn = _learner().to_recipe(split)
+    cb = _SaveFirstLoadLast(epochs=2)
+    learn.fit(2, lr=1e-2, callbacks=[cb])
+    names = [n for n, _ in learn.model.named_parameters()]
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in cb.masters)  # low halves to lose
+    assert all(torch.equal(cb.saved[n], m) for n, m in zip(names, cb.masters, strict=True))
+    assert all(torch.equal(p, m) for p, m in zip(learn.model.parameters(), cb.masters, strict=True))
+
+
 def test_a_split_recipe_refuses_batchnorm_kept_fp32_before_the_fit_casts_the_model() -> None:
     data = mixprec.synthetic(n=128, input_shape=(8,), n_classes=4, batch_size=32, seed=0)
     torch.manual_seed(0)

@@ -92,6 +92,26 @@ def test_fit_resumed_after_two_epochs_matches_an_uninterrupted_run(dtype: torch.
         assert masters and all(m.dtype == torch.float32 for m in masters)
 
 
+def test_a_split_masters_fit_resumed_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The checkpoint holds the model's state dict as the exact fp32 masters (split_state_dict's hooks,
+    now on during a fit too) and the optimizer's low halves: resumed, the two loads give back both halves."""
+    from mixprec.recipe import Recipe
+
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    ref, ckpt = tmp_path / "ref.pt", tmp_path / "run.pt"
+    whole = _learner(None).to_recipe(split)
+    whole.fit(EPOCHS, 1e-2, checkpoint=ref)
+    _learner(None).to_recipe(split).fit(STOP_AFTER, 1e-2, checkpoint=ckpt)
+    resumed = _learner(None).to_recipe(split)
+    resumed.fit(EPOCHS, 1e-2, resume=ckpt)
+    _assert_same(_payload(ckpt), _payload(ref))
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q)
+    saved = torch.load(ref, weights_only=False)["models"][0]
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())  # masters, not bf16 weights
+
+
 def test_fit_one_cycle_resumes_mid_schedule(tmp_path: Path) -> None:
     ref, ckpt = tmp_path / "ref.pt", tmp_path / "run.pt"
     _learner(torch.float16).fit_one_cycle(EPOCHS, 1e-2, checkpoint=ref)

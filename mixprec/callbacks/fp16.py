@@ -29,6 +29,7 @@ from mixprec.master import MasterWeights
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
 from mixprec.skip_step import BufferWatch
+from mixprec.split_state_dict import hook_split_state_dict
 
 __all__ = [
     "MixedPrecision",
@@ -167,6 +168,9 @@ class MixedPrecision(Callback):
         self.half = prepare(self.learn.model, self.recipe, device)
         if self.recipe.split_masters:
             self.learn.opt = self.split = split_masters_of(self.learn.opt, self.half.fp32_originals())
+            # as initialize: mid-fit, model.state_dict() holds the exact masters and a load sets both
+            # halves (a best epoch's weights saved and loaded back by a callback); removed by restore
+            self.half.handles += hook_split_state_dict(self.learn.model, self.split)
         elif self.recipe.uses_masters:
             self.learn.opt = self.masters = MasterWeights(
                 self.learn.opt, flat=self.recipe.flat_master, model=self.learn.model,
