@@ -226,22 +226,36 @@ def launch(
     module, or of the ``__main__`` script). ``timeout``: seconds a collective waits for the other ranks
     (``LAUNCH_TIMEOUT`` by default). An exception in any rank -- a timeout included -- stops every rank
     and raises ``DistributedError`` naming the rank that failed, the ranks that had not finished then
-    (the stalled ones, for a timeout), and the rank's own error."""
+    (the stalled ones, for a timeout), and the rank's own error. Where the port :func:`free_port` found
+    was taken before rank 0 bound it, the ranks start again on another (three tries in all)."""
     if nprocs < 1:
         raise ConfigError(f"nprocs must be >= 1, got {nprocs}.", "e.g. launch(fn, nprocs=2).")
     wait = _timedelta(timeout)
     assert wait is not None  # a default is always given
     import torch.multiprocessing as mp  # local: only launchers need it
 
-    with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as results:
-        spawn_args = (nprocs, free_port(), fn, args, backend, wait.total_seconds(), results)
-        try:
-            mp.spawn(_worker, args=spawn_args, nprocs=nprocs, join=True)
-        except mp.ProcessRaisedException as err:
-            unfinished = [r for r in range(nprocs)
-                          if r != err.error_index and not (Path(results) / f"rank{r}.pt").exists()]
-            raise _rank_error(err.error_index, unfinished, wait, str(err)) from err
-        return [torch.load(Path(results) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+    for attempt in range(_PORT_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as results:
+            spawn_args = (nprocs, free_port(), fn, args, backend, wait.total_seconds(), results)
+            try:
+                mp.spawn(_worker, args=spawn_args, nprocs=nprocs, join=True)
+            except mp.ProcessRaisedException as err:
+                if _port_taken(str(err)) and attempt + 1 < _PORT_ATTEMPTS:
+                    continue  # the free port was taken before rank 0 bound it: again, on another port
+                unfinished = [r for r in range(nprocs)
+                              if r != err.error_index and not (Path(results) / f"rank{r}.pt").exists()]
+                raise _rank_error(err.error_index, unfinished, wait, str(err)) from err
+            return [torch.load(Path(results) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+# free_port's race: between its answer and rank 0's bind, another process (a parallel test's gloo
+# connections take ephemeral ports from the same range) can take the port; the store then fails to listen.
+_PORT_ATTEMPTS = 3
+
+
+def _port_taken(message: str) -> bool:
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout")  # how gloo and NCCL word an expired collective
@@ -258,7 +272,9 @@ def _exception_text(message: str) -> str:
 
 def _rank_error(rank: int, unfinished: list[int], wait: datetime.timedelta, message: str) -> DistributedError:
     cause = _exception_text(message)
-    if any(word in message.lower() for word in _TIMEOUT_WORDS):
+    # the exception's own words: the traceback's source lines name `timeout` too (setup(backend, timeout)),
+    # which made a port already in use read as a stalled rank
+    if any(word in cause.lower() for word in _TIMEOUT_WORDS):
         stalled = ", ".join(map(str, unfinished)) or "none still running (one may have died)"
         return DistributedError(
             f"rank {rank} waited {wait.total_seconds():g} s in a collective that the other ranks did not "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -206,6 +207,22 @@ def test_a_ranks_mixprec_error_keeps_its_problem_and_its_fix() -> None:
     assert want in str(error)
 
 
+def test_a_rank_whose_traceback_mentions_timeout_is_not_called_stalled() -> None:
+    """The stall verdict read "timeout" anywhere in the traceback, whose source lines name setup(backend,
+    timeout): a port already in use was reported as rank 0 waiting the whole timeout in a collective."""
+    def setup(timeout: float) -> None:
+        raise RuntimeError("The server socket has failed to listen: EADDRINUSE, address already in use")
+
+    try:
+        setup(timeout=300.0)
+    except RuntimeError as exc:
+        trace = "".join(traceback.format_exception(exc))
+    assert "timeout" in trace
+    error = _rank_error(0, [1], datetime.timedelta(seconds=300), trace)
+    assert str(error).startswith("rank 0 failed: RuntimeError: The server socket")
+    assert "waited" not in str(error)
+
+
 # ------------------------------------------------------------------------------ a stalled rank (issue 14, 7)
 def stall_on_rank_1(info: DistInfo, seconds: float) -> None:
     if info.rank == 1:
@@ -225,6 +242,24 @@ def test_a_stalled_rank_is_named_once_the_timeout_expires() -> None:
 def test_a_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="timeout must be > 0"):
         launch(stall_on_rank_1, 2, (0.0,), timeout=0)
+
+
+def world_size(info: DistInfo) -> int:
+    dist.barrier()
+    return info.world_size
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_tried_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port's race (another process takes the port before the group binds it): launch failed with the
+    store's EADDRINUSE; it now starts again on a new port. Here the first port is held by a listener."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = [held.getsockname()[1]]
+        fresh = distributed.free_port
+        monkeypatch.setattr(distributed, "free_port", lambda: ports.pop() if ports else fresh())
+        assert launch(world_size, 2) == [2, 2]
+        assert not ports  # the held port was tried first
 
 
 @pytest.mark.parametrize(
