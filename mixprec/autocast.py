@@ -68,6 +68,7 @@ from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
 from mixprec.region import (
     STATE,
+    TRACEABLE_ENTER,
     Region,
     RegionMode,
     compiled_mode,
@@ -129,15 +130,9 @@ def _mode_for(region: Region) -> _PolicyMode:
     return mode
 
 
-# Dynamo of torch 2.11 ran torch.amp._enter_autocast eagerly while tracing, then failed its check that tracing
-# leaves the global autocast state alone ("Global autocast(cuda)_enabled state changed while dynamo
-# tracing"); 2.13 traces it. Before 2.13 a region met in compiled code is entered and left eagerly instead
-# (_untraced: a graph break; the code inside the region is compiled under the region's autocast state).
-TRACEABLE_ENTER = torch.__version__ >= (2, 13)  # a TorchVersion: compares with a tuple
-
-
 def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(method, recursive=True)
+
 
 
 @functools.cache

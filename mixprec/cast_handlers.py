@@ -27,6 +27,7 @@ from mixprec.region import (
     autocast_off,
     call_without_autocast,
     current_region,
+    eager_region_open,
     is_current,
 )
 from mixprec.tensor_args import iter_tensors, map_tensors
@@ -43,10 +44,12 @@ def eligible(t: torch.Tensor, device_type: str) -> bool:
 
 def _cacheable_leaf(t: torch.Tensor, region: Region) -> bool:
     # Parameters: leaves that require grad and are not views. Not in compiled code: the cache's keys
-    # (ids, version counters) would be guards that change every step.
+    # (ids, version counters) would be guards that change every step. Nor without an eager region, whose
+    # exit clears the cache (a compiled region's mode run eagerly: the casts would outlive the step).
     return (
         region.cache_enabled
         and not torch.compiler.is_compiling()
+        and eager_region_open()
         and t.requires_grad
         and t.is_leaf
         and not t._is_view()

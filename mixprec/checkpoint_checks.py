@@ -97,6 +97,10 @@ def check_model(index: int, model: nn.Module, saved: Mapping[str, Any]) -> None:
     """Names, shapes and dtypes of the saved tensors against the model's. A dtype difference is a
     precision difference: ``load_state_dict`` would cast silently."""
     own = model.state_dict()
+    # the tensors' own dtypes too: a split-masters model's state dict holds fp32 masters where its weights
+    # are bf16, and a checkpoint written before it did so holds the bf16 weights (its load keeps them exact)
+    live = {name: t.dtype for name, t in [*model.named_parameters(remove_duplicate=False),
+                                          *model.named_buffers(remove_duplicate=False)]}
     problems = [f"missing {k!r}" for k in sorted(saved.keys() - own.keys())]
     problems += [f"unexpected {k!r}" for k in sorted(own.keys() - saved.keys())]
     casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}  # (saved, here) -> tensor names
@@ -106,7 +110,7 @@ def check_model(index: int, model: nn.Module, saved: Mapping[str, Any]) -> None:
             continue
         if mine.shape != theirs.shape:
             problems.append(f"{key!r} is {tuple(theirs.shape)} in the checkpoint, {tuple(mine.shape)} here")
-        elif mine.dtype != theirs.dtype:
+        elif theirs.dtype not in (mine.dtype, live.get(key)):
             casts.setdefault((theirs.dtype, mine.dtype), []).append(key)
     problems += [f"{len(keys)} tensor(s) ({keys[0]!r}, ...) are {was} in the checkpoint, {now} here "
                  "(another precision)" for (was, now), keys in casts.items()]

@@ -240,7 +240,7 @@ def launch(
             try:
                 mp.spawn(_worker, args=spawn_args, nprocs=nprocs, join=True)
             except mp.ProcessRaisedException as err:
-                if _port_taken(str(err)) and attempt + 1 < _PORT_ATTEMPTS:
+                if _port_taken(_exception_text(str(err)), spawn_args[1]) and attempt + 1 < _PORT_ATTEMPTS:
                     continue  # the free port was taken before rank 0 bound it: again, on another port
                 unfinished = [r for r in range(nprocs)
                               if r != err.error_index and not (Path(results) / f"rank{r}.pt").exists()]
@@ -254,8 +254,9 @@ def launch(
 _PORT_ATTEMPTS = 3
 
 
-def _port_taken(message: str) -> bool:
-    return "EADDRINUSE" in message or "address already in use" in message.lower()
+def _port_taken(exception: str, port: int) -> bool:
+    """Whether a rank's exception is the store failing to listen on ``port`` (not a user's own socket)."""
+    return "failed to listen" in exception and "EADDRINUSE" in exception and f"port: {port}," in exception
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout")  # how gloo and NCCL word an expired collective

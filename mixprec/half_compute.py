@@ -135,6 +135,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
             mode = compiled_mode(_mode, self.device_type, self.dtype, registry_version())
         else:
             mode = _mode(self.device_type, self.dtype)
+            STATE.half_compute_depth += 1
         mode.__enter__()
         self._modes.append(mode)
         return self
@@ -147,5 +148,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
 
     def __exit__(self, *exc: Any) -> None:
         self._modes.pop().__exit__(*exc)
-        if not STATE.regions and not torch.compiler.is_compiling():
-            STATE.cache.clear()  # the upcasts live for this forward only (autograd keeps its own)
+        if not torch.compiler.is_compiling():
+            STATE.half_compute_depth -= 1
+            if not STATE.regions and not STATE.half_compute_depth:
+                STATE.cache.clear()  # the upcasts live for this forward only (autograd keeps its own)

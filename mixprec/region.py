@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._dynamo.eval_frame import set_code_exec_strategy
-from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.overrides import TorchFunctionMode
 
 from mixprec.cast_cache import CastCache
@@ -48,14 +46,27 @@ class Region:
     actions: dict[str, Action]
 
 
-def _compiled_only_inlined(function: Callable[..., Any]) -> None:
-    """Dynamo compiles ``function`` inside the code it traces (inlined), never as a frame of its own: called
-    from code Dynamo runs eagerly, it runs eagerly, with whatever it calls.
+# Dynamo of torch 2.11 ran torch.amp._enter_autocast eagerly while tracing, then failed its check that tracing
+# leaves the global autocast state alone ("Global autocast(cuda)_enabled state changed while dynamo
+# tracing"); 2.13 traces it. Before 2.13 a region met in compiled code is entered and left eagerly instead
+# (a graph break; the code inside the region is compiled under the region's mode, which Dynamo inlines).
+TRACEABLE_ENTER = torch.__version__ >= (2, 13)  # a TorchVersion: compares with a tuple
 
-    A mode's ``__torch_function__`` called from a frame Dynamo gave up on (torch 2.11: a checkpointed block
-    in a loop made it run a GPT's whole forward eagerly) was compiled as a frame per op, and decided wrong
-    there: the loss came out in fp16. Eager code is to get the eager region's ops anyway.
+
+def _compiled_only_inlined(function: Callable[..., Any]) -> None:
+    """Before torch 2.13: Dynamo compiles ``function`` inside the code it traces (inlined), never as a frame
+    of its own; called from code Dynamo runs eagerly, it runs eagerly, with whatever it calls.
+
+    A mode's ``__torch_function__`` called from a frame Dynamo 2.11 gave up on (a checkpointed block in a
+    loop made it run a GPT's whole forward eagerly) was compiled as a frame per op, and decided wrong
+    there: the loss came out in fp16. Run eagerly, it decides as for an eager region (``is_current`` and
+    the cast cache know a mode that compiled code entered). 2.13 compiles those frames right: left to it.
     """
+    try:  # Dynamo's frame-level switch (torch 2.6 and later); without it, frames are compiled as before
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
@@ -64,7 +75,7 @@ class RegionMode(TorchFunctionMode):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "__torch_function__" in cls.__dict__:
+        if "__torch_function__" in cls.__dict__ and not TRACEABLE_ENTER:
             _compiled_only_inlined(cls.__torch_function__)
 
 
@@ -113,6 +124,8 @@ class _ThreadState(threading.local):
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
         self.traces = 0
         self.emulating: torch.dtype | None = None
+        # half_compute regions entered eagerly and not left (autocast's are in `regions`)
+        self.half_compute_depth = 0
 
 
 # Key in an autograd node's metadata: the half dtype whose GEMM this (fp32) node's backward emulates.
@@ -149,9 +162,17 @@ def is_current(region: Region) -> bool:
         and torch.get_autocast_dtype(region.device_type) == region.dtype
     ):
         return False
-    if torch.compiler.is_compiling():
-        return True  # no thread-local stack in compiled code: the mode stack's order decides
-    return bool(STATE.regions) and STATE.regions[-1] is region
+    if torch.compiler.is_compiling() or not STATE.regions:
+        # No thread-local stack in compiled code: the mode stack's order decides. Nor where no region was
+        # entered eagerly: the mode was entered by compiled code, and runs in a frame Dynamo runs eagerly.
+        return True
+    return STATE.regions[-1] is region
+
+
+def eager_region_open() -> bool:
+    """Whether a region entered eagerly is open on this thread: it clears the cast cache when it leaves.
+    (A mode entered by compiled code can run eagerly, in a frame Dynamo gave up on; nothing clears there.)"""
+    return bool(STATE.regions) or STATE.half_compute_depth > 0
 
 
 class _AutocastOff:

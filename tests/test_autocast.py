@@ -605,3 +605,21 @@ def test_torch_export_of_an_o1_model_matches_eager_and_of_a_region_block_is_refu
 
     with pytest.raises(AutocastError, match="initialize prepared"):
         torch.export.export(Block(), (x,))
+
+
+def test_a_mode_compiled_code_entered_and_eager_code_runs_applies_the_policy_and_caches_nothing() -> None:
+    """What a frame Dynamo runs eagerly sees inside a region entered by compiled code: torch's autocast and
+    the policy's mode, with no eager region on the thread's stack. The mode applies the policy there (it
+    stepped aside: not the innermost region, it judged) and fills no cast cache (nothing would clear it)."""
+    P.register_float_function(torch, "mm")
+    P.register_half_function(torch, "cumsum")  # the policy's Python layer casts the parameter
+    weight = nn.Parameter(torch.randn(4, 4))
+    torch_region, mode = autocast("cpu", torch.bfloat16).compiled_contexts()
+    with torch_region, mode:  # as Dynamo restores them around a frame it runs eagerly
+        kept = torch.mm(torch.randn(4, 4), weight)
+        lowered = torch.cumsum(weight, 0)
+    assert kept.dtype == torch.float32 and lowered.dtype == torch.bfloat16
+    assert len(STATE.cache) == 0
+    with autocast("cpu", torch.bfloat16):  # an eager region does cache the parameter's cast
+        torch.cumsum(weight, 0)
+        assert len(STATE.cache) == 1

@@ -10,6 +10,7 @@ compared *bitwise* with compiled torch.autocast, and eager with eager. Elsewhere
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from collections.abc import Callable
@@ -201,3 +202,30 @@ def test_compiled_code_names_the_policy_by_its_compile_key() -> None:
     assert any(policy.compile_key in key for key in region_module._COMPILED_MODES)
     with pytest.raises(TypeError, match="strings, bools, ints and dtypes"):
         region_module.compiled_mode(lambda *_: None, policy)
+
+
+def _mm_in_a_frame_dynamo_runs_eagerly(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    with contextlib.ExitStack():  # a graph break in it: Dynamo runs this frame eagerly
+        torch._dynamo.graph_break()
+        return torch.mm(a, b)
+
+
+@pytest.mark.usefixtures("fresh_dynamo", "clean_registry")
+def test_a_frame_dynamo_runs_eagerly_inside_a_compiled_region_keeps_the_policy() -> None:
+    """A review's case: frames run eagerly inside a region entered in compiled code once ran the mode's
+    method eagerly too (a change that kept Dynamo from compiling it as a frame of its own, on every torch);
+    that method then found no eager region and let the user's register_float_function(mm) rule go."""
+    P.register_float_function(torch, "mm")
+    region = mixprec.autocast("cpu", torch.bfloat16)
+
+    @region
+    def decorated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _mm_in_a_frame_dynamo_runs_eagerly(a, b)
+
+    def block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", torch.bfloat16):
+            return _mm_in_a_frame_dynamo_runs_eagerly(a, b)
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    for f in (decorated, block):
+        assert f(a, b).dtype == torch.compile(f, backend="eager")(a, b).dtype == torch.float32

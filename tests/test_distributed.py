@@ -29,7 +29,7 @@ import torch.distributed as dist
 from conftest import EXAMPLES, example
 
 from mixprec import distributed
-from mixprec.distributed import DistInfo, _rank_error, free_port, launch
+from mixprec.distributed import DistInfo, _port_taken, _rank_error, free_port, launch
 from mixprec.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,6 +205,17 @@ def test_a_ranks_mixprec_error_keeps_its_problem_and_its_fix() -> None:
     error = _rank_error(1, [], datetime.timedelta(seconds=60), message)
     want = "rank 1 failed: mixprec.errors.ConfigError: THE PROBLEM: a bad setting.\n  - fix: THE FIX"
     assert want in str(error)
+
+
+def test_only_the_store_failing_on_its_own_port_is_tried_again() -> None:
+    """A review's case: any "address already in use" anywhere in a rank's traceback started the ranks
+    again, so a user's function that failed binding its own socket ran three times."""
+    store = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+             "network address. port: 41234, useIpv6: false, code: -98, name: EADDRINUSE, "
+             "message: address already in use")
+    assert _port_taken(store, 41234)
+    assert not _port_taken(store, 41235)
+    assert not _port_taken("OSError: [Errno 98] Address already in use", 41234)
 
 
 def test_a_rank_whose_traceback_mentions_timeout_is_not_called_stalled() -> None:

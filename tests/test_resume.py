@@ -112,6 +112,29 @@ def test_a_split_masters_fit_resumed_matches_an_uninterrupted_run(tmp_path: Path
     assert any(not torch.equal(v, v.bfloat16().float()) for v in saved.values())  # masters, not bf16 weights
 
 
+def test_a_split_masters_checkpoint_of_bf16_weights_still_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Written before the fit hooked the state dict, a split fit's checkpoint holds the model's bf16
+    weights (the low halves are in the optimizer's state). The dtype check compared them with the state
+    dict's fp32 masters and refused the resume; the weights themselves are bf16, so it loads, exactly."""
+    from mixprec.checkpoint_digest import payload_digest
+    from mixprec.recipe import Recipe
+
+    split = Recipe.from_opt_level("O2", torch.bfloat16).replace(split_masters=True)
+    whole = _learner(None).to_recipe(split)
+    whole.fit(EPOCHS, 1e-2)
+    ckpt = tmp_path / "run.pt"
+    _learner(None).to_recipe(split).fit(STOP_AFTER, 1e-2, checkpoint=ckpt)
+    payload = torch.load(ckpt, weights_only=False)
+    payload["models"][0] = {k: v.bfloat16() for k, v in payload["models"][0].items()}  # the older format
+    del payload["checksum"]
+    payload["checksum"] = payload_digest(payload)
+    torch.save(payload, ckpt)
+    resumed = _learner(None).to_recipe(split)
+    resumed.fit(EPOCHS, 1e-2, resume=ckpt)
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_fit_one_cycle_resumes_mid_schedule(tmp_path: Path) -> None:
     ref, ckpt = tmp_path / "ref.pt", tmp_path / "run.pt"
     _learner(torch.float16).fit_one_cycle(EPOCHS, 1e-2, checkpoint=ref)
