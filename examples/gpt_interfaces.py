@@ -45,8 +45,11 @@ def _fused_adamw(model: GPT) -> torch.optim.Optimizer:
 def _checkpointed(model: GPT, compiled: bool) -> None:
     """Recompute each block's activations in backward instead of storing them. Eager, the recompute must
     re-enter the mixprec region (``mixprec.checkpoint_context``); compiled, the graph Dynamo traced already
-    holds the region's casts and Inductor replays it (torch accepts no Python context there)."""
-    kwargs: dict[str, Any] = {} if compiled else {"context_fn": mixprec.checkpoint_context}
+    holds the region's casts and Inductor replays it (torch accepts no Python context there). Before torch
+    2.13, Dynamo cannot trace a checkpointed block inside a mixprec region and runs it eagerly: it needs the
+    context there too."""
+    traced = compiled and torch.__version__ >= (2, 13)  # a TorchVersion: compares with a tuple
+    kwargs: dict[str, Any] = {} if traced else {"context_fn": mixprec.checkpoint_context}
     for block in model.blocks:
         block.forward = functools.partial(  # type: ignore[method-assign]
             torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False, **kwargs

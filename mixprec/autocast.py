@@ -90,6 +90,11 @@ __all__ = [
 ]
 
 
+# A plain dict for the mode to read: Dynamo breaks the graph at a mappingproxy read once the traced frame
+# has written any dict (a forward filling an output dict: "mapping proxy affected by dictionary mutation").
+_PY_ALIASES: dict[str, str] = dict(PY_ALIASES)
+
+
 class _PolicyMode(RegionMode):
     """The Python layer: handles the ops in ``region.actions``, passes every other call through."""
 
@@ -111,7 +116,7 @@ class _PolicyMode(RegionMode):
         region = self.region
         if half_relu:
             return relu(func, args, kwargs, region.dtype, region.device_type)
-        return HANDLERS[action](region, PY_ALIASES.get(name, name), func, args, kwargs)
+        return HANDLERS[action](region, _PY_ALIASES.get(name, name), func, args, kwargs)
 
 
 # One mode per cached region: entering the same region every step reuses it, so a compiled model run

@@ -229,3 +229,27 @@ def test_a_frame_dynamo_runs_eagerly_inside_a_compiled_region_keeps_the_policy()
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     for f in (decorated, block):
         assert f(a, b).dtype == torch.compile(f, backend="eager")(a, b).dtype == torch.float32
+
+
+class _WritesADict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.stats["absmax"] = h.detach().abs().max()  # a dict written in forward (logging, HF outputs)
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_forward_writing_a_dict_compiles_without_graph_breaks(arithmetic: Callable[[str], None]) -> None:
+    """A user trial: with emulated GEMMs the policy's mode read an op alias from a mappingproxy, and Dynamo
+    breaks the graph at such a read once the frame has written a dict (2 breaks per forward here)."""
+    arithmetic("emulated")
+    torch._dynamo.utils.counters.clear()  # reset() leaves the counts of earlier tests
+    model, x = torch.compile(_WritesADict()), torch.randn(4, 16)
+    with mixprec.autocast("cpu", torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    assert not torch._dynamo.utils.counters["graph_break"]
