@@ -139,7 +139,6 @@ def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(method, recursive=True)
 
 
-
 @functools.cache
 def _warn_eager_region() -> None:
     warnings.warn(

@@ -234,19 +234,21 @@ def launch(
     assert wait is not None  # a default is always given
     import torch.multiprocessing as mp  # local: only launchers need it
 
-    for attempt in range(_PORT_ATTEMPTS):
+    tries_left = _PORT_ATTEMPTS
+    while True:
+        tries_left -= 1
         with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as results:
-            spawn_args = (nprocs, free_port(), fn, args, backend, wait.total_seconds(), results)
+            port = free_port()
             try:
-                mp.spawn(_worker, args=spawn_args, nprocs=nprocs, join=True)
+                mp.spawn(_worker, args=(nprocs, port, fn, args, backend, wait.total_seconds(), results),
+                         nprocs=nprocs, join=True)
             except mp.ProcessRaisedException as err:
-                if _port_taken(_exception_text(str(err)), spawn_args[1]) and attempt + 1 < _PORT_ATTEMPTS:
+                if tries_left and _port_taken(_exception_text(str(err)), port):
                     continue  # the free port was taken before rank 0 bound it: again, on another port
                 unfinished = [r for r in range(nprocs)
                               if r != err.error_index and not (Path(results) / f"rank{r}.pt").exists()]
                 raise _rank_error(err.error_index, unfinished, wait, str(err)) from err
             return [torch.load(Path(results) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 # free_port's race: between its answer and rank 0's bind, another process (a parallel test's gloo

@@ -366,9 +366,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
         # ids of the parameters whose low halves load_state_dict set, until the next step or the weight's own
-        # load (initialize's split masters, mixprec.split_state_dict): they came from a checkpoint and
-        # await their weights
-        self.lows_await_weights: set[int] = set()
+        # load (low_half_awaits_weight): they came from a checkpoint and await their weights
+        self._lows_await_weights: set[int] = set()
         initial_bits = None if initial is None else self._initial_bits(initial)
         for group in optimizer.param_groups:
             self._adopt(group["params"])
@@ -464,7 +463,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient. Syncs once to read ``found_inf`` when a GradScaler
         passed it (``scaler.step(wrapper)``), otherwise never."""
-        self.lows_await_weights = set()
+        self._lows_await_weights = set()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -625,6 +624,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"mode={self.mode.value!r} keeps no low halves.", "use mode='split'.")
         return self._extras.get(param)
 
+    def low_half_awaits_weight(self, param: Tensor) -> bool:
+        """Whether ``param``'s low half came with :meth:`load_state_dict` since the last step and its weight
+        was not loaded since (mixprec.split_state_dict asks when it loads the weight: from then on, no)."""
+        awaited = id(param) in self._lows_await_weights
+        self._lows_await_weights.discard(id(param))
+        return awaited
+
     @torch.no_grad()
     def master_values(self, params: Iterable[Tensor] | None = None) -> list[Tensor]:
         """Each parameter's value as the mode knows it, in fp32 (split: the exact fp32 master; kahan: weight
@@ -664,7 +670,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         for device, gen_state in state_dict["generators"].items():
             self._generator(torch.device(device)).set_state(gen_state)
         if self.mode is UpdateMode.SPLIT:
-            self.lows_await_weights = {id(p) for g in self.param_groups for p in g["params"]}
+            self._lows_await_weights = {id(p) for g in self.param_groups for p in g["params"]}
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         if set(state_dict) != {"optimizer", "mode", "state_dtype", "extras", "generators"}:

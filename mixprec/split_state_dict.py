@@ -16,8 +16,8 @@ low half awaits it) or where it is the weight the model holds already. So a chec
 values (an older one of this layout) resumes in either order too, and bf16 weights loaded later (pretrained
 ones) are the masters exactly, but for elements equal to the weight already there (they keep its low half).
 Writes that do not go through ``load_state_dict`` (an in-place edit, ``.data``) leave the low halves as
-they are. The hooks look the low halves up when they run, so a param
-group added to the optimizer after ``initialize`` is covered too.
+they are. The hooks look the low halves up when they run, so a param group added to the optimizer after
+``initialize`` is covered too.
 """
 
 from __future__ import annotations
@@ -70,11 +70,9 @@ def _load_masters(state_dict: dict[str, Any], prefix: str, local_metadata: Any, 
         # a low half of 0 is a value that is exactly its bf16 weight: it keeps the low half there where that
         # came with the checkpoint (the optimizer's state, loaded first) or the weight is already this one
         same = high.view(torch.int16) == p.view(torch.int16)
-        awaited = id(p) in opt.lows_await_weights
-        opt.lows_await_weights.discard(id(p))  # met its weight
+        awaited = opt.low_half_awaits_weight(p)
         keep = low == 0 if awaited else (low == 0) & same
         low_now.copy_(torch.where(keep, low_now, low))
         # torch's load copies this into the weight: the high half exactly, where copying the fp32 value
         # would round a tie to even, not away from zero as the split layout does
         state_dict[prefix + name] = high
-
