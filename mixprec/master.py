@@ -56,6 +56,7 @@ from mixprec.master_kernel import record_non_finite_
 from mixprec.master_state import InnerOptimizerGuard, check_state_shapes, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
 from mixprec.skip_step import record_step_called
+from mixprec.unscale_copy import unscale_copy_
 
 __all__ = [
     "MasterWeights",
@@ -364,15 +365,35 @@ class MasterWeights(torch.optim.Optimizer):
 
         fp16/bf16 -> fp32 is exact, so nothing is lost here; the scaler unscales the fp32 copies.
         Masters whose parameter has no gradient get none (a flat buffer's holes: zero, put back after)."""
+        self._copy_grads()
+
+    def copy_grads_to_master_unscaled(
+        self, found: torch.Tensor, inv_scale: torch.Tensor
+    ) -> tuple[set[int], bool]:
+        """:meth:`copy_grads_to_master`, and where it can (the CPU, :mod:`mixprec.unscale_copy`), the
+        scaler's unscale and inf/NaN check (into ``found``) in the same pass. Returns the ids of the
+        tensors in ``param_groups`` whose gradients are done (the scaler leaves them alone; it still
+        unscales the others), and whether those were unscaled by exactly 1 (exact upcasts of the model's)."""
+        return self._copy_grads((found, inv_scale))
+
+    def _copy_grads(self, unscale: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[set[int], bool]:
         self._check_still_half()
         self._mirror.reset()
+        done: set[int] = set()
+        exact = True
         for g in self._groups:
             dst, src = g.attach_grads()
             if dst:
-                torch._foreach_copy_(dst, src)
+                by_one = None if unscale is None else unscale_copy_(dst, src, *unscale)
+                if by_one is None:
+                    torch._foreach_copy_(dst, src)
+                else:  # every gradient of the group's shadow is done: the flat one's holes are zeros
+                    done.update(id(t) for t in g.shadow())
+                    exact = exact and by_one
                 params = [p for p in g.model if p.grad is not None]
                 self._mirror.copied += zip(params, dst, src, strict=True)
         self._iteration.grads_copied = True
+        return done, exact
 
     def grads_unscaled(self, exact_upcasts: bool = False) -> None:
         """Called by ``GradScaler.unscale_`` once the master gradients hold their true values: mirror them

@@ -1,11 +1,13 @@
 """mixprec's native CPU loops: C compiled once per machine and called through ctypes.
 
-Two loops live here, each in its own C file, linked into one library:
+Three loops live here, each in its own C file, linked into one library:
 
 - ``split_adam.c``: the one-pass Adam/AdamW step over split masters (:mod:`mixprec.split_adam`);
 - ``non_finite.c``: a read-only inf/NaN check of fp16/bf16/fp32 gradients (:mod:`mixprec.non_finite`),
   the scaler's check where the loss scale is exactly 1 (bf16's static scale), ~3x faster than torch's
-  fused check-and-unscale on half gradients on the CPU.
+  fused check-and-unscale on half gradients on the CPU;
+- ``unscale_copy.c``: half gradients copied into fp32 master gradients, unscaled and checked in the same
+  pass (:mod:`mixprec.unscale_copy`), O2's unscale.
 
 They include no torch header, so the library builds in well under a second (a torch C++ extension: ~20 s).
 It is compiled with ``$CC`` (else ``cc``, ``gcc``, ``clang``; torch.compile needs one too) into
@@ -36,7 +38,7 @@ import torch
 __all__ = ["library", "library_error", "library_threads", "dense", "pointers", "sizes"]
 
 # The loops, one concept per file, linked into one library (one build, one cache entry per machine).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("split_adam.c", "non_finite.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("split_adam.c", "non_finite.c", "unscale_copy.c"))
 # -ffp-contract=off: the compiler may add no fused multiply-add the source does not write (torch's roundings
 # are matched one by one); -fno-math-errno lets sqrtf vectorise (it sets no errno; IEEE results unchanged).
 # -march=native (in _variants): the library is built on, and cached for, the machine that runs it.
@@ -173,6 +175,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # -> 0, 1, or -1 (not a scale of 1): one signature for both widths
     **dict.fromkeys(("half_non_finite", "float_non_finite"), (ctypes.c_int32, [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])),
+    # bf16_/fp16_unscale_copy(n_tensors, source table, destination table, numel table, exponent mask,
+    # n_threads, &inv_scale) -> bit 0: inf/NaN found; bit 1: the inverse scale was exactly 1
+    **dict.fromkeys(("bf16_unscale_copy", "fp16_unscale_copy"), (ctypes.c_int32, [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+        ctypes.c_void_p])),
 }
 
 

@@ -32,7 +32,7 @@ import inspect
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
 from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
 
 import torch
@@ -399,15 +399,17 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale
     def _grads_by_device_and_dtype(
-        self, optimizer: torch.optim.Optimizer, allow_fp16: bool
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, done: Collection[int] = ()
     ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+        """The gradients to unscale, by device and dtype; ``done``: ids of parameters whose gradients were
+        unscaled already (O2's master gradients, in the copy from the model's)."""
         buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
         named = getattr(optimizer, "scaled_grad_params", None)
         params = named() if callable(named) else [p for g in optimizer.param_groups for p in g["params"]]
         for param in params:
-            if param.grad is None:
+            if param.grad is None or id(param) in done:
                 continue
             if not allow_fp16 and param.grad.dtype == torch.float16:
                 raise Fp16GradientError(
@@ -442,16 +444,17 @@ class GradScaler:
                                  ) -> tuple[dict[torch.device, torch.Tensor], bool]:
         """``_unscale_grads_`` (torch's name and result), and whether every gradient was only read: the
         native check ran on each, so the inverse scale was exactly 1 and no value changed."""
-        if isinstance(optimizer, HasMasterGrads):
-            optimizer.copy_grads_to_master()
+        fused_found = found_inf.clone()  # the flag of the gradients unscaled in the copy (the CPU's)
+        done, read_only = self._copy_to_masters(optimizer, inv_scale, fused_found, check_only)
         # check_only (inv_scale is 1: the step unscales): an optimizer may bring a read-only check of its
         # half gradients (MasterWeights with compile_step=True: a compiled one, for where the native
         # check does not run, a GPU)
         checker = getattr(optimizer, "non_finite_check", None) if check_only else None
         per_device_found: dict[torch.device, torch.Tensor] = {}
-        read_only = True
+        if done:
+            per_device_found[found_inf.device] = fused_found
         with torch.no_grad():
-            for device, per_dtype in self._grads_by_device_and_dtype(optimizer, allow_fp16).items():
+            for device, per_dtype in self._grads_by_device_and_dtype(optimizer, allow_fp16, done).items():
                 found = per_device_found.setdefault(device, found_inf.to(device, copy=True))
                 dev_inv_scale = inv_scale.to(device)
                 for dtype, grads in per_dtype.items():
@@ -469,6 +472,20 @@ class GradScaler:
                     found, op=torch.distributed.ReduceOp.MAX, group=self._process_group
                 )
         return per_device_found, read_only
+
+    @staticmethod
+    def _copy_to_masters(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                         check_only: bool) -> tuple[set[int], bool]:
+        """An optimizer with fp32 master gradients (O2) copies the model's half gradients into them first,
+        on the CPU unscaling and checking them in the same pass (into ``found_inf``): the ids of the
+        parameters whose gradients it did, and whether all of those were unscaled by exactly 1."""
+        if not isinstance(optimizer, HasMasterGrads):
+            return set(), True
+        fused = getattr(optimizer, "copy_grads_to_master_unscaled", None)
+        if callable(fused) and not check_only and inv_scale.device.type == "cpu":
+            return fused(found_inf, inv_scale)
+        optimizer.copy_grads_to_master()
+        return set(), True
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.

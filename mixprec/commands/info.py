@@ -88,9 +88,13 @@ def _native_lines() -> str:
     what = f"native one-pass loop (mixprec/split_adam.c, {library_threads()})" if error is None else (
         f"generic step ({error})")
     check = "native, mixprec/non_finite.c" if error is None else "torch's check-and-unscale"
+    unscale = ("native, in the copy (mixprec/unscale_copy.c)" if error is None
+               else "a copy, then torch's check-and-unscale")
     return (f"[bold]split masters[/bold]  Adam/AdamW step of LowPrecisionOptimizer(mode='split'): {what}\n"
             f"[bold]inf/NaN check[/bold]  of fp16/bf16/fp32 gradients at a loss scale of 1 on the CPU: "
-            f"{check}")
+            f"{check}\n"
+            f"[bold]O2 unscale[/bold]  of fp16/bf16 gradients into fp32 master gradients on the CPU: "
+            f"{unscale}")
 
 
 def _rates(device_type: str) -> dict[torch.dtype, float]:
