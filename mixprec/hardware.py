@@ -17,7 +17,9 @@ A half-precision GEMM can run two ways:
    ``fp16=emulated,bf16=native``; read at every call so a test or a launcher can set it), else
 3. a query of what torch itself reports (oneDNN's bf16/fp16 support, the CPU's bf16/fp16 units, the CUDA
    compute capability) where that answer is reliable, else
-4. a tiny timed probe: one half GEMM against one fp32 GEMM of the same size.
+4. a tiny timed probe: one half GEMM against one fp32 GEMM of the same size, then, if the half GEMM
+   keeps up, one small convolution's forward and weight gradient against fp32's (a CPU whose fp16 GEMMs
+   kept up ran its fp16 convolution weight gradient 100-250x slower).
 
 The answer is a frozen :class:`HalfArithmetic` that says what was decided, by which of those, and why.
 ``mixprec info`` prints it.
@@ -30,7 +32,7 @@ import functools
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "Decider",
     "HalfArithmetic",
     "clear_cache",
+    "conv_grad_gflops",
     "cpu_flags",
     "emulated_dtypes",
     "gemm_gflops",
@@ -199,9 +202,12 @@ def _cpu_has(*names: str) -> str | None:
 
 
 # A CPU's half units, per dtype: any one of these makes oneDNN's kernels for that dtype run at speed.
+# avx512_fp16 alone is not one: on an AMX Xeon (amx_bf16, avx512_fp16, no amx_fp16; 2026-11-26) torch's
+# fp16 GEMMs ran at 0.87x of fp32's rate and its fp16 convolution weight gradient 100-250x slower than
+# fp32's, so such a CPU is probed (and emulates fp16).
 _CPU_UNITS: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16"),
-    torch.float16: ("amx_fp16", "avx512_fp16"),
+    torch.float16: ("amx_fp16",),
 }
 
 # Whether oneDNN (torch's CPU GEMM library) has kernels for the dtype at all. Where it has none, torch
@@ -220,8 +226,9 @@ def _detect_cpu(device_type: str, dtype: torch.dtype) -> _Verdict:
     unit = _cpu_has(*_CPU_UNITS[dtype])
     if unit is not None:
         return Arithmetic.NATIVE, Decider.QUERY, f"the CPU has {name} units ({unit}) and oneDNN uses them"
-    # oneDNN supports the dtype without dedicated units (e.g. plain AVX-512 converts to fp32 inside
-    # the kernel): whether that beats the emulation depends on the kernel, so measure it.
+    # oneDNN supports the dtype without units it is known to use throughout (plain AVX-512 converts to fp32
+    # inside the kernel; avx512_fp16 alone, above): whether that beats the emulation depends on the
+    # kernels, so measure them.
     return _detect_by_probe(device_type, dtype)
 
 
@@ -247,6 +254,13 @@ PROBE_SIZE = 256
 NATIVE_MAX_TIME_RATIO = 1.0
 
 
+# A native convolution may be this much slower than fp32's before the emulation (about fp32's speed) is
+# chosen for it: the bar is looser than the GEMMs' because the probe is small and the two share one
+# decision (a 4x faster half GEMM is worth a somewhat slower convolution); the case it exists for is the
+# 100x one.
+CONV_MAX_TIME_RATIO = 2.0
+
+
 def _detect_by_probe(device_type: str, dtype: torch.dtype) -> _Verdict:
     name = dtype_label(dtype)
     try:
@@ -255,9 +269,26 @@ def _detect_by_probe(device_type: str, dtype: torch.dtype) -> _Verdict:
     except (RuntimeError, TypeError) as err:  # no kernel for this dtype/device at all
         return Arithmetic.EMULATED, Decider.PROBE, f"torch has no {name} GEMM here ({err})"
     rates = f"{name} GEMM {half:.1f} GFLOP/s vs fp32 {full:.1f}"
-    if full <= half * NATIVE_MAX_TIME_RATIO:
-        return Arithmetic.NATIVE, Decider.PROBE, f"{rates}: the native kernel is at least as fast"
-    return Arithmetic.EMULATED, Decider.PROBE, f"{rates}: fp32 kernels are faster"
+    if full > half * NATIVE_MAX_TIME_RATIO:
+        return Arithmetic.EMULATED, Decider.PROBE, f"{rates}: fp32 kernels are faster"
+    slow = _slow_convolution(device_type, dtype)
+    if slow is not None:
+        return Arithmetic.EMULATED, Decider.PROBE, f"{rates}, but {slow}"
+    return Arithmetic.NATIVE, Decider.PROBE, f"{rates}: the native kernel is at least as fast"
+
+
+def _slow_convolution(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why ``dtype`` convolutions are too slow to run natively (their weight gradient, the kernel oneDNN
+    lacks first, timed against fp32's), or None where they are fast enough or the device has none."""
+    name = dtype_label(dtype)
+    try:
+        half, full = conv_grad_gflops(device_type, (dtype, torch.float32))
+    except (RuntimeError, TypeError) as err:  # no convolution kernel for this dtype at all
+        return f"torch has no {name} convolution here ({err})"
+    if full > half * CONV_MAX_TIME_RATIO:
+        return (f"its {name} convolution weight gradient runs at {half:.2f} GFLOP/s against fp32's "
+                f"{full:.1f}: fp32 kernels are faster")
+    return None
 
 
 def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
@@ -274,6 +305,42 @@ def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) 
         synchronize(device_type)
         best = min(best, time.perf_counter() - start)
     return 2.0 * n**3 / best / 1e9
+
+
+# The probe's convolution: a 3x3 over 16 channels of 16x16 images, batch 8 (9.4 MFLOP forward): well under a
+# millisecond at fp32's rate, ~0.1 s at the slow rate it exists to catch.
+CONV_PROBE_SHAPE = (8, 16, 16, 16)  # N, C, H, W; as many output channels as input ones
+CONV_PROBE_FLOP = 2 * (2.0 * 8 * 16 * 16 * 16 * 16 * 9)  # forward and weight gradient
+
+
+def _conv_pass(device_type: str, dtype: torch.dtype) -> Callable[[], float]:
+    """A timer of one forward + weight-gradient pass of the probe's convolution in ``dtype`` (seconds;
+    syncs). Run twice untimed first: the first convolution backward of a process took 0.8-1.4 s on the
+    CPU, the second up to 0.1 s."""
+    device = torch.device(device_type)
+    n, c, h, w = CONV_PROBE_SHAPE
+    x = torch.randn(n, c, h, w, device=device).to(dtype)
+    weight = torch.randn(c, c, 3, 3, device=device).to(dtype).requires_grad_()
+    grad_out = torch.randn(n, c, h, w, device=device).to(dtype)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        torch.autograd.grad(torch.nn.functional.conv2d(x, weight, padding=1), weight, grad_out)
+        synchronize(device_type)
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        timed()
+    return timed
+
+
+def conv_grad_gflops(device_type: str, dtypes: Sequence[torch.dtype], rounds: int = 3) -> list[float]:
+    """The best rate of each of ``dtypes``' probe convolution (forward + weight gradient, GFLOP/s) over
+    ``rounds`` rounds that run each once, in turn: a neighbour's load slows all alike, not one."""
+    passes = [_conv_pass(device_type, d) for d in dtypes]
+    times = [[p() for p in passes] for _ in range(rounds)]
+    best = [min(t[i] for t in times) for i in range(len(passes))]
+    return [CONV_PROBE_FLOP / b / 1e9 for b in best]
 
 
 def _no_sync() -> None:

@@ -121,12 +121,18 @@ def test_detection_is_cached_per_device_and_dtype(monkeypatch: pytest.MonkeyPatc
 
 
 def _fake_cpu(
-    monkeypatch: pytest.MonkeyPatch, onednn: bool, flags: dict[str, bool], rates: dict[torch.dtype, float]
+    monkeypatch: pytest.MonkeyPatch, onednn: bool, flags: dict[str, bool], rates: dict[torch.dtype, float],
+    conv_rates: dict[torch.dtype, float] | None = None,
 ) -> None:
+    """A CPU with these flags and GEMM (and convolution: by default the GEMMs') rates, so that no decision
+    depends on the CPU running the test."""
     for dtype in HALF:
         monkeypatch.setitem(hardware._ONEDNN_SUPPORT, dtype, lambda: onednn)
     monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
     monkeypatch.setattr(hardware, "gemm_gflops", lambda device, dtype, n, repeats=3: rates[dtype])
+    convs = rates if conv_rates is None else conv_rates
+    monkeypatch.setattr(hardware, "conv_grad_gflops",
+                        lambda device, dtypes, rounds=3: [convs[d] for d in dtypes])
 
 
 SLOW_HALF = {torch.float32: 70.0, torch.bfloat16: 0.5, torch.float16: 0.5}
@@ -143,7 +149,7 @@ def test_cpu_without_onednn_kernels_is_emulated_without_a_probe(
 
 
 @pytest.mark.parametrize(("dtype", "unit"), [(torch.bfloat16, "avx512_bf16"), (torch.bfloat16, "amx_bf16"),
-                                             (torch.float16, "amx_fp16"), (torch.float16, "avx512_fp16")])
+                                             (torch.float16, "amx_fp16")])
 def test_cpu_with_half_units_is_native(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, unit: str
 ) -> None:
@@ -165,6 +171,48 @@ def test_uncertain_cpu_is_probed(
     decision = hardware.half_arithmetic("cpu", dtype)
     assert (decision.arithmetic, decision.decided_by) == (expected, Decider.PROBE)
     assert f"{rates[dtype]:.1f} GFLOP/s" in decision.reason
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_gemms_that_keep_up_with_slow_convolutions_are_emulated(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The AMX Xeon's fp16 (avx512_fp16 without amx_fp16): GEMMs near fp32's rate, the convolution weight
+    gradient ~150x slower. A probe of the GEMM alone called it native and a CNN trained 12-20x slower."""
+    slow_conv = {torch.float32: 60.0, torch.bfloat16: 0.4, torch.float16: 0.4}
+    _fake_cpu(monkeypatch, onednn=True, flags={"avx512_f": True, "avx512_fp16": True}, rates=FAST_HALF,
+              conv_rates=slow_conv)
+    decision = hardware.half_arithmetic("cpu", dtype)
+    assert (decision.arithmetic, decision.decided_by) == (Arithmetic.EMULATED, Decider.PROBE)
+    assert "convolution weight gradient runs at 0.40 GFLOP/s against fp32's 60.0" in decision.reason
+    hardware.clear_cache()  # twice as slow is still native: the GEMMs share the decision
+    _fake_cpu(monkeypatch, onednn=True, flags={"avx512_f": True}, rates=FAST_HALF,
+              conv_rates={**slow_conv, dtype: 31.0})
+    assert hardware.half_arithmetic("cpu", dtype).arithmetic is Arithmetic.NATIVE
+
+
+def test_avx512_fp16_alone_is_probed_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cpu(monkeypatch, onednn=True, flags={"avx512_fp16": True, "amx_bf16": True}, rates=SLOW_HALF)
+    decision = hardware.half_arithmetic("cpu", torch.float16)
+    assert (decision.arithmetic, decision.decided_by) == (Arithmetic.EMULATED, Decider.PROBE)
+    assert hardware.half_arithmetic("cpu", torch.bfloat16).decided_by is Decider.QUERY  # amx_bf16: trusted
+
+
+def test_a_missing_half_convolution_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cpu(monkeypatch, onednn=True, flags={"avx512_f": True}, rates=FAST_HALF)
+
+    def no_kernel(device: str, dtypes: tuple[torch.dtype, ...], rounds: int = 3) -> list[float]:
+        raise RuntimeError('"slow_conv2d_cpu" not implemented for \'Half\'')
+
+    monkeypatch.setattr(hardware, "conv_grad_gflops", no_kernel)
+    decision = hardware.half_arithmetic("cpu", torch.float16)
+    assert decision.emulated
+    assert "no fp16 convolution here" in decision.reason and "not implemented" in decision.reason
+
+
+def test_conv_rates_are_positive_and_finite() -> None:
+    rates = hardware.conv_grad_gflops("cpu", (torch.float32, torch.bfloat16), rounds=1)
+    assert len(rates) == 2 and all(0 < r < float("inf") for r in rates)
 
 
 def test_gemm_rate_is_positive_and_finite() -> None:
