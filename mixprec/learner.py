@@ -41,6 +41,7 @@ from mixprec.callbacks import (
     callback_for,
     fastai_recipe,
 )
+from mixprec.callbacks.core import check_callback, check_event_result
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
@@ -152,6 +153,7 @@ class Learner:
 
     # ------------------------------------------------------------------ callbacks
     def add_cb(self, cb: Callback) -> Learner:
+        check_callback(cb)
         cb.learn = self
         self.callbacks.append(cb)
         self.callbacks.sort(key=lambda c: c.order)  # stable: equal orders keep the order they were added
@@ -163,7 +165,7 @@ class Learner:
 
     def _event(self, name: str) -> None:
         for cb in list(self.callbacks):
-            getattr(cb, name)()
+            check_event_result(cb, name, getattr(cb, name)())
 
     @property
     def metric_names(self) -> list[str]:

@@ -367,3 +367,40 @@ def test_amp_o2_masters_start_from_the_fp32_weights() -> None:
             assert torch.equal(master, before)
     finally:
         mixprec.amp.reset()
+
+
+class _V1Output(Callback):
+    """fastai v1's way to change the output: take it as a keyword, return the new one in a dict."""
+
+    def on_loss_begin(self, last_output, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        return {"last_output": last_output * 0}
+
+
+class _V1Stop(Callback):
+    def on_epoch_end(self):  # noqa: ANN201
+        return {"stop_training": True}
+
+
+def test_a_fastai_v1_event_signature_is_refused_when_added_and_named() -> None:
+    needle = r"_V1Output.on_loss_begin takes \(last_output, kwargs\)"
+    with pytest.raises(mixprec.ConfigError, match=needle) as e:
+        _cnn_learner(callbacks=[_V1Output()])
+    assert "last_output -> self.pred" in str(e.value) and "self.learn" in str(e.value)
+
+
+def test_a_returned_v1_dict_is_refused_not_dropped() -> None:
+    learn = _cnn_learner(callbacks=[_V1Stop()])
+    with pytest.raises(mixprec.ConfigError, match=r"_V1Stop.on_epoch_end returned \{'stop_training': True\}"):
+        learn.fit(1)
+    assert learn.epoch == 0  # it stopped at the end of the first epoch, not after training on
+
+
+def test_the_v2_way_of_the_same_change_works() -> None:
+    class ZeroOutput(Callback):
+        def on_loss_begin(self) -> None:
+            self.learn.pred = self.pred * 0
+
+    learn = _cnn_learner(callbacks=[ZeroOutput()])
+    learn.fit(1)
+    n_classes = 10  # zero logits: every class equally likely, the loss is log(10) at every batch
+    assert all(abs(loss - torch.log(torch.tensor(n_classes)).item()) < 1e-5 for loss in learn.recorder.losses)

@@ -34,6 +34,7 @@ This module imports nothing from :mod:`mixprec.learner`: the learner is known to
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from mixprec.errors import ConfigError
 from mixprec.scaler import GradScaler, OptState
 
 if TYPE_CHECKING:
@@ -151,6 +153,54 @@ class Callback:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+# fastai v1 passed an event the loop's state as keywords and read back a returned dict: the state each of
+# those keywords held, as a mixprec callback reads (self.NAME) and writes it (self.learn.NAME).
+V1_KEYWORDS: dict[str, str] = {
+    "last_input": "self.xb", "last_target": "self.yb", "last_output": "self.pred",
+    "last_loss": "self.loss (what backward runs on: self.loss_grad)", "smooth_loss": "self.loss",
+    "epoch": "self.epoch", "n_epochs": "self.n_epochs", "train": "self.training",
+    "iteration": "self.iteration", "num_batch": "self.iteration", "last_metrics": "self.valid_metrics",
+    "stop_training": "raise CancelTrainException()", "skip_step": "raise CancelStepException()",
+}
+
+
+def check_callback(cb: Callback) -> None:
+    """Refuse a callback whose events take arguments (fastai v1's signature): the loop calls each event
+    with none, and a v1 event would fail with a bare TypeError in the middle of a fit, or run with its
+    defaults and have what it returns dropped."""
+    for name in EVENTS:
+        event = getattr(type(cb), name, None)
+        if event is None:
+            continue
+        try:
+            params = list(inspect.signature(event).parameters.values())[1:]  # after self
+        except (TypeError, ValueError):  # a builtin or a callable object: nothing to read
+            continue
+        if params:
+            names = ", ".join(p.name for p in params)
+            known = {p.name: V1_KEYWORDS[p.name] for p in params if p.name in V1_KEYWORDS}
+            hints = ", ".join(f"{k} -> {v}" for k, v in known.items())
+            raise ConfigError(
+                f"{type(cb).__name__}.{name} takes ({names}): fastai v1's event signature. The Learner calls "
+                "every event with no arguments and ignores what it returns (fastai v2's convention).",
+                "define it as def " + name + "(self) -> None, read the loop's state as attributes "
+                + (f"({hints}) " if hints else "(self.xb, self.yb, self.pred, self.loss, self.epoch, ...) ")
+                + "and change it through self.learn (e.g. self.learn.pred = ...); stop training with "
+                "raise CancelTrainException() (docs/migrating-from-fastai.md).",
+            )
+
+
+def check_event_result(cb: Callback, name: str, result: object) -> None:
+    """An event returned something (a v1 callback's dict of changed state): the loop would drop it."""
+    if result is not None:
+        raise ConfigError(
+            f"{type(cb).__name__}.{name} returned {result!r}; the Learner ignores what events return "
+            "(fastai v2's convention), so that change would be lost.",
+            "set the state on the learner instead (self.learn.pred = ..., self.learn.loss_grad = ...), or "
+            "raise CancelTrainException() / CancelBatchException() to steer the loop.",
+        )
 
 
 def stateful_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
