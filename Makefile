@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test` (lint + tests).
 # The virtualenv sees system site-packages so an existing torch (CPU or CUDA) is reused as it is;
-# only when no torch is importable do we install the pinned CPU build. A plain `torch` requirement would
+# only when no torch is importable, or one older than mixprec's floor (mixprec/torch_floor.py: pip would
+# otherwise "upgrade" it to a CUDA build from PyPI), do we install the pinned CPU build. A plain `torch` requirement would
 # pull several GB of CUDA packages on Linux, so the CPU build is asked for by name: first as `+cpu` from
 # the places pip already knows (a local wheel, on our CI machines: no network needed), then from
 # PyTorch's CPU index (Linux elsewhere), then plain (macOS, whose wheels on PyPI are CPU builds).
@@ -17,7 +18,7 @@ STAMP := $(VENV)/.installed
 # package ("module 'mixprec' has no attribute 'GradScaler'"); a path entry lets the real package win.
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_PIN)+cpu" 2>/dev/null \
+	$(PY) mixprec/torch_floor.py || $(PY) -m pip install --quiet "$(TORCH_PIN)+cpu" 2>/dev/null \
 		|| $(PY) -m pip install --quiet $(TORCH_PIN) --index-url $(TORCH_CPU_INDEX) \
 		|| $(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e ".[test]" --config-settings editable_mode=compat

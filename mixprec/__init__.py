@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+import mixprec.torch_floor  # noqa: F401  first: an ImportError that names the fix on a torch too old
 from mixprec.activation_checkpoint import checkpoint_context
 from mixprec.amp import initialize, master_params, scale_loss
 from mixprec.autocast import autocast, half_compute, keep_fp32

@@ -115,14 +115,9 @@ def clip_half_grads_(params: list[torch.Tensor], max_norm: float, norm_type: flo
             f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
             "To disable this error, set error_if_nonfinite=False"
         )
-    # torch's clip_grads_with_norm_ (torch >= 2.6) written out: the factor stays fp32 (total is), so each half
-    # gradient is multiplied in fp32 and rounded once
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, same in by_device.items():
-        torch._foreach_mul_(same, factor.to(device))
+    # torch's own scaling by max_norm / (total + 1e-6), at most 1: the factor stays fp32 (total is), so each
+    # half gradient is multiplied in fp32 and rounded once
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
