@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 # editable_mode=compat: the clone's root goes on the path (a .pth file), not an import hook. With the
 # hook, a script in the folder holding a clone named mixprec/ imported that folder as an empty namespace
 # package ("module 'mixprec' has no attribute 'GradScaler'"); a path entry lets the real package win.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile mixprec/torch_floor.py
 	python3 -m venv --system-site-packages $(VENV)
 	$(PY) mixprec/torch_floor.py || $(PY) -m pip install --quiet "$(TORCH_PIN)+cpu" 2>/dev/null \
 		|| $(PY) -m pip install --quiet $(TORCH_PIN) --index-url $(TORCH_CPU_INDEX) \

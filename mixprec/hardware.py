@@ -27,13 +27,15 @@ The answer is a frozen :class:`HalfArithmetic` that says what was decided, by wh
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,7 +115,9 @@ def half_arithmetic(
     """Decide how ``dtype`` GEMMs/convs run on ``device_type``: argument, env var, query, then probe.
 
     Detection runs once per (device type, dtype) and is cached; an override costs nothing. A probe, where
-    one is needed, times two small GEMMs (milliseconds) and forces a device sync.
+    one is needed, times two small GEMMs (milliseconds) and, where the half one keeps up, two small
+    convolutions' forward and weight gradient (up to ~1 s on a CPU: a process's first convolution backward
+    initialises torch's kernels), and forces a device sync.
     """
     if override is not None:
         arithmetic = _parse(override, "override")
@@ -185,8 +189,30 @@ def _detect(device_type: str, dtype: torch.dtype) -> HalfArithmetic:
     key = (device_type, dtype)
     if key not in _DETECTED:
         detector = _DETECTORS.get(device_type, _detect_by_probe)
-        _DETECTED[key] = HalfArithmetic(device_type, dtype, *detector(device_type, dtype))
+        with _as_measured(device_type):
+            _DETECTED[key] = HalfArithmetic(device_type, dtype, *detector(device_type, dtype))
     return _DETECTED[key]
+
+
+@contextlib.contextmanager
+def _as_measured(device_type: str) -> Iterator[None]:
+    """What a probe measures must not depend on where detection was first asked for (a model's first
+    forward, inside an autocast region, under no_grad or inference_mode): gradients on, autocast and
+    torch-function modes (mixprec's own regions) off, and on the CPU one thread. With two threads on a
+    loaded 2-core machine, torch's OpenMP waits made fp32's GEMM read 6-290 GFLOP/s from one call to the
+    next and the probe's verdict a coin toss; one thread compares the kernels, not the scheduler."""
+    threads = torch.get_num_threads()
+    try:
+        no_autocast: contextlib.AbstractContextManager[Any] = torch.autocast(device_type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know: nothing of it to turn off
+        no_autocast = contextlib.nullcontext()
+    try:
+        if device_type == "cpu":
+            torch.set_num_threads(1)
+        with torch.inference_mode(False), torch.enable_grad(), no_autocast, torch._C.DisableTorchFunction():
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpu_flags() -> Mapping[str, bool]:
@@ -291,11 +317,17 @@ def _slow_convolution(device_type: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _probe_values(shape: tuple[int, ...], device_type: str, dtype: torch.dtype) -> torch.Tensor:
+    """Normal values for a timing, from a generator of their own: a probe must not move the global RNG (a
+    seeded run would draw other data depending on whether detection was cached)."""
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    return values.to(device_type).to(dtype)
+
+
 def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
     """The best rate of ``repeats`` n x n x n GEMMs in ``dtype`` on ``device_type`` (GFLOP/s; syncs)."""
-    device = torch.device(device_type)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a = _probe_values((n, n), device_type, dtype)
+    b = _probe_values((n, n), device_type, dtype)
     torch.mm(a, b)  # warm-up: kernel selection, lazy initialisation
     synchronize(device_type)
     best = float("inf")
@@ -317,11 +349,10 @@ def _conv_pass(device_type: str, dtype: torch.dtype) -> Callable[[], float]:
     """A timer of one forward + weight-gradient pass of the probe's convolution in ``dtype`` (seconds;
     syncs). Run twice untimed first: the first convolution backward of a process took 0.8-1.4 s on the
     CPU, the second up to 0.1 s."""
-    device = torch.device(device_type)
     n, c, h, w = CONV_PROBE_SHAPE
-    x = torch.randn(n, c, h, w, device=device).to(dtype)
-    weight = torch.randn(c, c, 3, 3, device=device).to(dtype).requires_grad_()
-    grad_out = torch.randn(n, c, h, w, device=device).to(dtype)
+    x = _probe_values((n, c, h, w), device_type, dtype)
+    weight = _probe_values((c, c, 3, 3), device_type, dtype).requires_grad_()
+    grad_out = _probe_values((n, c, h, w), device_type, dtype)
 
     def timed() -> float:
         start = time.perf_counter()

@@ -164,8 +164,10 @@ class Learner:
         return self
 
     def _event(self, name: str) -> None:
-        for cb in list(self.callbacks):
-            check_event_result(cb, name, getattr(cb, name)())
+        # every callback gets the event (on_train_end restores the model) before a v1 result is refused
+        results = [(cb, getattr(cb, name)()) for cb in list(self.callbacks)]
+        for cb, result in results:
+            check_event_result(cb, name, result)
 
     @property
     def metric_names(self) -> list[str]:
@@ -276,6 +278,8 @@ class Learner:
         extra = list(callbacks)
         if checkpoint is not None or resume is not None:
             extra.append(Checkpoint(checkpoint if checkpoint is not None else resume, resume_from=resume))
+        for cb in extra:  # every one before any is added: a refused one leaves none of this fit's attached
+            check_callback(cb)
         for cb in extra:
             self.add_cb(cb)
         try:

@@ -368,7 +368,12 @@ class MasterWeights(torch.optim.Optimizer):
         """:meth:`copy_grads_to_master`, and where it can (the CPU, :mod:`mixprec.unscale_copy`), the
         scaler's unscale and inf/NaN check (into ``found``) in the same pass. Returns the ids of the
         tensors in ``param_groups`` whose gradients are done (the scaler leaves them alone; it still
-        unscales the others), and whether those were unscaled by exactly 1 (exact upcasts of the model's)."""
+        unscales the others), and whether those were unscaled by exactly 1 (exact upcasts of the model's).
+        A subclass that overrides :meth:`copy_grads_to_master` gets that call instead, and the scaler
+        unscales every gradient."""
+        if type(self).copy_grads_to_master is not MasterWeights.copy_grads_to_master:
+            self.copy_grads_to_master()
+            return set(), True
         return self._copy_grads((found, inv_scale))
 
     def _copy_grads(self, unscale: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[set[int], bool]:

@@ -377,15 +377,50 @@ class _V1Output(Callback):
 
 
 class _V1Stop(Callback):
-    def on_epoch_end(self):  # noqa: ANN201
+    def on_epoch_end(self, **kwargs):  # noqa: ANN003, ANN201
         return {"stop_training": True}
 
 
+class _V1ClassEvent(Callback):
+    @classmethod
+    def on_epoch_end(cls, last_metrics):  # noqa: ANN001, ANN206
+        return None
+
+
 def test_a_fastai_v1_event_signature_is_refused_when_added_and_named() -> None:
-    needle = r"_V1Output.on_loss_begin takes \(last_output, kwargs\)"
+    needle = r"_V1Output.on_loss_begin needs \(last_output\)"
     with pytest.raises(mixprec.ConfigError, match=needle) as e:
         _cnn_learner(callbacks=[_V1Output()])
     assert "last_output -> self.pred" in str(e.value) and "self.learn" in str(e.value)
+    with pytest.raises(mixprec.ConfigError, match=r"_V1ClassEvent.on_epoch_end needs \(last_metrics\)"):
+        _cnn_learner(callbacks=[_V1ClassEvent()])  # a classmethod's cls is not counted, its argument is
+
+
+def test_events_callable_without_arguments_are_accepted() -> None:
+    """``**kwargs``, ``*args``, defaults, a staticmethod: the loop's call works, so nothing is refused."""
+
+    class Lenient(Callback):
+        def on_batch_begin(self, **kwargs) -> None: ...  # noqa: ANN003
+        def on_batch_end(self, *args, **kwargs) -> None: ...  # noqa: ANN002, ANN003
+        def on_epoch_end(self, verbose: bool = False) -> None: ...
+
+        @staticmethod
+        def on_train_begin() -> None: ...
+
+        def on_step_end(self):  # noqa: ANN201
+            return self  # not a v1 dict: ignored, as fastai v2 ignores it
+
+    learn = _cnn_learner(callbacks=[Lenient()])
+    learn.fit(1)
+    assert len(learn.recorder.losses) > 0
+
+
+def test_a_refused_callback_leaves_no_callback_of_that_fit_attached() -> None:
+    learn = _cnn_learner()
+    before = [type(cb).__name__ for cb in learn.callbacks]
+    with pytest.raises(mixprec.ConfigError, match="fastai v1's event signature"):
+        learn.fit_one_cycle(1, callbacks=[_V1Output()])
+    assert [type(cb).__name__ for cb in learn.callbacks] == before  # no OneCycleScheduler left behind
 
 
 def test_a_returned_v1_dict_is_refused_not_dropped() -> None:
@@ -393,6 +428,20 @@ def test_a_returned_v1_dict_is_refused_not_dropped() -> None:
     with pytest.raises(mixprec.ConfigError, match=r"_V1Stop.on_epoch_end returned \{'stop_training': True\}"):
         learn.fit(1)
     assert learn.epoch == 0  # it stopped at the end of the first epoch, not after training on
+
+
+def test_a_v1_dict_from_on_train_end_still_lets_mixed_precision_restore_the_model() -> None:
+    class V1End(Callback):
+        order = 0  # before MixedPrecision's on_train_end (order 100), which casts the model back
+
+        def on_train_end(self, **kwargs):  # noqa: ANN003, ANN201
+            return {"done": True}
+
+    learn = _cnn_learner(callbacks=[V1End()]).to_fp16()
+    with pytest.raises(mixprec.ConfigError, match="on_train_end returned"):
+        learn.fit(1)
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in learn.model.modules())
 
 
 def test_the_v2_way_of_the_same_change_works() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import mixprec
 from mixprec import hardware
 from mixprec.cli import main
 from mixprec.errors import ConfigError
@@ -263,3 +264,35 @@ def test_info_command_refuses_a_cuda_device_that_is_not_there(
     assert "native" not in captured.out and "Traceback" not in captured.err
     assert captured.err.startswith("mixprec: error: --device cuda: this machine has no CUDA device")
     assert "fix:" in captured.err and "--device cpu" in captured.err
+
+
+def test_detection_measures_the_same_wherever_it_is_first_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for under inference_mode, autocast and no_grad (a model's first forward at evaluation), the
+    probe still gets gradients, no autocast (its fp32 kernels would run in the half dtype) and no torch-
+    function mode (mixprec's region), on one CPU thread; the caller's thread count comes back."""
+    seen: list[tuple[bool, bool, bool, bool, int]] = []
+
+    def spy(device_type: str, dtype: torch.dtype) -> tuple[Arithmetic, Decider, str]:
+        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                     torch.is_autocast_enabled("cpu"), torch._C._is_torch_function_enabled(),
+                     torch.get_num_threads()))
+        return Arithmetic.NATIVE, Decider.PROBE, "spy"
+
+    monkeypatch.setitem(hardware._DETECTORS, "cpu", spy)
+    monkeypatch.setenv(hardware.ENV_VAR, "bf16=emulated")  # the region below pushes its torch-function mode
+    threads = torch.get_num_threads()
+    with torch.inference_mode(), mixprec.autocast("cpu", dtype=torch.bfloat16):
+        assert torch._C._len_torch_function_stack() > 0 and torch.is_autocast_enabled("cpu")
+        hardware.clear_cache()
+        hardware.half_arithmetic("cpu", torch.float16)
+    assert seen == [(True, False, False, False, 1)]
+    assert torch.get_num_threads() == threads
+
+
+def test_the_probes_leave_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    hardware.gemm_gflops("cpu", torch.float32, 32, repeats=1)
+    hardware.conv_grad_gflops("cpu", (torch.float32,), rounds=1)
+    assert torch.equal(torch.rand(4), expected)  # a seeded run draws the same data, detected or not

@@ -175,3 +175,23 @@ def test_without_a_compiler_o2_copies_and_unscales_with_torch_and_info_says_so(
     ref_grads, ref_masters, _ = _o2_step(torch.float16, 2.0**16, False, False, False, monkeypatch)
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
     assert all(torch.equal(g, r) for g, r in zip(masters, ref_masters, strict=True))
+
+
+def test_a_subclass_that_copies_its_own_way_is_called_and_unscaled_by_the_scaler() -> None:
+    """copy_grads_to_master is the scaler's documented hook: a subclass overriding it must not be bypassed."""
+    calls: list[str] = []
+
+    class Logged(MasterWeights):
+        def copy_grads_to_master(self) -> None:
+            calls.append("copied")
+            super().copy_grads_to_master()
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).half()
+    opt = Logged(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler("cpu", init_scale=2.0**10, allow_fp16_grads=True)
+    scaler.scale(model(torch.randn(8, 4).half()).float().sum()).backward()
+    expected = [p.grad.float() / 2.0**10 for p in model.parameters()]
+    scaler.unscale_(opt)
+    assert calls == ["copied"]
+    assert all(torch.equal(m.grad, e) for m, e in zip(opt.master_params(), expected, strict=True))

@@ -167,24 +167,22 @@ V1_KEYWORDS: dict[str, str] = {
 
 
 def check_callback(cb: Callback) -> None:
-    """Refuse a callback whose events take arguments (fastai v1's signature): the loop calls each event
-    with none, and a v1 event would fail with a bare TypeError in the middle of a fit, or run with its
-    defaults and have what it returns dropped."""
+    """Refuse a callback whose events need arguments (fastai v1's signature): the loop calls each event
+    with none, and such an event would fail with a bare TypeError in the middle of a fit. Read from the
+    bound event, so that ``self`` (or a classmethod's ``cls``) is not counted; ``**kwargs``, ``*args`` and
+    parameters with defaults are fine: the call works."""
     for name in EVENTS:
-        event = getattr(type(cb), name, None)
-        if event is None:
-            continue
         try:
-            params = list(inspect.signature(event).parameters.values())[1:]  # after self
-        except (TypeError, ValueError):  # a builtin or a callable object: nothing to read
+            params = inspect.signature(getattr(cb, name)).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to read
             continue
-        if params:
-            names = ", ".join(p.name for p in params)
-            known = {p.name: V1_KEYWORDS[p.name] for p in params if p.name in V1_KEYWORDS}
+        required = [p.name for p in params if p.default is p.empty and p.kind in _NAMED]
+        if required:
+            known = {n: V1_KEYWORDS[n] for n in required if n in V1_KEYWORDS}
             hints = ", ".join(f"{k} -> {v}" for k, v in known.items())
             raise ConfigError(
-                f"{type(cb).__name__}.{name} takes ({names}): fastai v1's event signature. The Learner calls "
-                "every event with no arguments and ignores what it returns (fastai v2's convention).",
+                f"{type(cb).__name__}.{name} needs ({', '.join(required)}): fastai v1's event signature. The "
+                "Learner calls every event with no arguments (fastai v2's convention).",
                 "define it as def " + name + "(self) -> None, read the loop's state as attributes "
                 + (f"({hints}) " if hints else "(self.xb, self.yb, self.pred, self.loss, self.epoch, ...) ")
                 + "and change it through self.learn (e.g. self.learn.pred = ...); stop training with "
@@ -192,12 +190,19 @@ def check_callback(cb: Callback) -> None:
             )
 
 
+# The parameters a call with no arguments must fill: named ones without a default.
+_NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+          inspect.Parameter.KEYWORD_ONLY)
+
+
 def check_event_result(cb: Callback, name: str, result: object) -> None:
-    """An event returned something (a v1 callback's dict of changed state): the loop would drop it."""
-    if result is not None:
+    """An event returned a dict: fastai v1's way to change the loop's state, which this loop (as fastai
+    v2's) does not read, so the change would be lost. Other results are ignored, as fastai v2 does."""
+    if isinstance(result, dict):
         raise ConfigError(
-            f"{type(cb).__name__}.{name} returned {result!r}; the Learner ignores what events return "
-            "(fastai v2's convention), so that change would be lost.",
+            f"{type(cb).__name__}.{name} returned {result!r}: fastai v1's way to change the loop's state. "
+            "The Learner does not read what events return (fastai v2's convention), so that change would "
+            "be lost.",
             "set the state on the learner instead (self.learn.pred = ..., self.learn.loss_grad = ...), or "
             "raise CancelTrainException() / CancelBatchException() to steer the loop.",
         )
