@@ -324,45 +324,44 @@ def _probe_values(shape: tuple[int, ...], device_type: str, dtype: torch.dtype) 
     return values.to(device_type).to(dtype)
 
 
+def _timer(run: Callable[[], object], device_type: str, warmups: int) -> Callable[[], float]:
+    """A timer of one call of ``run`` (seconds; syncs), after ``warmups`` untimed calls (kernel selection,
+    lazy initialisation)."""
+
+    def timed() -> float:
+        start = time.perf_counter()
+        run()
+        synchronize(device_type)
+        return time.perf_counter() - start
+
+    for _ in range(warmups):
+        timed()
+    return timed
+
+
 def gemm_gflops(device_type: str, dtype: torch.dtype, n: int, repeats: int = 3) -> float:
     """The best rate of ``repeats`` n x n x n GEMMs in ``dtype`` on ``device_type`` (GFLOP/s; syncs)."""
     a = _probe_values((n, n), device_type, dtype)
     b = _probe_values((n, n), device_type, dtype)
-    torch.mm(a, b)  # warm-up: kernel selection, lazy initialisation
-    synchronize(device_type)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        synchronize(device_type)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best / 1e9
+    timed = _timer(lambda: torch.mm(a, b), device_type, warmups=1)
+    return 2.0 * n**3 / min(timed() for _ in range(repeats)) / 1e9
 
 
 # The probe's convolution: a 3x3 over 16 channels of 16x16 images, batch 8 (9.4 MFLOP forward): well under a
 # millisecond at fp32's rate, ~0.1 s at the slow rate it exists to catch.
 CONV_PROBE_SHAPE = (8, 16, 16, 16)  # N, C, H, W; as many output channels as input ones
-CONV_PROBE_FLOP = 2 * (2.0 * 8 * 16 * 16 * 16 * 16 * 9)  # forward and weight gradient
 
 
 def _conv_pass(device_type: str, dtype: torch.dtype) -> Callable[[], float]:
-    """A timer of one forward + weight-gradient pass of the probe's convolution in ``dtype`` (seconds;
-    syncs). Run twice untimed first: the first convolution backward of a process took 0.8-1.4 s on the
-    CPU, the second up to 0.1 s."""
+    """A timer of one forward + weight-gradient pass of the probe's convolution in ``dtype``. Run twice
+    untimed first: the first convolution backward of a process took 0.8-1.4 s on the CPU, the second up
+    to 0.1 s."""
     n, c, h, w = CONV_PROBE_SHAPE
     x = _probe_values((n, c, h, w), device_type, dtype)
     weight = _probe_values((c, c, 3, 3), device_type, dtype).requires_grad_()
     grad_out = _probe_values((n, c, h, w), device_type, dtype)
-
-    def timed() -> float:
-        start = time.perf_counter()
-        torch.autograd.grad(torch.nn.functional.conv2d(x, weight, padding=1), weight, grad_out)
-        synchronize(device_type)
-        return time.perf_counter() - start
-
-    for _ in range(2):
-        timed()
-    return timed
+    conv = torch.nn.functional.conv2d
+    return _timer(lambda: torch.autograd.grad(conv(x, weight, padding=1), weight, grad_out), device_type, 2)
 
 
 def conv_grad_gflops(device_type: str, dtypes: Sequence[torch.dtype], rounds: int = 3) -> list[float]:
@@ -370,8 +369,9 @@ def conv_grad_gflops(device_type: str, dtypes: Sequence[torch.dtype], rounds: in
     ``rounds`` rounds that run each once, in turn: a neighbour's load slows all alike, not one."""
     passes = [_conv_pass(device_type, d) for d in dtypes]
     times = [[p() for p in passes] for _ in range(rounds)]
-    best = [min(t[i] for t in times) for i in range(len(passes))]
-    return [CONV_PROBE_FLOP / b / 1e9 for b in best]
+    n, c, h, w = CONV_PROBE_SHAPE
+    flop = 2 * (2.0 * n * c * h * w * c * 3 * 3)  # forward and weight gradient: a multiply-add per tap each
+    return [flop / min(per_round) / 1e9 for per_round in zip(*times, strict=True)]
 
 
 def _no_sync() -> None:

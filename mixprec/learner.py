@@ -278,18 +278,17 @@ class Learner:
         extra = list(callbacks)
         if checkpoint is not None or resume is not None:
             extra.append(Checkpoint(checkpoint if checkpoint is not None else resume, resume_from=resume))
-        for cb in extra:  # every one before any is added: a refused one leaves none of this fit's attached
-            check_callback(cb)
-        for cb in extra:
-            self.add_cb(cb)
         try:
+            for cb in extra:  # inside: a refused one (add_cb checks it) leaves none of this fit's attached
+                self.add_cb(cb)
             self.opt = self._make_optimizer(lr)
             self.scaler, self.iteration, self.start_epoch = None, 0, 0
             self.n_epochs, self.n_steps = n_epochs, n_steps
             self._fit()
         finally:
             for cb in extra:
-                self.remove_cb(cb)
+                if cb in self.callbacks:
+                    self.remove_cb(cb)
 
     def _fit_length(self, epochs: int | None, steps: int | None) -> tuple[int, int]:
         """(epochs, steps) of a fit given one of them."""

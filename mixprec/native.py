@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["library", "library_error", "library_threads", "dense", "pointers", "sizes"]
+__all__ = ["library", "library_error", "library_threads", "dense", "pointers", "readable", "sizes"]
 
 # The loops, one concept per file, linked into one library (one build, one cache entry per machine).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("split_adam.c", "non_finite.c", "unscale_copy.c"))
@@ -175,11 +175,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # -> 0, 1, or -1 (not a scale of 1): one signature for both widths
     **dict.fromkeys(("half_non_finite", "float_non_finite"), (ctypes.c_int32, [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])),
-    # bf16_/fp16_unscale_copy(n_tensors, source table, destination table, numel table, exponent mask,
-    # n_threads, &inv_scale) -> bit 0: inf/NaN found; bit 1: the inverse scale was exactly 1
+    # bf16_/fp16_unscale_copy(n_tensors, source table, destination table, numel table, n_threads,
+    # &inv_scale) -> bit 0: inf/NaN found; bit 1: the inverse scale was exactly 1
     **dict.fromkeys(("bf16_unscale_copy", "fp16_unscale_copy"), (ctypes.c_int32, [
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-        ctypes.c_void_p])),
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p])),
 }
 
 
@@ -211,6 +210,12 @@ def library_threads() -> str:
     """Which threads the built loops run on, in words (torch's OpenMP threads where it could link them)."""
     library()
     return _LIBRARY.get("threads", "none: not built")
+
+
+def readable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a loop may read (or write) ``t`` as ``t.numel()`` elements of ``dtype`` from its data pointer:
+    a plain tensor (not a DTensor's or another subclass's wrapper), on the CPU, of that dtype, dense."""
+    return type(t) is torch.Tensor and t.is_cpu and t.dtype is dtype and dense(t)
 
 
 def dense(t: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mixprec.native import dense, library, pointers, sizes
+from mixprec.native import library, pointers, readable, sizes
 
 __all__ = ["EXPONENT_MASK", "check_grads_"]
 
@@ -28,12 +28,6 @@ EXPONENT_MASK: dict[torch.dtype, int] = {torch.float16: 0x7C00, torch.bfloat16: 
 # The loop for each element width (non_finite.c).
 _LOOP: dict[torch.dtype, str] = {torch.float16: "half_non_finite", torch.bfloat16: "half_non_finite",
                                  torch.float32: "float_non_finite"}
-
-
-def _readable(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> bool:
-    """Whether the loop may read each tensor as ``numel`` elements from its data pointer: plain (not a
-    DTensor's or another subclass's wrapper), on the CPU, of ``dtype``, dense."""
-    return all(type(g) is torch.Tensor and g.is_cpu and g.dtype is dtype and dense(g) for g in grads)
 
 
 @torch.no_grad()
@@ -51,7 +45,7 @@ def check_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_scale: 
     if not grads or grads[0].dtype not in EXPONENT_MASK or not cpu or inv_scale.dtype is not torch.float32:
         return False
     lib = library()
-    if lib is None or inv_scale.numel() != 1 or not _readable(grads, grads[0].dtype):
+    if lib is None or inv_scale.numel() != 1 or not all(readable(g, grads[0].dtype) for g in grads):
         return False
     held = [g for g in grads if g.numel()]  # alive until the loop returns (ctypes lets go of the GIL)
     data, numel = pointers(held), sizes(held)

@@ -444,14 +444,13 @@ class GradScaler:
                                  ) -> tuple[dict[torch.device, torch.Tensor], bool]:
         """``_unscale_grads_`` (torch's name and result), and whether every gradient was only read: the
         native check ran on each, so the inverse scale was exactly 1 and no value changed."""
-        fused_found = found_inf.clone()  # the flag of the gradients unscaled in the copy (the CPU's)
-        done, read_only = self._copy_to_masters(optimizer, inv_scale, fused_found, check_only)
+        done, read_only, fused_found = self._copy_to_masters(optimizer, inv_scale, found_inf, check_only)
         # check_only (inv_scale is 1: the step unscales): an optimizer may bring a read-only check of its
         # half gradients (MasterWeights with compile_step=True: a compiled one, for where the native
         # check does not run, a GPU)
         checker = getattr(optimizer, "non_finite_check", None) if check_only else None
         per_device_found: dict[torch.device, torch.Tensor] = {}
-        if done:
+        if fused_found is not None:
             per_device_found[found_inf.device] = fused_found
         with torch.no_grad():
             for device, per_dtype in self._grads_by_device_and_dtype(optimizer, allow_fp16, done).items():
@@ -475,17 +474,19 @@ class GradScaler:
 
     @staticmethod
     def _copy_to_masters(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                         check_only: bool) -> tuple[set[int], bool]:
+                         check_only: bool) -> tuple[set[int], bool, torch.Tensor | None]:
         """An optimizer with fp32 master gradients (O2) copies the model's half gradients into them first,
-        on the CPU unscaling and checking them in the same pass (into ``found_inf``): the ids of the
-        parameters whose gradients it did, and whether all of those were unscaled by exactly 1."""
-        if not isinstance(optimizer, HasMasterGrads):
-            return set(), True
+        on the CPU unscaling and checking them in the same pass: the ids of the parameters whose gradients
+        it did, whether all of those were unscaled by exactly 1, and their inf/NaN flag (a copy of
+        ``found_inf``; None where it did none)."""
         fused = getattr(optimizer, "copy_grads_to_master_unscaled", None)
         if callable(fused) and not check_only and inv_scale.device.type == "cpu":
-            return fused(found_inf, inv_scale)
-        optimizer.copy_grads_to_master()
-        return set(), True
+            found = found_inf.clone()
+            done, exact = fused(found, inv_scale)
+            return done, exact, (found if done else None)
+        if isinstance(optimizer, HasMasterGrads):
+            optimizer.copy_grads_to_master()
+        return set(), True, None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/NaN.

@@ -45,17 +45,16 @@ static inline float fp16_to_float(uint16_t h) {
 /* For each of n_tensors tensors (src[t]: numel[t] fp16 or bf16 elements; dst[t]: as many fp32 ones):
  * dst = float(src) * *inv_scale in fp32, or float(src) itself where *inv_scale is exactly 1 (torch's
  * check-and-unscale op: a multiply by 1 would still quiet a signalling NaN). An element is inf or NaN
- * exactly when every exponent bit (exp_mask) of its half value is set; an upcast keeps it so, and a finite
+ * exactly when every exponent bit (MASK: 0x7F80 for bf16, 0x7C00 for fp16) of its half value is set; an upcast keeps it so, and a finite
  * value times an inverse scale <= 1 stays finite. Returns bit 0: some element was inf or NaN; bit 1:
  * *inv_scale was exactly 1, so dst holds the exact upcasts of src. */
-#define UNSCALE_COPY(NAME, TO_FLOAT)                                                                   \
-    int32_t NAME(int64_t n_tensors, void **src, void **dst, const int64_t *numel, int32_t exp_mask,   \
-                 int32_t n_threads, const float *inv_scale) {                                         \
+#define UNSCALE_COPY(NAME, TO_FLOAT, MASK)                                                             \
+    int32_t NAME(int64_t n_tensors, void **src, void **dst, const int64_t *numel, int32_t n_threads,  \
+                 const float *inv_scale) {                                                            \
         const float inv = *inv_scale;                                                                 \
         const int by_one = inv == 1.0f;                                                               \
         int64_t total = 0;                                                                            \
         for (int64_t t = 0; t < n_tensors; ++t) total += numel[t];                                   \
-        const uint16_t mask = (uint16_t)exp_mask;                                                     \
         int32_t found = 0;                                                                            \
         /* Threads only for enough work, as torch's parallel_for (its grain is 32768 elements). */    \
         _Pragma("omp parallel num_threads(n_threads) if (total >= 32768)")                            \
@@ -69,7 +68,7 @@ static inline float fp16_to_float(uint16_t h) {
                 for (int64_t i = 0; i < n; ++i) {                                                     \
                     const uint16_t h = x[i];                                                          \
                     const float f = TO_FLOAT(h);                                                      \
-                    mine |= (h & mask) == mask;                                                       \
+                    mine |= (h & MASK) == MASK;                                                       \
                     y[i] = by_one ? f : f * inv;                                                      \
                 }                                                                                     \
             }                                                                                         \
@@ -79,5 +78,5 @@ static inline float fp16_to_float(uint16_t h) {
         return found | by_one << 1;                                                                   \
     }
 
-UNSCALE_COPY(bf16_unscale_copy, bf16_to_float)
-UNSCALE_COPY(fp16_unscale_copy, fp16_to_float)
+UNSCALE_COPY(bf16_unscale_copy, bf16_to_float, 0x7F80)
+UNSCALE_COPY(fp16_unscale_copy, fp16_to_float, 0x7C00)

@@ -20,18 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mixprec.native import dense, library, pointers, sizes
-from mixprec.non_finite import EXPONENT_MASK
+from mixprec.native import library, pointers, readable, sizes
 
 __all__ = ["unscale_copy_"]
 
 # The loop for each half dtype (unscale_copy.c): bf16's upcast is a shift, fp16's a rebias of its exponent.
 _LOOP: dict[torch.dtype, str] = {torch.bfloat16: "bf16_unscale_copy", torch.float16: "fp16_unscale_copy"}
-
-
-def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Readable or writable as ``numel`` elements from its data pointer: a plain dense CPU tensor."""
-    return type(t) is torch.Tensor and t.is_cpu and t.dtype is dtype and dense(t)
 
 
 def _same_layout(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -48,24 +42,21 @@ def unscale_copy_(
     ``torch._amp_foreach_non_finite_check_and_unscale_(dst, found, inv_scale)`` do. Returns whether the
     inverse scale was exactly 1 (``dst`` then holds the exact upcasts of ``src``), or None, having written
     nothing, where it cannot run: the caller then copies and unscales with torch's ops."""
-    if not src or src[0].dtype not in _LOOP or found.device.type != "cpu" or inv_scale.device.type != "cpu":
+    if not src or len(dst) != len(src) or src[0].dtype not in _LOOP or inv_scale.dtype is not torch.float32:
         return None
     dtype = src[0].dtype
     lib = library()
-    if lib is None or inv_scale.dtype is not torch.float32 or inv_scale.numel() != 1:
-        return None
-    if len(dst) != len(src):
-        return None
+    cpu = found.device.type == "cpu" and inv_scale.device.type == "cpu" and inv_scale.numel() == 1
     pairs = list(zip(dst, src, strict=True))
-    if not all(_plain(s, dtype) and _plain(d, torch.float32) and _same_layout(d, s) for d, s in pairs):
+    if lib is None or not cpu or not all(
+        readable(s, dtype) and readable(d, torch.float32) and _same_layout(d, s) for d, s in pairs
+    ):
         return None
-    pairs = [(d, s) for d, s in pairs if s.numel()]
     # the tensors stay alive until the loop returns (ctypes lets go of the GIL)
-    ins, outs = [s for _, s in pairs], [d for d, _ in pairs]
+    ins, outs = [s for _, s in pairs if s.numel()], [d for d, s in pairs if s.numel()]
     data_in, data_out, numel = pointers(ins), pointers(outs), sizes(ins)
-    result = getattr(lib, _LOOP[dtype])(len(pairs), data_in.ctypes.data, data_out.ctypes.data,
-                                        numel.ctypes.data, EXPONENT_MASK[dtype], torch.get_num_threads(),
-                                        inv_scale.data_ptr())
+    result = getattr(lib, _LOOP[dtype])(len(ins), data_in.ctypes.data, data_out.ctypes.data,
+                                        numel.ctypes.data, torch.get_num_threads(), inv_scale.data_ptr())
     if result & 1:
         found.fill_(1.0)  # 1.0 once any is inf/NaN, never more (as torch's op)
     return bool(result & 2)
