@@ -29,6 +29,9 @@ def bench() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
+    # The tests check what a run reports, not the rates: small reference GEMMs. At the script's 2048^3 a
+    # bf16 GEMM took ~35 s on an AVX2-only CPU, where the suite forces bf16 to run natively (conftest).
+    module.REFERENCE_SIZE = {dev: dict.fromkeys(sizes, 64) for dev, sizes in module.REFERENCE_SIZE.items()}
     return module
 
 

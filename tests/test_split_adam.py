@@ -81,15 +81,18 @@ def test_native_step_is_torch_adam_on_the_fp32_masters_bit_for_bit(name: str, ex
 
 def test_native_step_stays_within_a_few_ulps_of_torch_adamw_as_it_is() -> None:
     """Without the sqrt change: torch's own rounding differs in a few elements per step; 20 steps later
-    the masters differ by at most a few ulps (fp32 bit patterns as integers), in a small share."""
+    the masters differ by at most a few ulps at the tensor's scale, in a small share of elements."""
     half, ref = _pair()
     opt = LowPrecisionOptimizer(torch.optim.AdamW(half, lr=1e-3), "split", kernel="native")
     ref_opt = torch.optim.AdamW(ref, lr=1e-3)
     _step_both(opt, ref_opt, half, ref, 20)
     for m, r in zip(opt.master_values(), ref, strict=True):
-        ulps = (m.view(torch.int32) - r.detach().view(torch.int32)).abs()
-        assert ulps.max().item() <= 8
-        assert (ulps > 0).float().mean().item() < 0.1
+        r = r.detach()
+        # ulps of the tensor's largest value, not of each element: an element near zero keeps the absolute
+        # difference it picked up while larger (on an AVX2 EPYC 2**-23 at a 3e-5 weight: 64 of its own
+        # ulps; at most 8 on an AMX Xeon, whose torch rounds otherwise)
+        assert (m - r).abs().max().item() <= 8 * r.abs().max().item() * 2**-23
+        assert (m != r).float().mean().item() < 0.1
 
 
 def test_auto_picks_the_native_step_and_generic_keeps_torchs_numbers(exact_sqrt: None) -> None:
