@@ -142,7 +142,9 @@ class MasterWeights(torch.optim.Optimizer):
         compile_step: with ``master_grads=False``, run the update as one pass that torch.compile generates
             (master_kernel.py): the half gradient upcast, unscaled, Adam's update and the rounding into the
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
-            rounding order. Adam/AdamW without amsgrad. With a GradScaler it decides the skip by reading
+            rounding order. Adam/AdamW without amsgrad. On a GPU, where the compiled pass's kernels cost
+            the host more time than torch's fused kernel does, the step runs that kernel over one chunk
+            instead (master_fused.COMPILED_ON). With a GradScaler it decides the skip by reading
             ``found_inf`` on the host on the CPU (free there); on a GPU the compiled pass takes the flag
             and leaves every tensor as it was (no sync). When ``scaler.step`` only checks the half
             gradients (no ``unscale_`` before it), it does so read-only: natively on the CPU
@@ -414,10 +416,12 @@ class MasterWeights(torch.optim.Optimizer):
     @property
     def non_finite_check(self) -> Callable[[list[torch.Tensor], torch.Tensor], None] | None:
         """How a GradScaler should look for inf/NaN in the half gradients before this optimizer's step
-        unscales them itself, where its native CPU check does not run (a GPU): the compiled read-only
-        check with ``compile_step=True`` (the user chose torch.compile for the step;
-        master_kernel.record_non_finite_), else None (torch's own op)."""
-        return record_non_finite_ if self._fused_step is not None and self._fused_step.compiled else None
+        unscales them itself, where its native CPU check does not run (no compiler): the compiled read-only
+        check where the step runs compiled (``compile_step=True`` on the CPU;
+        master_kernel.record_non_finite_), else None (torch's own op: on an H200 it took 0.44 ms for the
+        GPT's 55 bf16 gradients, the compiled one 1.2 ms)."""
+        fused = self._fused_step
+        return record_non_finite_ if fused is not None and fused.runs_compiled() else None
 
     @property
     def keeps_master_grads(self) -> bool:

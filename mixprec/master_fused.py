@@ -36,6 +36,17 @@ __all__ = ["CHUNK", "FusedMasterStep", "check_fused_master"]
 # ones let the scratch leave the cache before the kernel reads it back.
 CHUNK = 2**18
 
+# On a GPU a chunk is about launches, not caches: each costs three kernel launches of the host's time, and
+# 16M elements take the device ~0.1 ms at an H200's bandwidth. At 2**18 the H200 took 7.3 ms for 18.9M
+# parameters behind a GradScaler, at 2**24 2.4 ms (benchmarks/master_step.py --device cuda). 2**24 fp32
+# values: at most a 64 MiB scratch, for the step only (a smaller model's is its size).
+DEVICE_CHUNK = 2**24
+
+
+def chunk_for(device: torch.device) -> int:
+    """Elements per chunk on ``device``: cache-sized on the CPU, launch-sized elsewhere."""
+    return CHUNK if device.type == "cpu" else DEVICE_CHUNK
+
 # torch's fused Adam kernels, by the group's decoupled_weight_decay (AdamW is Adam with it set).
 KERNELS: dict[bool, Callable[..., None]] = {False: torch._fused_adam_, True: torch._fused_adamw_}
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
@@ -66,6 +77,13 @@ class _Unit:
     offset: int  # where `param` starts in that tensor's state (nonzero for flat-buffer members and slices)
     model: torch.Tensor | None  # the half model slice to round the result into, None for fp32 parameters
 
+
+# Device types where compile_step=True runs the compiled pass. On a GPU its per-tensor kernels cost the host
+# more than the whole update costs the device: on an H200 (benchmarks/master_step.py --device cuda, 18.9M
+# bf16 parameters) the compiled step took 1.5 ms, torch's fused kernel over one chunk (DEVICE_CHUNK) 1.0 ms;
+# behind a GradScaler 3.5 against 2.4 ms (RESULTS.md). There compile_step=True runs that kernel instead:
+# torch's Adam arithmetic bit for bit.
+COMPILED_ON: frozenset[str] = frozenset({"cpu"})
 
 # Device types where the compiled step reads found_inf on the host to skip an overflowing step (free there);
 # elsewhere the compiled pass takes the flag (a read would wait for the device every step).
@@ -109,22 +127,28 @@ class FusedMasterStep:
         """Units cut at CHUNK elements and packed so that each chunk's half gradients fill one scratch."""
         chunk: list[_Unit] = []
         filled = 0
+        size = chunk_for(units[0].param.device)
         for u in units:
             start = 0
             while start < u.param.numel():
-                n = min(u.param.numel() - start, CHUNK - filled)
+                n = min(u.param.numel() - start, size - filled)
                 chunk.append(_slice(u, start, n))
                 start += n
                 filled += n if u.model is not None else 0
-                if filled == CHUNK:
+                if filled == size:
                     yield chunk
                     chunk, filled = [], 0
         if chunk:
             yield chunk
 
+    def runs_compiled(self) -> bool:
+        """Whether :meth:`step` runs the compiled pass: asked for, and on a device in COMPILED_ON."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return self.compiled and bool(params) and params[0].device.type in COMPILED_ON
+
     @torch.no_grad()
     def step(self, groups: list[GroupMasters], grad_scale: Any = None, found_inf: Any = None) -> None:
-        if self.compiled:
+        if self.runs_compiled():
             self._step_compiled(groups, grad_scale, found_inf)
             return
         scratch: dict[torch.device, torch.Tensor] = {}  # CHUNK fp32 values per device, freed after the step
@@ -204,8 +228,9 @@ class FusedMasterStep:
         grads = {id(u): u.grad for u in chunk}
         if half:
             device = half[0].param.device
-            if device not in scratch:
-                scratch[device] = torch.empty(CHUNK, dtype=torch.float32, device=device)
+            need = sum(u.grad.numel() for u in half)  # a small model's scratch is its size, not a chunk's
+            if device not in scratch or scratch[device].numel() < need:
+                scratch[device] = torch.empty(need, dtype=torch.float32, device=device)
             views = views_like(scratch[device], [u.grad for u in half])
             torch._foreach_copy_(views, [u.grad for u in half])  # exact upcast
             grads.update({id(u): v for u, v in zip(half, views, strict=True)})

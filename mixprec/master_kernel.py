@@ -19,7 +19,9 @@ Hyperparameters enter as tensors, so an LR schedule does not recompile; the set 
 does (one compile per distinct set). The skip of an overflowing step is decided before the kernel on the
 CPU, where reading ``found_inf`` is free; on a GPU reading it would be a sync every step (the host could no
 longer queue work ahead of the device), so there the kernel takes the flag and writes back the old values
-when it is set, as torch's fused Adam does.
+when it is set, as torch's fused Adam does. (MasterWeights runs this pass on the CPU only: on a GPU torch's
+fused kernel was faster, master_fused.COMPILED_ON. The GPU branches here stay tested on a GPU for the day
+that changes.)
 """
 
 from __future__ import annotations

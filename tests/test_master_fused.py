@@ -43,9 +43,11 @@ def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
 
 
-def _run(master_grads: bool, flat: bool, kind: str, dtype: torch.dtype, unscale: bool) -> tuple:
+def _run(master_grads: bool, flat: bool, kind: str, dtype: torch.dtype, unscale: bool,
+         compile_step: bool = False) -> tuple:
     model = _net(dtype)
-    opt = MasterWeights(_optimizer(model, kind), flat=flat, fused=True, master_grads=master_grads)
+    opt = MasterWeights(_optimizer(model, kind), flat=flat, fused=True, master_grads=master_grads,
+                        compile_step=compile_step)
     scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     for i in range(6):
         g = torch.Generator().manual_seed(i)
@@ -86,6 +88,43 @@ def test_fused_step_equals_the_step_with_master_grads(
         assert torch.equal(a, b)
     for a, b in zip(_state_tensors(ref), _state_tensors(opt), strict=True):
         assert torch.equal(a, b)  # moments and step counts (the skipped step not counted)
+
+
+@pytest.mark.parametrize("unscale", [False, True])
+def test_compile_step_runs_the_fused_kernel_where_the_compiled_pass_does_not_run(
+    unscale: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU (COMPILED_ON holds only the CPU; emptied here to take that path on the CPU): compile_step=True
+    steps with torch's fused kernel, bit for bit the step with master gradients, and leaves the scaler its
+    own inf check (the compiled one is slower there)."""
+    monkeypatch.setattr(master_fused, "COMPILED_ON", frozenset())
+    monkeypatch.setattr(master_fused, "adam_pass", lambda *a, **k: pytest.fail("the compiled pass ran"))
+    ref_model, ref, ref_scaler = _run(True, False, "adamw", torch.bfloat16, unscale)
+    model, opt, scaler = _run(False, False, "adamw", torch.bfloat16, unscale, compile_step=True)
+    assert opt.non_finite_check is None
+    assert scaler.skipped_steps == ref_scaler.skipped_steps == 1
+    for a, b in zip(ref.master_params(), opt.master_params(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(ref_model.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_scratch_is_no_larger_than_the_half_gradients_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's chunk (DEVICE_CHUNK, 64 MiB of fp32) would be a small model's scratch; it is sized by what
+    a chunk holds."""
+    sizes: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*shape: int, **kwargs: object) -> torch.Tensor:
+        sizes.append(shape[0])
+        return real_empty(*shape, **kwargs)  # type: ignore[arg-type]
+
+    model = nn.Sequential(nn.Linear(10, 10)).bfloat16()
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-3), master_grads=False)
+    model(torch.randn(2, 10).bfloat16()).float().sum().backward()
+    monkeypatch.setattr(torch, "empty", spy)
+    opt.step()
+    assert sizes == [110]  # the weight and bias of one step, in one chunk
 
 
 @pytest.mark.parametrize("flat", [False, True])
