@@ -15,7 +15,11 @@ or :func:`checkpoint`, which passes it for you::
     y = checkpoint(block, x)  # the same
 
 ``checkpoint_context`` records the mixprec regions in force when the segment's forward runs and
-re-enters exactly those for its recompute. A model mixprec prepared (``initialize`` at O1-O3, ``to_fp16``,
+re-enters exactly those for its recompute. Under ``mixprec.autocast`` torch's non-reentrant checkpoint
+needs neither, as under torch.autocast: the first op inside a segment that the region's Python layer
+changes wraps the segment's recompute to re-enter the regions in force when the segment started
+(:func:`cover_segment`; it reaches into torch's private checkpoint frame, and where that is not the shape it
+knows, warns with the fix instead). A model mixprec prepared (``initialize`` at O1-O3, ``to_fp16``,
 ``to_bf16``) needs neither for its modules: each submodule re-enters the model's region when called
 outside it in a recompute (``half_model._submodule_forward``), so torch's checkpoint of either kind, and
 ``checkpoint_sequential``, recompute its blocks as the forward ran them.
@@ -30,6 +34,8 @@ they do under torch.autocast.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +44,7 @@ import torch.utils.checkpoint
 
 from mixprec.errors import AutocastError
 from mixprec.fp32_modules import ModuleRules
-from mixprec.region import STATE, Region, RegionMode, is_current
+from mixprec.region import STATE, Region, RegionMode, is_current, top_pack_hook
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -50,8 +56,9 @@ def _active_modes() -> list[RegionMode]:
 @contextlib.contextmanager
 def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]:
     """The forward's region stack and modes again, for a recompute that may run outside them."""
-    saved = STATE.regions
+    saved, saved_under = STATE.regions, STATE.entered_under
     STATE.regions = list(regions)
+    STATE.entered_under = [top_pack_hook()] * len(regions)
     rules = None
     try:
         with contextlib.ExitStack() as stack:
@@ -63,7 +70,7 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
                 stack.callback(rules.remove)
             yield
     finally:
-        STATE.regions = saved
+        STATE.regions, STATE.entered_under = saved, saved_under
         if not saved:
             # The recompute ran after the forward's region had closed: its casts (made from this step's
             # weights) must not outlive it, or the next step's region would reuse them after the optimizer
@@ -77,10 +84,78 @@ _Contexts = tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractCon
 def checkpoint_context() -> _Contexts:
     """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)`` under mixprec regions.
 
-    Called by torch when the segment's forward starts; returns (forward context: nothing to add,
-    recompute context: the mixprec regions and modes active now, re-entered).
+    Called by torch when the segment's forward starts; returns (forward context: marks the segment as
+    covered, for :func:`cover_segment`; recompute context: the mixprec regions and modes active now,
+    re-entered).
     """
-    return contextlib.nullcontext(), _reentered(list(STATE.regions), _active_modes())
+    return _marked_covered(), _reentered(list(STATE.regions), _active_modes())
+
+
+# torch's non-reentrant checkpoint pushes this pack hook for a segment's forward (torch.utils.checkpoint.
+# _checkpoint_hook, torch 2.11 to 2.14); its closure holds the segment's _CheckpointFrame, whose
+# recompute_fn the backward calls. Private to torch: where the name or the closure differ, cover_segment
+# warns with the fix instead.
+SEGMENT_PACK_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+
+# Pack hooks of segments whose recompute already re-enters the regions: given checkpoint_context, or
+# covered by cover_segment. Weak: a segment's hook lives as long as its saved tensors.
+_COVERED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _marked_covered() -> Iterator[None]:
+    pack = top_pack_hook()  # torch enters the segment's hook before this forward context
+    if pack is not None:
+        _COVERED.add(pack)
+    yield
+
+
+def _segment_frame(pack: Callable[..., Any]) -> Any:
+    """The _CheckpointFrame that torch's segment pack hook ``pack`` closes over, or None if its shape is
+    not the one this was written against."""
+    code, cells = getattr(pack, "__code__", None), getattr(pack, "__closure__", None)
+    if code is None or cells is None or "frame" not in code.co_freevars:
+        return None
+    frame = cells[code.co_freevars.index("frame")].cell_contents
+    return frame if callable(getattr(frame, "recompute_fn", None)) else None
+
+
+def cover_segment(mode: RegionMode) -> None:
+    """Called by a region's ``mode`` before its Python layer changes an op (torch takes the mode off the
+    stack while it handles the op: it is passed, the ones below it are read).
+
+    Inside a non-reentrant ``torch.utils.checkpoint`` segment given no :func:`checkpoint_context`, the
+    recompute would run that op without the layer, after the region closed (torch's CheckpointError, or
+    other gradients): the segment's recompute is wrapped so that it re-enters the regions in force when
+    the segment started, as ``checkpoint_context`` does. Regions entered inside the segment are left to
+    the segment's own code."""
+    if torch.compiler.is_compiling():
+        return  # compiled code traces checkpoints itself
+    pack = top_pack_hook()
+    if getattr(pack, "__qualname__", None) != SEGMENT_PACK_HOOK or pack in _COVERED:
+        return
+    _COVERED.add(pack)
+    frame = _segment_frame(pack)
+    if frame is None:
+        warnings.warn(
+            "a torch.utils.checkpoint segment runs under mixprec's cast rules, and this torch's checkpoint "
+            "is not one mixprec can re-enter them for; its recompute may raise CheckpointError or give "
+            "other gradients. Fix: pass context_fn=mixprec.checkpoint_context (use_reentrant=False), or "
+            "call mixprec.activation_checkpoint.checkpoint.",
+            stacklevel=3,
+        )
+        return
+    inside = [i for i, under in enumerate(STATE.entered_under) if under is pack]
+    regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
+    modes = [m for m in [*_active_modes(), mode]
+             if not inside or any(getattr(m, "region", None) is r for r in regions)]
+    recompute = frame.recompute_fn
+
+    def recompute_in_regions(*args: Any) -> None:
+        with _reentered(regions, modes):
+            recompute(*args)
+
+    frame.recompute_fn = recompute_in_regions
 
 
 def _python_layer_active() -> bool:

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from mixprec.activation_checkpoint import cover_segment
 from mixprec.cast_handlers import HANDLERS
 from mixprec.cast_plan import plan, region_for
 from mixprec.errors import AutocastError, BannedOpError, PolicyError
@@ -76,6 +77,8 @@ from mixprec.region import (
     eager_backward_tracing,
     func_name,
     is_current,
+    pop_region,
+    push_region,
 )
 
 __all__ = [
@@ -114,6 +117,7 @@ class _PolicyMode(RegionMode):
         if (action is None and not half_relu) or not is_current(self.region):  # most ops: one dict lookup
             return func(*args, **kwargs)
         region = self.region
+        cover_segment(self)  # in a checkpointed segment, its recompute must change this op the same way
         if half_relu:
             return relu(func, args, kwargs, region.dtype, region.device_type)
         return HANDLERS[action](region, _PY_ALIASES.get(name, name), func, args, kwargs)
@@ -315,7 +319,7 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         try:
             # torch turns a region off (with a warning) when e.g. CUDA is unavailable; follow it.
             region = self._region(bool(getattr(torch_region, "_enabled", self._enabled)))
-            STATE.regions.append(region)
+            push_region(region)
             mode = _mode_for(region) if region.actions else None
             if mode is not None:
                 mode.__enter__()
@@ -379,7 +383,7 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
             if mode is not None:
                 mode.__exit__(*exc)
         finally:
-            STATE.regions.remove(region)  # cached regions are interchangeable: any equal entry will do
+            pop_region(region)
             if not STATE.regions:
                 STATE.cache.clear()  # casts live for the outermost region only, as in torch
             torch_region.__exit__(*exc)

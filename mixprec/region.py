@@ -25,7 +25,7 @@ __all__ = [
     "EMULATED_NODE_KEY",
     "Region",
     "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "in_any_region",
-    "is_current", "STATE"]
+    "is_current", "pop_region", "push_region", "STATE", "top_pack_hook"]
 
 
 @dataclass(eq=False)
@@ -119,6 +119,10 @@ def func_name(func: Any) -> str | None:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.regions: list[Region] = []
+        # Per entry of `regions`: the saved-tensors pack hook on top when it was entered (None: none).
+        # A checkpoint segment's own hook there means the region was entered inside that segment, so its
+        # recompute enters it by itself (activation_checkpoint.cover_segment).
+        self.entered_under: list[Any] = []
         self.cache = CastCache()
         # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
@@ -173,6 +177,24 @@ def eager_region_open() -> bool:
     """Whether a region entered eagerly is open on this thread: it clears the cast cache when it leaves.
     (A mode entered by compiled code can run eagerly, in a frame Dynamo gave up on; nothing clears there.)"""
     return bool(STATE.regions) or STATE.half_compute_depth > 0
+
+
+def top_pack_hook() -> Any:
+    """The pack hook of the innermost ``saved_tensors_hooks`` in force on this thread, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks[0] if hooks else None
+
+
+def push_region(region: Region) -> None:
+    """Enter ``region`` on this thread's stack (innermost), recording the saved-tensors hook it is under."""
+    STATE.regions.append(region)
+    STATE.entered_under.append(top_pack_hook())
+
+
+def pop_region(region: Region) -> None:
+    """Leave ``region``: cached regions are interchangeable, so any equal entry will do (the first)."""
+    i = STATE.regions.index(region)
+    del STATE.regions[i], STATE.entered_under[i]
 
 
 class _AutocastOff:

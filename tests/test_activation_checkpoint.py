@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -70,3 +71,78 @@ def test_reentrant_checkpointing_under_a_python_layer_is_refused() -> None:
         checkpoint(block, x, use_reentrant=True)
     with autocast("cpu", torch.bfloat16):  # torch's tables alone: torch restores them, both kinds work
         assert torch.equal(checkpoint(block, x, use_reentrant=True), block(x))
+
+
+AUTOCAST_REGIONS = [name for name in REGIONS if name.startswith("autocast")]
+
+
+def _torch_checkpoint(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torch's checkpoint as a user calls it, given nothing of mixprec's."""
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+TORCH_RUNS: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "checkpoint": _torch_checkpoint,
+    "checkpoint_sequential": lambda block, x: torch.utils.checkpoint.checkpoint_sequential(
+        block, 2, x, use_reentrant=False),
+}
+
+
+@pytest.mark.parametrize(("run_name", "backward_inside"),
+                         [("checkpoint", False), ("checkpoint", True), ("checkpoint_sequential", False)])
+@pytest.mark.parametrize("region_name", AUTOCAST_REGIONS)
+def test_torchs_checkpoint_without_context_fn_recomputes_under_the_region(
+    region_name: str, run_name: str, backward_inside: bool
+) -> None:
+    """As under torch.autocast, whose state torch's checkpoint restores: a mixprec.autocast region's Python
+    layer is re-entered for the recompute too (before, torch raised CheckpointError after the region had
+    closed). With the backward inside the region the regions are entered twice: the same gradients."""
+    region, _ = REGIONS[region_name]
+    block = _block(None)
+    x = torch.randn(8, 16, requires_grad=True)
+    plain = _grads(block, x, region, block)
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    with region():
+        y = TORCH_RUNS[run_name](block, x)
+        if backward_inside:
+            y.float().square().mean().backward()
+    if not backward_inside:
+        y.float().square().mean().backward()
+    got = [x.grad] + [p.grad for p in block.parameters()]
+    assert len(got) == len(plain) == 7
+    for a, b in zip(plain, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_region_entered_inside_the_segment_is_left_to_the_segments_own_code() -> None:
+    """The recompute re-enters only the regions in force when the segment started: one the segment enters
+    itself (here bf16 under apex's policy, inside the fp16 region) would otherwise cover all of it."""
+    block = _block(None)
+
+    def segment(t: torch.Tensor) -> torch.Tensor:
+        with autocast("cpu", torch.bfloat16, policy=P.APEX):  # the first op the layer changes is in here
+            h = block[1](block[0](t))
+        return block[3](block[2](h))  # the outer region's fp16 emulated GEMM
+
+    x = torch.randn(8, 16, requires_grad=True)
+    outer: Region = lambda: autocast("cpu", torch.float16)  # noqa: E731
+    plain = _grads(block, x, outer, segment)
+    checkpointed = _grads(block, x, outer, lambda t: _torch_checkpoint(segment, t))
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_mixprec_cannot_reach_into_warns_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's checkpoint internals are private: where they are not the shape mixprec knows, the segment
+    is named with the fix, before torch's CheckpointError in the backward."""
+    from mixprec import activation_checkpoint
+
+    monkeypatch.setattr(activation_checkpoint, "_segment_frame", lambda pack: None)
+    block, x = _block(None), torch.randn(4, 16, requires_grad=True)
+    fix = "context_fn=mixprec.checkpoint_context"
+    with autocast("cpu", torch.float16), pytest.warns(UserWarning, match=fix):
+        _torch_checkpoint(block, x)
+    with autocast("cpu", torch.float16), warnings.catch_warnings():
+        warnings.simplefilter("error")  # given the context, nothing to warn about
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_context)
