@@ -34,6 +34,7 @@ they do under torch.autocast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -66,7 +67,8 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
                 stack.enter_context(mode)
             innermost = regions[-1] if regions else None
             if innermost is not None and innermost.enabled and innermost.policy.fp32_modules:
-                rules = ModuleRules(innermost, innermost.policy.fp32_modules)
+                modules = innermost.policy.fp32_modules
+                rules = ModuleRules(innermost, modules, functools.partial(cover_segment, None))
                 stack.callback(rules.remove)
             yield
     finally:
@@ -120,21 +122,51 @@ def _segment_frame(pack: Callable[..., Any]) -> Any:
     return frame if callable(getattr(frame, "recompute_fn", None)) else None
 
 
-def cover_segment(mode: RegionMode) -> None:
-    """Called by a region's ``mode`` before its Python layer changes an op (torch takes the mode off the
-    stack while it handles the op: it is passed, the ones below it are read).
+# Top hooks whose saved-tensors hook stack cover_segment has walked: while a hook stays on top, the stack
+# under it cannot change, so each is walked once (weak: a hook lives as long as its context or segment).
+_WALKED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
-    Inside a non-reentrant ``torch.utils.checkpoint`` segment given no :func:`checkpoint_context`, the
+
+def cover_segment(mode: RegionMode | None) -> None:
+    """Called by a region's ``mode`` (or its fp32-module rules, None) before its Python layer changes an op
+    (torch takes the mode off the stack while it handles the op: it is passed, the ones below are read).
+
+    Inside non-reentrant ``torch.utils.checkpoint`` segments given no :func:`checkpoint_context`, the
     recompute would run that op without the layer, after the region closed (torch's CheckpointError, or
-    other gradients): the segment's recompute is wrapped so that it re-enters the regions in force when
-    the segment started, as ``checkpoint_context`` does. Regions entered inside the segment are left to
-    the segment's own code."""
+    other gradients): each such segment on the saved-tensors hook stack, nested ones and those under a
+    hook of the user's (``save_on_cpu``) included, has its recompute wrapped so that it re-enters the
+    regions in force when it started, as ``checkpoint_context`` does. Regions entered inside a segment
+    are left to the segment's own code."""
     if torch.compiler.is_compiling():
         return  # compiled code traces checkpoints itself
-    pack = top_pack_hook()
-    if getattr(pack, "__qualname__", None) != SEGMENT_PACK_HOOK or pack in _COVERED:
+    top = top_pack_hook()
+    if top is None or top in _WALKED:
         return
-    _COVERED.add(pack)
+    stack = _pack_hooks()
+    _WALKED.add(top)
+    for depth, pack in enumerate(stack):
+        if getattr(pack, "__qualname__", None) == SEGMENT_PACK_HOOK and pack not in _COVERED:
+            _COVERED.add(pack)
+            _cover(pack, stack[depth:], mode)
+
+
+def _pack_hooks() -> list[Callable[..., Any]]:
+    """The pack hooks of this thread's saved-tensors hook stack, outermost first. torch exposes only the
+    top: each is popped and all are pushed back, in order, whatever happens."""
+    popped: list[tuple[Any, Any]] = []
+    try:
+        while (hooks := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            popped.append(hooks)
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return [pack for pack, _ in reversed(popped)]
+
+
+def _cover(pack: Callable[..., Any], inner: list[Callable[..., Any]], mode: RegionMode | None) -> None:
+    """Wrap the recompute of the segment whose pack hook is ``pack``; ``inner``: it and the hooks pushed
+    after it (a region entered under any of them was entered inside the segment)."""
     frame = _segment_frame(pack)
     if frame is None:
         warnings.warn(
@@ -142,13 +174,14 @@ def cover_segment(mode: RegionMode) -> None:
             "is not one mixprec can re-enter them for; its recompute may raise CheckpointError or give "
             "other gradients. Fix: pass context_fn=mixprec.checkpoint_context (use_reentrant=False), or "
             "call mixprec.activation_checkpoint.checkpoint.",
-            stacklevel=3,
+            stacklevel=4,
         )
         return
-    inside = [i for i, under in enumerate(STATE.entered_under) if under is pack]
+    later = {id(h) for h in inner}
+    inside = [i for i, under in enumerate(STATE.entered_under) if id(under) in later]
     regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
-    modes = [m for m in [*_active_modes(), mode]
-             if not inside or any(getattr(m, "region", None) is r for r in regions)]
+    candidates = [*_active_modes(), *([mode] if mode is not None else [])]
+    modes = [m for m in candidates if not inside or any(getattr(m, "region", None) is r for r in regions)]
     recompute = frame.recompute_fn
 
     def recompute_in_regions(*args: Any) -> None:

@@ -316,18 +316,24 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
             self.device, dtype=self.fast_dtype, enabled=self._enabled, cache_enabled=self._cache_enabled
         )
         torch_region.__enter__()
+        undo: list[Callable[[], Any]] = []  # what was entered so far, to leave if a later step raises
         try:
             # torch turns a region off (with a warning) when e.g. CUDA is unavailable; follow it.
             region = self._region(bool(getattr(torch_region, "_enabled", self._enabled)))
             push_region(region)
+            undo.append(functools.partial(pop_region, region))
             mode = _mode_for(region) if region.actions else None
             if mode is not None:
                 mode.__enter__()
+                undo.append(functools.partial(mode.__exit__, None, None, None))
             tracing = eager_backward_tracing() if mode is not None else contextlib.nullcontext()
             tracing.__enter__()
+            undo.append(functools.partial(tracing.__exit__, None, None, None))
             modules = region.policy.fp32_modules if region.enabled else ()
-            rules = ModuleRules(region, modules) if modules else None
+            rules = ModuleRules(region, modules, functools.partial(cover_segment, None)) if modules else None
         except BaseException:
+            for step in reversed(undo):
+                step()
             torch_region.__exit__(None, None, None)
             raise
         self._frames.append((torch_region, region, mode, rules, tracing))

@@ -8,6 +8,7 @@ not touched (an fp16 model stays fp16).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,9 +87,13 @@ def release_fp32(module: torch.nn.Module) -> torch.nn.Module:
 class ModuleRules:
     """Global forward hooks applying ``Policy.fp32_modules`` while a region that has them is current."""
 
-    def __init__(self, region: Region, keys: tuple[str, ...]) -> None:
+    def __init__(self, region: Region, keys: tuple[str, ...],
+                 on_enter: Callable[[], None] | None = None) -> None:
+        """``on_enter``: called before a matching module is switched to fp32 (autocast passes
+        activation_checkpoint.cover_segment: a checkpointed segment's recompute must switch it too)."""
         self.region = region
         self.keys = frozenset(keys)
+        self.on_enter = on_enter
         self.matches: dict[type, bool] = {}
         self.handles = (
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
@@ -105,6 +110,8 @@ class ModuleRules:
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
         if self._matches(module) and is_current(self.region):
+            if self.on_enter is not None:
+                self.on_enter()
             result = _enter_fp32(module, args, {})
             return None if result is None else result[0]
         return None

@@ -144,11 +144,11 @@ class MasterWeights(torch.optim.Optimizer):
             model in one loop. The first step compiles (seconds); equal to torch's Adam up to fp32
             rounding order. Adam/AdamW without amsgrad. On a GPU, where the compiled pass's kernels cost
             the host more time than torch's fused kernel does, the step runs that kernel over one chunk
-            instead (master_fused.COMPILED_ON). With a GradScaler it decides the skip by reading
-            ``found_inf`` on the host on the CPU (free there); on a GPU the compiled pass takes the flag
-            and leaves every tensor as it was (no sync). When ``scaler.step`` only checks the half
-            gradients (no ``unscale_`` before it), it does so read-only: natively on the CPU
-            (:mod:`mixprec.non_finite`), elsewhere with a compiled reduction (:attr:`non_finite_check`); an
+            instead (master_fused.COMPILED_ON), which takes ``found_inf`` on the device (no sync). With
+            a GradScaler the compiled pass decides the skip by reading ``found_inf`` on the host (free on
+            the CPU). When ``scaler.step`` only checks the half gradients (no ``unscale_`` before it), it
+            does so read-only: natively on the CPU (:mod:`mixprec.non_finite`), with a compiled reduction
+            where the CPU has no compiler (:attr:`non_finite_check`), on a GPU with torch's ops; an
             explicit ``unscale_`` (and so ``scale_loss`` and the Learner, which unscale on their own) uses
             the native check at bf16's scale of 1 on the CPU, else torch's op.
         mirror_grads: after ``scaler.unscale_(opt)``, write the unscaled gradients back into the model's

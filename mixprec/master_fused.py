@@ -2,11 +2,12 @@
 
 The default master step keeps a persistent fp32 gradient per master (4 bytes per parameter): with the
 half parameter (2), its half gradient (2), the master (4) and Adam's two moments (8), that is 20 bytes per
-parameter, more than plain fp32 training's 16. This step keeps none. It walks the parameters in chunks of
-:data:`CHUNK` elements; per chunk it upcasts the half gradients into one small reused fp32 scratch buffer
-(exact: every fp16/bf16 value is an fp32 value), runs torch's fused Adam kernel on that chunk of masters and
-moments, and rounds the updated masters into the model, while the chunk is still in cache. So O2 + Adam keeps
-2 + 2 + 4 + 8 = 16 bytes per parameter; the scratch (CHUNK values) lives for the step only.
+parameter, more than plain fp32 training's 16. This step keeps none. It walks the parameters in chunks
+(:func:`chunk_for`: :data:`CHUNK` elements on the CPU, :data:`DEVICE_CHUNK` on a GPU); per chunk it upcasts
+the half gradients into one reused fp32 scratch buffer (exact: every fp16/bf16 value is an fp32 value), runs
+torch's fused Adam kernel on that chunk of masters and moments, and rounds the updated masters into the
+model, on the CPU while the chunk is still in cache. So O2 + Adam keeps 2 + 2 + 4 + 8 = 16 bytes per
+parameter; the scratch (at most a chunk, no more than the half gradients it holds) lives for the step only.
 
 Unscaling and the inf/NaN skip happen inside the kernel, on fp32 values: it takes the scaler's
 ``grad_scale`` and ``found_inf`` tensors exactly as torch's ``Adam(fused=True)`` does (divides by the scale,
@@ -143,15 +144,15 @@ class FusedMasterStep:
 
     def runs_compiled(self) -> bool:
         """Whether :meth:`step` runs the compiled pass: asked for, and on a device in COMPILED_ON."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return self.compiled and bool(params) and params[0].device.type in COMPILED_ON
+        first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
+        return self.compiled and first is not None and first.device.type in COMPILED_ON
 
     @torch.no_grad()
     def step(self, groups: list[GroupMasters], grad_scale: Any = None, found_inf: Any = None) -> None:
         if self.runs_compiled():
             self._step_compiled(groups, grad_scale, found_inf)
             return
-        scratch: dict[torch.device, torch.Tensor] = {}  # CHUNK fp32 values per device, freed after the step
+        scratch: dict[torch.device, torch.Tensor] = {}  # up to a chunk of fp32 per device, for this step
         for group, masters in zip(self.optimizer.param_groups, groups, strict=True):
             units = list(self._units(group, masters))
             if not units:

@@ -192,8 +192,9 @@ def push_region(region: Region) -> None:
 
 
 def pop_region(region: Region) -> None:
-    """Leave ``region``: cached regions are interchangeable, so any equal entry will do (the first)."""
-    i = STATE.regions.index(region)
+    """Leave ``region``: its innermost entry (a cached region entered twice is one object, and each entry
+    records the hook it was entered under)."""
+    i = len(STATE.regions) - 1 - STATE.regions[::-1].index(region)
     del STATE.regions[i], STATE.entered_under[i]
 
 

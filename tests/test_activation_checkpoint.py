@@ -146,3 +146,109 @@ def test_a_checkpoint_mixprec_cannot_reach_into_warns_with_the_fix(monkeypatch: 
     with autocast("cpu", torch.float16), warnings.catch_warnings():
         warnings.simplefilter("error")  # given the context, nothing to warn about
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_context)
+
+
+# A custom policy under CPU bf16 (native in the suite): the Python layer changes gelu alone, to fp32.
+# One policy object: entered twice, its region is one cached object.
+GELU_FP32_POLICY = P.TORCH.with_fp32("gelu")
+GELU_FP32: Region = lambda: autocast("cpu", torch.bfloat16, policy=GELU_FP32_POLICY)  # noqa: E731
+
+
+def _equal_grads(params: list[torch.Tensor], x: torch.Tensor, region: Region,
+                 plain: Callable[[torch.Tensor], torch.Tensor],
+                 checkpointed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def grads(run: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor | None]:
+        for p in [x, *params]:
+            p.grad = None
+        with region():
+            y = run(x)
+        y.float().square().mean().backward()
+        return [x.grad] + [p.grad for p in params]
+
+    want, got = grads(plain), grads(checkpointed)
+    assert all(w is not None for w in want)
+    for a, b in zip(want, got, strict=True):
+        assert b is not None and torch.equal(a, b)
+
+
+def test_an_outer_segment_whose_changed_ops_are_all_in_a_nested_one_is_covered_too() -> None:
+    """Only the inner segment's top hook is seen when gelu runs; the outer one's recompute ran without the
+    layer, and its bf16 input to lin2 differed in value, not in dtype: other gradients, no error."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        g = nn.functional.gelu(lin1(t))
+        return g + g * 0.37
+
+    x = torch.randn(32, 16, requires_grad=True)
+    _equal_grads([*lin1.parameters(), *lin2.parameters()], x, GELU_FP32, lambda t: lin2(inner(t)),
+                 lambda t: _torch_checkpoint(lambda u: lin2(_torch_checkpoint(inner, u)), t))
+
+
+def test_a_segment_whose_changed_ops_run_under_a_users_saved_tensors_hook_is_covered() -> None:
+    torch.manual_seed(0)
+    lin, w = nn.Linear(16, 16), torch.randn(16, requires_grad=True)
+
+    def segment(t: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():  # the top hook when gelu runs is this one
+            h = nn.functional.gelu(lin(t))
+        return h * w
+
+    x = torch.randn(8, 16, requires_grad=True)
+    _equal_grads([*lin.parameters(), w], x, GELU_FP32, segment, lambda t: _torch_checkpoint(segment, t))
+
+
+def test_the_same_region_entered_again_inside_a_segment_leaves_the_outer_entry_as_it_was() -> None:
+    """A cached region entered twice is one object: leaving the inner entry must drop the inner record
+    (the outer one, dropped before, read as entered inside the segment, and nothing was re-entered)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def segment(t: torch.Tensor) -> torch.Tensor:
+        with GELU_FP32():
+            h = lin(t)
+        return nn.functional.gelu(h) * 2
+
+    x = torch.randn(8, 16, requires_grad=True)
+    _equal_grads(list(lin.parameters()), x, GELU_FP32, segment, lambda t: _torch_checkpoint(segment, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_policys_fp32_modules_are_kept_in_fp32_in_the_recompute(dtype: torch.dtype) -> None:
+    """Under bf16 such a policy has no op rules at all (no mode): its module hooks cover the segment."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    region: Region = lambda: autocast("cpu", dtype, policy=P.TORCH.with_fp32_modules(nn.Linear))  # noqa: E731
+    x = torch.randn(8, 16, requires_grad=True)
+    _equal_grads(list(block.parameters()), x, region, block, lambda t: _torch_checkpoint(block, t))
+
+
+def test_an_o1_models_checkpointed_function_recomputes_under_its_region() -> None:
+    """O1's blocks re-enter its region by themselves; a checkpointed function that is not a module (a
+    matmul with a weight) is covered as under any mixprec.autocast region (before: CheckpointError)."""
+    from mixprec.amp import initialize, scale_loss
+
+    class Net(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.a, self.b, self.checkpointed = nn.Linear(16, 32), nn.Linear(32, 4), checkpointed
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def f(t: torch.Tensor) -> torch.Tensor:
+                return torch.softmax(t @ self.a.weight.t(), -1) * 2  # the fp16 GEMM, emulated
+            return self.b(_torch_checkpoint(f, x) if self.checkpointed else f(x))
+
+    runs = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        net = Net(checkpointed)
+        model, opt = initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O1",
+                                dtype=torch.float16)
+        loss = model(torch.randn(8, 16)).float().square().mean()
+        with scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        runs.append([p.grad for p in model.parameters() if p.grad is not None])
+    assert len(runs[0]) == len(runs[1]) == 3  # a.weight, b.weight, b.bias
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -623,3 +623,18 @@ def test_a_mode_compiled_code_entered_and_eager_code_runs_applies_the_policy_and
     with autocast("cpu", torch.bfloat16):  # an eager region does cache the parameter's cast
         torch.cumsum(weight, 0)
         assert len(STATE.cache) == 1
+
+
+def test_a_region_that_fails_to_enter_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in the last step of entering (the fp32-module hooks) used to leave the region on the
+    thread's stack and its mode on torch's: every later op ran under a region nobody had entered."""
+    def refuse(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(A, "ModuleRules", refuse)
+    region = autocast("cpu", torch.float16, policy=P.TORCH.with_fp32_modules(nn.Linear))
+    with pytest.raises(KeyboardInterrupt):
+        region.__enter__()
+    assert STATE.regions == [] and STATE.entered_under == []
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert not torch.is_autocast_enabled("cpu")
