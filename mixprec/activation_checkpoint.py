@@ -1,13 +1,19 @@
 """Activation checkpointing inside mixprec regions: the recompute runs under the same cast rules.
 
 ``torch.utils.checkpoint`` re-runs a segment's forward during backward. It restores torch's own autocast
-state for that recompute, but not mixprec's Python layer (the policy's changed ops, emulated fp16 GEMMs,
-``half_compute``): the recompute then runs other kernels in other dtypes than the forward did, and
-non-reentrant checkpointing raises ``CheckpointError`` (saved tensors' dtypes differ) while reentrant
-checkpointing silently gives other gradients.
+state for that recompute, but not mixprec's Python layer (the policy's changed ops, emulated half GEMMs,
+``half_compute``, ``fp32_modules``): left alone, the recompute runs other kernels in other dtypes than the
+forward did; non-reentrant checkpointing then raises ``CheckpointError`` (saved tensors' dtypes differ)
+and reentrant checkpointing silently gives other gradients.
 
-The supported way is non-reentrant checkpointing with :func:`checkpoint_context` as its ``context_fn``,
-or :func:`checkpoint`, which passes it for you::
+So the first op inside a segment that a region's Python layer changes calls :func:`cover_segment`, which
+wraps the recompute of the segment (of every non-reentrant one around that op, and of a reentrant one) to
+re-enter the regions in force when the segment started: torch's checkpoint of either kind, and
+``checkpoint_sequential``, work as they do under torch.autocast. It reaches into torch's private
+checkpoint code (torch 2.11 to 2.14); where that is not the shape it knows, it warns with the fix.
+
+The explicit way, which needs nothing of torch's internals: non-reentrant checkpointing with
+:func:`checkpoint_context` as its ``context_fn``, or :func:`checkpoint`, which passes it for you::
 
     from mixprec.activation_checkpoint import checkpoint, checkpoint_context
 
@@ -15,26 +21,17 @@ or :func:`checkpoint`, which passes it for you::
     y = checkpoint(block, x)  # the same
 
 ``checkpoint_context`` records the mixprec regions in force when the segment's forward runs and
-re-enters exactly those for its recompute. Under ``mixprec.autocast`` torch's non-reentrant checkpoint
-needs neither, as under torch.autocast: the first op inside a segment that the region's Python layer
-changes wraps the segment's recompute to re-enter the regions in force when the segment started
-(:func:`cover_segment`; it reaches into torch's private checkpoint frame, and where that is not the shape it
-knows, warns with the fix instead). A model mixprec prepared (``initialize`` at O1-O3, ``to_fp16``,
-``to_bf16``) needs neither for its modules: each submodule re-enters the model's region when called
-outside it in a recompute (``half_model._submodule_forward``), so torch's checkpoint of either kind, and
-``checkpoint_sequential``, recompute its blocks as the forward ran them.
-
-**Reentrant checkpointing (``use_reentrant=True``) offers no context hook and is not supported under an
-autocast region with a Python layer** (CPU fp16 with emulated GEMMs, custom policies), nor for a half
-model's checkpointed functions that are not modules; :func:`checkpoint` refuses it with an error that
-names the fix. Under torch's own tables alone (default policy on CPU bf16 or CUDA) both kinds work, as
-they do under torch.autocast.
+re-enters exactly those for its recompute. A model mixprec prepared (``initialize`` at O1-O3, ``to_fp16``,
+``to_bf16``) also re-enters by module: each submodule re-enters the model's region when called outside it
+in a recompute (``half_model._submodule_forward``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,7 +42,7 @@ import torch.utils.checkpoint
 
 from mixprec.errors import AutocastError
 from mixprec.fp32_modules import ModuleRules
-from mixprec.region import STATE, Region, RegionMode, is_current, top_pack_hook
+from mixprec.region import STATE, Region, RegionMode, top_pack_hook
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -57,9 +54,10 @@ def _active_modes() -> list[RegionMode]:
 @contextlib.contextmanager
 def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]:
     """The forward's region stack and modes again, for a recompute that may run outside them."""
-    saved, saved_under = STATE.regions, STATE.entered_under
+    saved, saved_under, saved_grad = STATE.regions, STATE.entered_under, STATE.entered_with_grad
     STATE.regions = list(regions)
     STATE.entered_under = [top_pack_hook()] * len(regions)
+    STATE.entered_with_grad = [True] * len(regions)
     rules = None
     try:
         with contextlib.ExitStack() as stack:
@@ -72,7 +70,7 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
                 stack.callback(rules.remove)
             yield
     finally:
-        STATE.regions, STATE.entered_under = saved, saved_under
+        STATE.regions, STATE.entered_under, STATE.entered_with_grad = saved, saved_under, saved_grad
         if not saved:
             # The recompute ran after the forward's region had closed: its casts (made from this step's
             # weights) must not outlive it, or the next step's region would reuse them after the optimizer
@@ -139,6 +137,8 @@ def cover_segment(mode: RegionMode | None) -> None:
     are left to the segment's own code."""
     if torch.compiler.is_compiling():
         return  # compiled code traces checkpoints itself
+    if not torch.is_grad_enabled():
+        _cover_reentrant(mode)
     top = top_pack_hook()
     if top is None or top in _WALKED:
         return
@@ -148,6 +148,58 @@ def cover_segment(mode: RegionMode | None) -> None:
         if getattr(pack, "__qualname__", None) == SEGMENT_PACK_HOOK and pack not in _COVERED:
             _COVERED.add(pack)
             _cover(pack, stack[depth:], mode)
+
+
+# torch's reentrant checkpoint runs a segment's forward under no_grad in this method (its `ctx` local holds
+# the run_function its backward recomputes with, under torch's autocast state alone). torch 2.11 to 2.14.
+_REENTRANT_FORWARD = ("CheckpointFunction.forward", os.path.join("torch", "utils", "checkpoint.py"))
+
+
+def _reentrant_ctx(depth: int = 64) -> Any:
+    """The ``ctx`` of torch's reentrant checkpoint forward among the callers, or None (~3 us; checked
+    only under no_grad, where that forward runs)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if (getattr(code, "co_qualname", code.co_name) == _REENTRANT_FORWARD[0]
+                and code.co_filename.endswith(_REENTRANT_FORWARD[1])):
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None
+
+
+def _cover_reentrant(mode: RegionMode | None) -> None:
+    """:func:`cover_segment` for torch's reentrant checkpoint (Hugging Face's default): its recompute
+    re-enters the regions in force when the segment started, those entered with gradients on (the
+    segment runs under no_grad, so a region entered inside it was entered without)."""
+    ctx = _reentrant_ctx()
+    if ctx is None or getattr(ctx, "_mixprec_covered", False):
+        return
+    ctx._mixprec_covered = True
+    if not callable(getattr(ctx, "run_function", None)):
+        warnings.warn(
+            "a reentrant torch.utils.checkpoint segment runs under mixprec's cast rules, and this torch's "
+            "checkpoint is not one mixprec can re-enter them for: its recompute may give other gradients. "
+            "Fix: use_reentrant=False with context_fn=mixprec.checkpoint_context.",
+            stacklevel=4,
+        )
+        return
+    cut = STATE.entered_with_grad.index(False) if False in STATE.entered_with_grad else len(STATE.regions)
+    regions = STATE.regions[:cut]
+    half_grad = {id(m): grad for m, _, grad in STATE.half_entries}
+    candidates = [*_active_modes(), *([mode] if mode is not None else [])]
+    modes = [m for m in candidates if half_grad.get(id(m), True)
+             and (id(m) in half_grad or cut == len(STATE.regions)
+                  or any(getattr(m, "region", None) is r for r in regions))]
+    run = ctx.run_function
+
+    def run_in_regions(*args: Any) -> Any:
+        with _reentered(regions, modes):
+            return run(*args)
+
+    ctx.run_function = run_in_regions
 
 
 def _pack_hooks() -> list[Callable[..., Any]]:
@@ -180,8 +232,15 @@ def _cover(pack: Callable[..., Any], inner: list[Callable[..., Any]], mode: Regi
     later = {id(h) for h in inner}
     inside = [i for i, under in enumerate(STATE.entered_under) if id(under) in later]
     regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
+    half_under = {id(m): under for m, under, _ in STATE.half_entries}  # entered twice: the innermost
+
+    def entered_before(m: RegionMode) -> bool:
+        if id(m) in half_under:  # a half_compute region's mode
+            return id(half_under[id(m)]) not in later
+        return not inside or any(getattr(m, "region", None) is r for r in regions)
+
     candidates = [*_active_modes(), *([mode] if mode is not None else [])]
-    modes = [m for m in candidates if not inside or any(getattr(m, "region", None) is r for r in regions)]
+    modes = [m for m in candidates if entered_before(m)]
     recompute = frame.recompute_fn
 
     def recompute_in_regions(*args: Any) -> None:
@@ -189,11 +248,6 @@ def _cover(pack: Callable[..., Any], inner: list[Callable[..., Any]], mode: Regi
             recompute(*args)
 
     frame.recompute_fn = recompute_in_regions
-
-
-def _python_layer_active() -> bool:
-    region = STATE.regions[-1] if STATE.regions else None
-    return bool(_active_modes()) or (region is not None and is_current(region) and bool(region.actions))
 
 
 def checkpoint(
@@ -205,8 +259,9 @@ def checkpoint(
 ) -> Any:
     """``torch.utils.checkpoint.checkpoint`` whose recompute runs under the forward's mixprec regions.
 
-    Non-reentrant (torch's recommended kind) by default. ``use_reentrant=True`` is refused while a mixprec
-    Python layer is active (see the module docstring); ``context_fn`` is taken by this function.
+    Non-reentrant (torch's recommended kind) by default, with :func:`checkpoint_context`;
+    ``use_reentrant=True`` is torch's, covered as in the module docstring. ``context_fn`` is taken by
+    this function.
     """
     if context_fn is not None:
         raise AutocastError(
@@ -214,13 +269,7 @@ def checkpoint(
             "call torch.utils.checkpoint.checkpoint directly and combine your contexts with "
             "mixprec.activation_checkpoint.checkpoint_context()",
         )
-    if use_reentrant:
-        if _python_layer_active():
-            raise AutocastError(
-                "reentrant activation checkpointing cannot re-enter mixprec's cast rules for the recompute "
-                "(it would run other kernels than the forward and give other gradients)",
-                "use use_reentrant=False (the default here, and torch's recommendation)",
-            )
+    if use_reentrant:  # its recompute is covered by the first op the layer changes (cover_segment)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=checkpoint_context, **kwargs

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mixprec.activation_checkpoint import cover_segment
 from mixprec.cast_handlers import eligible, run_emulated
 from mixprec.cast_plan import plan, region_for
 from mixprec.emulation import round_result
@@ -34,7 +35,15 @@ from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
 from mixprec.policy.rules import Action
 from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES
-from mixprec.region import STATE, Region, RegionMode, call_without_autocast, compiled_mode, func_name
+from mixprec.region import (
+    STATE,
+    Region,
+    RegionMode,
+    call_without_autocast,
+    compiled_mode,
+    func_name,
+    top_pack_hook,
+)
 from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = ["half_compute"]
@@ -62,6 +71,7 @@ class _HalfComputeMode(RegionMode):
         handler = self._handler(name, args, kwargs) if name is not None else None
         if handler is None:
             return func(*args, **kwargs)
+        cover_segment(self)  # in a checkpointed segment, its recompute must change this op the same way
         return handler(func, args, kwargs)
 
     def _relu(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -136,6 +146,8 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         else:
             mode = _mode(self.device_type, self.dtype)
             STATE.half_compute_depth += 1
+            # activation_checkpoint.cover_segment
+            STATE.half_entries.append((mode, top_pack_hook(), torch.is_grad_enabled()))
         mode.__enter__()
         self._modes.append(mode)
         return self
@@ -150,5 +162,6 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         self._modes.pop().__exit__(*exc)
         if not torch.compiler.is_compiling():
             STATE.half_compute_depth -= 1
+            STATE.half_entries.pop()
             if not STATE.regions and not STATE.half_compute_depth:
                 STATE.cache.clear()  # the upcasts live for this forward only (autograd keeps its own)

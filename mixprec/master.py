@@ -36,6 +36,8 @@ after a user's ``scaler.unscale_(opt)`` (mirrors the unscaled gradients into the
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -119,6 +121,23 @@ def clip_half_grads_(params: list[torch.Tensor], max_norm: float, norm_type: flo
     # half gradient is multiplied in fp32 and rounded once
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+# torch's GradScaler, by the file its step() runs in (torch.amp.GradScaler; torch.cuda.amp's subclasses it)
+_TORCH_SCALER_FILE = os.path.join("torch", "amp", "grad_scaler.py")
+
+
+def _called_by_torch_grad_scaler(depth: int = 6) -> bool:
+    """Whether torch.amp.GradScaler's code is among the callers of our caller's caller (a step hook or
+    torch's profiling wrapper of Optimizer.step may sit between): a frame lookup, ~1 us a step."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_TORCH_SCALER_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class MasterWeights(torch.optim.Optimizer):
@@ -483,6 +502,14 @@ class MasterWeights(torch.optim.Optimizer):
         Gradients are copied from the model first unless the scaler already did so in this iteration. A
         model parameter written since the last step (``model.load_state_dict`` after wrapping, a DDP
         broadcast, an in-place edit) first gives its master its new value."""
+        if _called_by_torch_grad_scaler():
+            raise ConfigError(
+                "MasterWeights is stepped by torch.amp.GradScaler, which looks for inf/NaN in the "
+                "optimizer's parameters, the fp32 masters: they get their gradients only inside step(), so "
+                "it found none to check and handed the fused kernel found_inf=0, a number, not a tensor "
+                "(with a non-fused optimizer torch stops first: 'No inf checks were recorded').",
+                "use mixprec.GradScaler (torch.amp.GradScaler's API; it checks the model's half gradients).",
+            )
         self.take_model_edits()
         loss = None
         if closure is not None:

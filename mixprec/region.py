@@ -121,8 +121,13 @@ class _ThreadState(threading.local):
         self.regions: list[Region] = []
         # Per entry of `regions`: the saved-tensors pack hook on top when it was entered (None: none).
         # A checkpoint segment's own hook there means the region was entered inside that segment, so its
-        # recompute enters it by itself (activation_checkpoint.cover_segment).
+        # recompute enters it by itself (activation_checkpoint.cover_segment). And whether gradients were
+        # on: a reentrant checkpoint runs its segment under no_grad.
         self.entered_under: list[Any] = []
+        self.entered_with_grad: list[bool] = []
+        # half_compute regions entered eagerly and not left: (their mode, the pack hook then on top,
+        # whether gradients were on)
+        self.half_entries: list[tuple[Any, Any, bool]] = []
         self.cache = CastCache()
         # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
@@ -189,13 +194,14 @@ def push_region(region: Region) -> None:
     """Enter ``region`` on this thread's stack (innermost), recording the saved-tensors hook it is under."""
     STATE.regions.append(region)
     STATE.entered_under.append(top_pack_hook())
+    STATE.entered_with_grad.append(torch.is_grad_enabled())
 
 
 def pop_region(region: Region) -> None:
     """Leave ``region``: its innermost entry (a cached region entered twice is one object, and each entry
     records the hook it was entered under)."""
     i = len(STATE.regions) - 1 - STATE.regions[::-1].index(region)
-    del STATE.regions[i], STATE.entered_under[i]
+    del STATE.regions[i], STATE.entered_under[i], STATE.entered_with_grad[i]
 
 
 class _AutocastOff:

@@ -14,7 +14,6 @@ import torch.utils.checkpoint
 from mixprec import policy as P
 from mixprec.activation_checkpoint import checkpoint, checkpoint_context
 from mixprec.autocast import autocast
-from mixprec.errors import AutocastError
 from mixprec.half_compute import half_compute
 
 Region = Callable[[], AbstractContextManager[object]]
@@ -65,15 +64,15 @@ def test_checkpointed_gradients_equal_the_plain_ones(region_name: str, run_name:
         assert torch.equal(a, b)  # the recompute ran the same kernels in the same dtypes
 
 
-def test_reentrant_checkpointing_under_a_python_layer_is_refused() -> None:
-    block, x = _block(None), torch.randn(4, 16, requires_grad=True)
-    with autocast("cpu", torch.float16), pytest.raises(AutocastError, match="use_reentrant=False"):
-        checkpoint(block, x, use_reentrant=True)
-    with autocast("cpu", torch.bfloat16):  # torch's tables alone: torch restores them, both kinds work
-        assert torch.equal(checkpoint(block, x, use_reentrant=True), block(x))
-
-
-AUTOCAST_REGIONS = [name for name in REGIONS if name.startswith("autocast")]
+def test_mixprecs_checkpoint_takes_the_reentrant_kind_too() -> None:
+    """Refused before torch's reentrant recompute was covered (it gave other gradients)."""
+    block = _block(None)
+    x = torch.randn(8, 16, requires_grad=True)
+    region: Region = lambda: autocast("cpu", torch.float16)  # noqa: E731
+    plain = _grads(block, x, region, block)
+    got = _grads(block, x, region, lambda t: checkpoint(block, t, use_reentrant=True))
+    for a, b in zip(plain, got, strict=True):
+        assert torch.equal(a, b)
 
 
 def _torch_checkpoint(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -83,23 +82,26 @@ def _torch_checkpoint(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 TORCH_RUNS: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
     "checkpoint": _torch_checkpoint,
+    # Hugging Face's gradient_checkpointing_enable() default
+    "reentrant": lambda block, x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True),
     "checkpoint_sequential": lambda block, x: torch.utils.checkpoint.checkpoint_sequential(
         block, 2, x, use_reentrant=False),
 }
 
 
 @pytest.mark.parametrize(("run_name", "backward_inside"),
-                         [("checkpoint", False), ("checkpoint", True), ("checkpoint_sequential", False)])
-@pytest.mark.parametrize("region_name", AUTOCAST_REGIONS)
+                         [("checkpoint", False), ("checkpoint", True), ("checkpoint_sequential", False),
+                          ("reentrant", False), ("reentrant", True)])
+@pytest.mark.parametrize("region_name", list(REGIONS))
 def test_torchs_checkpoint_without_context_fn_recomputes_under_the_region(
     region_name: str, run_name: str, backward_inside: bool
 ) -> None:
-    """As under torch.autocast, whose state torch's checkpoint restores: a mixprec.autocast region's Python
-    layer is re-entered for the recompute too (before, torch raised CheckpointError after the region had
-    closed). With the backward inside the region the regions are entered twice: the same gradients."""
-    region, _ = REGIONS[region_name]
-    block = _block(None)
-    x = torch.randn(8, 16, requires_grad=True)
+    """As under torch.autocast, whose state torch's checkpoint restores: a mixprec.autocast or half_compute
+    region's Python layer is re-entered for the recompute too (before, torch raised CheckpointError after
+    the region had closed). With the backward inside the region: the same gradients."""
+    region, model_dtype = REGIONS[region_name]
+    block = _block(model_dtype)
+    x = torch.randn(8, 16, dtype=model_dtype or torch.float32, requires_grad=True)
     plain = _grads(block, x, region, block)
     block.zero_grad(set_to_none=True)
     x.grad = None
@@ -115,20 +117,24 @@ def test_torchs_checkpoint_without_context_fn_recomputes_under_the_region(
         assert torch.equal(a, b)
 
 
-def test_a_region_entered_inside_the_segment_is_left_to_the_segments_own_code() -> None:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_region_entered_inside_the_segment_is_left_to_the_segments_own_code(reentrant: bool) -> None:
     """The recompute re-enters only the regions in force when the segment started: one the segment enters
-    itself (here bf16 under apex's policy, inside the fp16 region) would otherwise cover all of it."""
+    itself would otherwise cover all of it. Here both are fp16 (torch's autocast state, which torch
+    restores for the recompute, cannot tell them apart); the inner one's policy runs gelu in fp32."""
     block = _block(None)
+    inner_policy = P.TORCH.with_fp32("gelu")
 
     def segment(t: torch.Tensor) -> torch.Tensor:
-        with autocast("cpu", torch.bfloat16, policy=P.APEX):  # the first op the layer changes is in here
+        with autocast("cpu", torch.float16, policy=inner_policy):  # the first op changed is in here
             h = block[1](block[0](t))
-        return block[3](block[2](h))  # the outer region's fp16 emulated GEMM
+        return block[3](nn.functional.gelu(block[2](h)))  # the outer region: gelu as torch runs it
 
     x = torch.randn(8, 16, requires_grad=True)
     outer: Region = lambda: autocast("cpu", torch.float16)  # noqa: E731
     plain = _grads(block, x, outer, segment)
-    checkpointed = _grads(block, x, outer, lambda t: _torch_checkpoint(segment, t))
+    checkpointed = _grads(block, x, outer, lambda t: torch.utils.checkpoint.checkpoint(
+        segment, t, use_reentrant=reentrant))
     for a, b in zip(plain, checkpointed, strict=True):
         assert torch.equal(a, b)
 
@@ -224,9 +230,10 @@ def test_a_policys_fp32_modules_are_kept_in_fp32_in_the_recompute(dtype: torch.d
     _equal_grads(list(block.parameters()), x, region, block, lambda t: _torch_checkpoint(block, t))
 
 
-def test_an_o1_models_checkpointed_function_recomputes_under_its_region() -> None:
-    """O1's blocks re-enter its region by themselves; a checkpointed function that is not a module (a
-    matmul with a weight) is covered as under any mixprec.autocast region (before: CheckpointError)."""
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_models_checkpointed_function_recomputes_under_its_region(opt_level: str) -> None:
+    """O1's and O2's blocks re-enter the model's region by themselves; a checkpointed function that is not
+    a module (a matmul with a weight) is covered as any region's segment is (before: CheckpointError)."""
     from mixprec.amp import initialize, scale_loss
 
     class Net(nn.Module):
@@ -236,14 +243,14 @@ def test_an_o1_models_checkpointed_function_recomputes_under_its_region() -> Non
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             def f(t: torch.Tensor) -> torch.Tensor:
-                return torch.softmax(t @ self.a.weight.t(), -1) * 2  # the fp16 GEMM, emulated
+                return torch.softmax(t @ self.a.weight.t().to(t.dtype), -1) * 2  # fp16 GEMM, emulated
             return self.b(_torch_checkpoint(f, x) if self.checkpointed else f(x))
 
     runs = []
     for checkpointed in (False, True):
         torch.manual_seed(0)
         net = Net(checkpointed)
-        model, opt = initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O1",
+        model, opt = initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level=opt_level,
                                 dtype=torch.float16)
         loss = model(torch.randn(8, 16)).float().square().mean()
         with scale_loss(loss, opt) as scaled:

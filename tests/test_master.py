@@ -339,3 +339,24 @@ def test_a_write_of_some_elements_keeps_the_others_fp32_bits() -> None:
     opt.step()  # no gradients: the masters only take the edit
     assert torch.equal(master[0], model.weight[0].float())  # the edited row: the model's value
     assert torch.equal(master[1:], before[1:])  # the others keep their fp32 bits
+
+
+def test_torchs_grad_scaler_is_refused_with_the_fix() -> None:
+    """torch.amp.GradScaler checks the optimizer's parameters (the masters, gradient-less until step) and
+    hands a fused step found_inf=0, an int: it crashed inside torch's kernel ('int' object has no
+    attribute 'device'). Refused, naming mixprec.GradScaler, with which the same calls step."""
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4).half()
+        opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-3), fused=True)
+        scaler = scaler_cls("cpu", init_scale=16.0)  # no overflow in the first step
+        loss = model(torch.randn(2, 8).half()).float().sum()
+        scaler.scale(loss).backward()
+        before = model.weight.detach().clone()
+        if scaler_cls is GradScaler:
+            scaler.step(opt)
+            assert not torch.equal(model.weight, before)
+            continue
+        with pytest.raises(ConfigError, match="mixprec.GradScaler"):
+            scaler.step(opt)
+        assert torch.equal(model.weight, before)
