@@ -100,6 +100,31 @@ def _pred_and_loss(out: Any) -> tuple[Any, Tensor]:
     )
 
 
+# fastai v2's to_fp16 keywords (torch's GradScaler's), and how this v1-signature to_fp16 says each
+_V2_TO_FP16: dict[str, str] = {
+    "init_scale": "loss_scale=...",
+    "growth_interval": "max_noskip=...",
+    "growth_factor": "to_recipe(Recipe.fastai().replace(scale=ScaleConfig(growth_factor=...)))",
+    "backoff_factor": "to_recipe(Recipe.fastai().replace(scale=ScaleConfig(backoff_factor=...)))",
+    "enabled": "to_fp16() to turn it on, to_fp32() to turn it off",
+    "device": "nothing: the model's device decides",
+}
+
+
+def _unknown_to_fp16_arguments(unknown: dict[str, Any]) -> str:
+    """The TypeError's message: fastai v2's names with their equivalents here, any other name as Python
+    says it."""
+    v2 = [f"{name} -> {_V2_TO_FP16[name]}" for name in unknown if name in _V2_TO_FP16]
+    other = [name for name in unknown if name not in _V2_TO_FP16]
+    parts = []
+    if v2:
+        parts.append("to_fp16() takes fastai v1's arguments (see docs/migrating-from-fastai.md); fastai v2's "
+                     "are said so here: " + "; ".join(v2) + " (ScaleConfig and Recipe: mixprec.recipe)")
+    if other:
+        parts.append("to_fp16() got an unexpected keyword argument " + ", ".join(repr(n) for n in other))
+    return ". ".join(parts)
+
+
 class Learner:
     """Trains ``model`` on ``data`` with ``loss_func`` and an optimizer made by ``opt_func(params, lr=lr)``.
 
@@ -191,6 +216,7 @@ class Learner:
         *,
         min_scale: float | None = None,
         skip_limit: int | None = None,
+        **unknown: Any,
     ) -> Learner:
         """Train in fp16 with fp32 master weights and loss scaling. The positional arguments are fastai v1's
         ``to_fp16``, in its order; mixprec's extras are keyword-only. The recipe is
@@ -222,6 +248,8 @@ class Learner:
             * ``clip`` is one norm over all masters, as torch and apex clip; fastai clipped each parameter
               group (weights; biases and norm layers) on its own.
         """
+        if unknown:
+            raise TypeError(_unknown_to_fp16_arguments(unknown))
         recipe = fastai_recipe(torch.float16, loss_scale, max_noskip, dynamic, flat_master, max_scale,
                                loss_fp32, min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
         return self.to_recipe(recipe, clip=clip)

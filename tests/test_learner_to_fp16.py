@@ -35,7 +35,9 @@ def test_positional_order_and_defaults_are_fastai_v1s() -> None:
     assert positional == FASTAI_V1_ORDER
     assert {p.name: p.default for p in params if p.name in FASTAI_V1_DEFAULTS} == FASTAI_V1_DEFAULTS
     extras = [p for p in params if p.name not in FASTAI_V1_ORDER]
-    assert extras and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
+    # mixprec's extras keyword-only; **unknown only to refuse v2's names with their v1 equivalents
+    assert extras and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras[:-1])
+    assert extras[-1].kind is inspect.Parameter.VAR_KEYWORD
 
 
 def test_two_positional_arguments_are_loss_scale_and_max_noskip() -> None:
@@ -158,3 +160,12 @@ def test_to_fp32_removes_a_mixed_precision_callback_passed_in_as_fastai_does() -
     learn.to_fp16()
     assert sum(isinstance(c, MixedPrecision) for c in learn.callbacks) == 1
     learn.fit(1, callbacks=[_StopAfter(1)])
+
+
+def test_fastai_v2s_keywords_are_refused_with_their_v1_names() -> None:
+    """The signature is v1's (positional calls keep their meaning); v2's GradScaler names were a bare
+    'unexpected keyword argument'."""
+    with pytest.raises(TypeError, match=r"init_scale -> loss_scale=.*growth_interval -> max_noskip="):
+        _learner().to_fp16(init_scale=1024.0, growth_interval=100)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'loss_scal'"):
+        _learner().to_fp16(loss_scal=1024.0)
