@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,7 +40,7 @@ import torch.utils.checkpoint
 
 from mixprec.errors import AutocastError
 from mixprec.fp32_modules import ModuleRules
-from mixprec.region import STATE, Region, RegionMode, top_pack_hook
+from mixprec.region import STATE, Region, RegionMode, reentrant_forward_ctxs, top_pack_hook
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -54,10 +52,10 @@ def _active_modes() -> list[RegionMode]:
 @contextlib.contextmanager
 def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]:
     """The forward's region stack and modes again, for a recompute that may run outside them."""
-    saved, saved_under, saved_grad = STATE.regions, STATE.entered_under, STATE.entered_with_grad
+    saved, saved_under, saved_in = STATE.regions, STATE.entered_under, STATE.entered_in
     STATE.regions = list(regions)
     STATE.entered_under = [top_pack_hook()] * len(regions)
-    STATE.entered_with_grad = [True] * len(regions)
+    STATE.entered_in = [None] * len(regions)  # re-entered for a recompute, not inside a segment
     rules = None
     try:
         with contextlib.ExitStack() as stack:
@@ -70,7 +68,7 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
                 stack.callback(rules.remove)
             yield
     finally:
-        STATE.regions, STATE.entered_under, STATE.entered_with_grad = saved, saved_under, saved_grad
+        STATE.regions, STATE.entered_under, STATE.entered_in = saved, saved_under, saved_in
         if not saved:
             # The recompute ran after the forward's region had closed: its casts (made from this step's
             # weights) must not outlive it, or the next step's region would reuse them after the optimizer
@@ -137,8 +135,8 @@ def cover_segment(mode: RegionMode | None) -> None:
     are left to the segment's own code."""
     if torch.compiler.is_compiling():
         return  # compiled code traces checkpoints itself
-    if not torch.is_grad_enabled():
-        _cover_reentrant(mode)
+    if not torch.is_grad_enabled():  # where torch's reentrant checkpoint runs a segment: a frame walk,
+        _cover_reentrant(mode)  # ~4-11 us per changed op under no_grad (evaluation pays it too)
     top = top_pack_hook()
     if top is None or top in _WALKED:
         return
@@ -150,49 +148,30 @@ def cover_segment(mode: RegionMode | None) -> None:
             _cover(pack, stack[depth:], mode)
 
 
-# torch's reentrant checkpoint runs a segment's forward under no_grad in this method (its `ctx` local holds
-# the run_function its backward recomputes with, under torch's autocast state alone). torch 2.11 to 2.14.
-_REENTRANT_FORWARD = ("CheckpointFunction.forward", os.path.join("torch", "utils", "checkpoint.py"))
-
-
-def _reentrant_ctx(depth: int = 64) -> Any:
-    """The ``ctx`` of torch's reentrant checkpoint forward among the callers, or None (~3 us; checked
-    only under no_grad, where that forward runs)."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if (getattr(code, "co_qualname", code.co_name) == _REENTRANT_FORWARD[0]
-                and code.co_filename.endswith(_REENTRANT_FORWARD[1])):
-            return frame.f_locals.get("ctx")
-        frame = frame.f_back
-    return None
-
-
 def _cover_reentrant(mode: RegionMode | None) -> None:
-    """:func:`cover_segment` for torch's reentrant checkpoint (Hugging Face's default): its recompute
-    re-enters the regions in force when the segment started, those entered with gradients on (the
-    segment runs under no_grad, so a region entered inside it was entered without)."""
-    ctx = _reentrant_ctx()
-    if ctx is None or getattr(ctx, "_mixprec_covered", False):
-        return
-    ctx._mixprec_covered = True
-    if not callable(getattr(ctx, "run_function", None)):
-        warnings.warn(
-            "a reentrant torch.utils.checkpoint segment runs under mixprec's cast rules, and this torch's "
-            "checkpoint is not one mixprec can re-enter them for: its recompute may give other gradients. "
-            "Fix: use_reentrant=False with context_fn=mixprec.checkpoint_context.",
-            stacklevel=4,
-        )
-        return
-    cut = STATE.entered_with_grad.index(False) if False in STATE.entered_with_grad else len(STATE.regions)
-    regions = STATE.regions[:cut]
-    half_grad = {id(m): grad for m, _, grad in STATE.half_entries}
-    candidates = [*_active_modes(), *([mode] if mode is not None else [])]
-    modes = [m for m in candidates if half_grad.get(id(m), True)
-             and (id(m) in half_grad or cut == len(STATE.regions)
-                  or any(getattr(m, "region", None) is r for r in regions))]
+    """:func:`cover_segment` for torch's reentrant checkpoint (Hugging Face's default): the recompute of
+    each segment around this op (``ctx.run_function``) re-enters the regions in force when it started;
+    those entered inside it (reentrant_segments) are left to its code."""
+    for ctx in reentrant_forward_ctxs():
+        if ctx is None or getattr(ctx, "_mixprec_covered", False):
+            continue
+        ctx._mixprec_covered = True
+        if not callable(getattr(ctx, "run_function", None)):
+            warnings.warn(
+                "a reentrant torch.utils.checkpoint segment runs under mixprec's cast rules, and this "
+                "torch's checkpoint is not one mixprec can re-enter them for: its recompute may give other "
+                "gradients. Fix: use_reentrant=False with context_fn=mixprec.checkpoint_context.",
+                stacklevel=4,
+            )
+            continue
+        _wrap_run_function(ctx, mode)
+
+
+def _wrap_run_function(ctx: Any, mode: RegionMode | None) -> None:
+    inside = [i for i, segments in enumerate(STATE.entered_in) if segments and id(ctx) in segments]
+    regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
+    half_before = _half_modes_entered_before(lambda _, segments: not (segments and id(ctx) in segments))
+    modes = [m for m in _candidate_modes(mode) if _entered_before(m, half_before, bool(inside), regions)]
     run = ctx.run_function
 
     def run_in_regions(*args: Any) -> Any:
@@ -200,6 +179,27 @@ def _cover_reentrant(mode: RegionMode | None) -> None:
             return run(*args)
 
     ctx.run_function = run_in_regions
+
+
+def _half_modes_entered_before(before: Callable[[Any, Any], bool]) -> dict[int, bool]:
+    """id of each half_compute mode in force -> whether any of its entries came before the segment (a
+    cached mode entered again inside the segment is one object)."""
+    result: dict[int, bool] = {}
+    for m, under, segments in STATE.half_entries:
+        result[id(m)] = result.get(id(m), False) or before(under, segments)
+    return result
+
+
+def _candidate_modes(mode: RegionMode | None) -> list[RegionMode]:
+    return [*_active_modes(), *([mode] if mode is not None else [])]
+
+
+def _entered_before(m: RegionMode, half_before: dict[int, bool], cut: bool, regions: list[Region]) -> bool:
+    """Whether mode ``m`` was in force when the segment started: a half_compute mode by its entries, an
+    autocast region's mode by its region (``cut``: some region was entered inside the segment)."""
+    if id(m) in half_before:
+        return half_before[id(m)]
+    return not cut or any(getattr(m, "region", None) is r for r in regions)
 
 
 def _pack_hooks() -> list[Callable[..., Any]]:
@@ -232,15 +232,8 @@ def _cover(pack: Callable[..., Any], inner: list[Callable[..., Any]], mode: Regi
     later = {id(h) for h in inner}
     inside = [i for i, under in enumerate(STATE.entered_under) if id(under) in later]
     regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
-    half_under = {id(m): under for m, under, _ in STATE.half_entries}  # entered twice: the innermost
-
-    def entered_before(m: RegionMode) -> bool:
-        if id(m) in half_under:  # a half_compute region's mode
-            return id(half_under[id(m)]) not in later
-        return not inside or any(getattr(m, "region", None) is r for r in regions)
-
-    candidates = [*_active_modes(), *([mode] if mode is not None else [])]
-    modes = [m for m in candidates if entered_before(m)]
+    half_before = _half_modes_entered_before(lambda under, _: id(under) not in later)
+    modes = [m for m in _candidate_modes(mode) if _entered_before(m, half_before, bool(inside), regions)]
     recompute = frame.recompute_fn
 
     def recompute_in_regions(*args: Any) -> None:

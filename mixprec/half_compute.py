@@ -42,6 +42,7 @@ from mixprec.region import (
     call_without_autocast,
     compiled_mode,
     func_name,
+    reentrant_segments,
     top_pack_hook,
 )
 from mixprec.tensor_args import iter_tensors, map_tensors
@@ -147,7 +148,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
             mode = _mode(self.device_type, self.dtype)
             STATE.half_compute_depth += 1
             # activation_checkpoint.cover_segment
-            STATE.half_entries.append((mode, top_pack_hook(), torch.is_grad_enabled()))
+            STATE.half_entries.append((mode, top_pack_hook(), reentrant_segments()))
         mode.__enter__()
         self._modes.append(mode)
         return self

@@ -104,8 +104,10 @@ def _pred_and_loss(out: Any) -> tuple[Any, Tensor]:
 _V2_TO_FP16: dict[str, str] = {
     "init_scale": "loss_scale=...",
     "growth_interval": "max_noskip=...",
-    "growth_factor": "to_recipe(Recipe.fastai().replace(scale=ScaleConfig(growth_factor=...)))",
-    "backoff_factor": "to_recipe(Recipe.fastai().replace(scale=ScaleConfig(backoff_factor=...)))",
+    "growth_factor": "to_recipe(r.replace(scale=dataclasses.replace(r.scale, growth_factor=...))) with "
+                     "r = Recipe.fastai()",
+    "backoff_factor": "to_recipe(r.replace(scale=dataclasses.replace(r.scale, backoff_factor=...))) with "
+                      "r = Recipe.fastai()",
     "enabled": "to_fp16() to turn it on, to_fp32() to turn it off",
     "device": "nothing: the model's device decides",
 }
@@ -119,7 +121,7 @@ def _unknown_to_fp16_arguments(unknown: dict[str, Any]) -> str:
     parts = []
     if v2:
         parts.append("to_fp16() takes fastai v1's arguments (see docs/migrating-from-fastai.md); fastai v2's "
-                     "are said so here: " + "; ".join(v2) + " (ScaleConfig and Recipe: mixprec.recipe)")
+                     "are said so here: " + "; ".join(v2) + " (Recipe: mixprec.recipe)")
     if other:
         parts.append("to_fp16() got an unexpected keyword argument " + ", ".join(repr(n) for n in other))
     return ". ".join(parts)

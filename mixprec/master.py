@@ -127,15 +127,16 @@ def clip_half_grads_(params: list[torch.Tensor], max_norm: float, norm_type: flo
 _TORCH_SCALER_FILE = os.path.join("torch", "amp", "grad_scaler.py")
 
 
-def _called_by_torch_grad_scaler(depth: int = 6) -> bool:
-    """Whether torch.amp.GradScaler's code is among the callers of our caller's caller (a step hook or
-    torch's profiling wrapper of Optimizer.step may sit between): a frame lookup, ~1 us a step."""
+def _called_by_torch_grad_scaler(depth: int = 12) -> bool:
+    """Whether an enabled torch.amp.GradScaler is among the callers of our caller's caller (step hooks,
+    an LR scheduler's or torch's profiling wrapper of Optimizer.step may sit between): ~1-2 us a step."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
         if frame.f_code.co_filename.endswith(_TORCH_SCALER_FILE):
-            return True
+            # a disabled scaler (GradScaler(enabled=False), as for a bf16 run) only calls step() as it is
+            return bool(getattr(frame.f_locals.get("self"), "_enabled", True))
         frame = frame.f_back
     return False
 

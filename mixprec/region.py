@@ -7,6 +7,8 @@ cannot trace thread-local state); there the torch-function mode stack alone deci
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,8 @@ __all__ = [
     "EMULATED_NODE_KEY",
     "Region",
     "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "in_any_region",
-    "is_current", "pop_region", "push_region", "STATE", "top_pack_hook"]
+    "is_current", "pop_region", "push_region", "reentrant_forward_ctxs", "reentrant_segments", "STATE",
+    "top_pack_hook"]
 
 
 @dataclass(eq=False)
@@ -121,13 +124,14 @@ class _ThreadState(threading.local):
         self.regions: list[Region] = []
         # Per entry of `regions`: the saved-tensors pack hook on top when it was entered (None: none).
         # A checkpoint segment's own hook there means the region was entered inside that segment, so its
-        # recompute enters it by itself (activation_checkpoint.cover_segment). And whether gradients were
-        # on: a reentrant checkpoint runs its segment under no_grad.
+        # recompute enters it by itself (activation_checkpoint.cover_segment). And the reentrant
+        # checkpoint segments it was entered inside (reentrant_segments; None: entered with gradients on,
+        # so inside none: torch runs those segments under no_grad).
         self.entered_under: list[Any] = []
-        self.entered_with_grad: list[bool] = []
-        # half_compute regions entered eagerly and not left: (their mode, the pack hook then on top,
-        # whether gradients were on)
-        self.half_entries: list[tuple[Any, Any, bool]] = []
+        self.entered_in: list[frozenset[int] | None] = []
+        # half_compute regions entered eagerly and not left: (their mode, the pack hook then on top, the
+        # reentrant segments it was entered inside)
+        self.half_entries: list[tuple[Any, Any, frozenset[int] | None]] = []
         self.cache = CastCache()
         # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
@@ -190,18 +194,47 @@ def top_pack_hook() -> Any:
     return hooks[0] if hooks else None
 
 
+# torch's reentrant checkpoint runs a segment's forward under no_grad in this method, whose `ctx` local
+# holds the run_function its backward recomputes with (torch 2.11 to 2.14).
+REENTRANT_FORWARD = ("CheckpointFunction.forward", os.path.join("torch", "utils", "checkpoint.py"))
+
+
+def reentrant_forward_ctxs(depth: int = 64) -> list[Any]:
+    """The ``ctx`` of every torch reentrant checkpoint forward among the callers, innermost first (a
+    frame walk: ~4 us at a depth of 10, 11 at 64; the caller decides when it is worth it)."""
+    found = []
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        code = frame.f_code
+        if (getattr(code, "co_qualname", code.co_name) == REENTRANT_FORWARD[0]
+                and code.co_filename.endswith(REENTRANT_FORWARD[1])):
+            found.append(frame.f_locals.get("ctx"))
+        frame = frame.f_back
+    return found
+
+
+def reentrant_segments() -> frozenset[int] | None:
+    """What a region entered now records (``STATE.entered_in``): None with gradients on, else the ids of
+    the reentrant checkpoint segments it is entered inside."""
+    if torch.is_grad_enabled():
+        return None
+    return frozenset(id(ctx) for ctx in reentrant_forward_ctxs())
+
+
 def push_region(region: Region) -> None:
     """Enter ``region`` on this thread's stack (innermost), recording the saved-tensors hook it is under."""
     STATE.regions.append(region)
     STATE.entered_under.append(top_pack_hook())
-    STATE.entered_with_grad.append(torch.is_grad_enabled())
+    STATE.entered_in.append(reentrant_segments())
 
 
 def pop_region(region: Region) -> None:
     """Leave ``region``: its innermost entry (a cached region entered twice is one object, and each entry
     records the hook it was entered under)."""
     i = len(STATE.regions) - 1 - STATE.regions[::-1].index(region)
-    del STATE.regions[i], STATE.entered_under[i], STATE.entered_with_grad[i]
+    del STATE.regions[i], STATE.entered_under[i], STATE.entered_in[i]
 
 
 class _AutocastOff:

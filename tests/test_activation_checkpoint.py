@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import pytest
@@ -259,3 +260,60 @@ def test_a_models_checkpointed_function_recomputes_under_its_region(opt_level: s
     assert len(runs[0]) == len(runs[1]) == 3  # a.weight, b.weight, b.bias
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def _reentrant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=True)
+
+
+def test_a_reentrant_segment_nested_in_a_reentrant_one_covers_the_outer_one_too() -> None:
+    """The first changed op runs in the inner segment's forward; the outer one's recompute re-runs the
+    inner checkpoint with a new ctx, so the outer ctx must be covered then as well."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        g = nn.functional.gelu(lin1(t))
+        return g + g * 0.37
+
+    x = torch.randn(32, 16, requires_grad=True)
+    _equal_grads([*lin1.parameters(), *lin2.parameters()], x, GELU_FP32, lambda t: lin2(inner(t)),
+                 lambda t: _reentrant(lambda u: lin2(_reentrant(inner, u)), t))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_region_entered_under_no_grad_before_the_segment_is_re_entered(reentrant: bool) -> None:
+    """A region entered with gradients off is not thereby inside a reentrant segment (which runs under
+    no_grad): only the segments it was entered inside count."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def segment(t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(lin(t)) * 2
+
+    @contextlib.contextmanager
+    def entered_under_no_grad() -> Iterator[None]:
+        with torch.no_grad(), GELU_FP32(), torch.enable_grad():
+            yield
+
+    x = torch.randn(8, 16, requires_grad=True)
+    _equal_grads(list(lin.parameters()), x, entered_under_no_grad, segment,
+                 lambda t: torch.utils.checkpoint.checkpoint(segment, t, use_reentrant=reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_half_compute_entered_again_inside_a_segment_keeps_the_outer_entry(reentrant: bool) -> None:
+    """half_compute's mode is one cached object: entered again inside the segment (where the first op is
+    changed), its outer entry still makes it one to re-enter for the rest of the segment."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16).half()
+
+    def segment(t: torch.Tensor) -> torch.Tensor:
+        with half_compute("cpu", torch.float16):
+            h = lin(t)
+        return torch.log_softmax(h * 3, -1)  # fp32 under the outer entry
+
+    x = torch.randn(8, 16, dtype=torch.float16, requires_grad=True)
+    region: Region = lambda: half_compute("cpu", torch.float16)  # noqa: E731
+    _equal_grads(list(lin.parameters()), x, region, segment,
+                 lambda t: torch.utils.checkpoint.checkpoint(segment, t, use_reentrant=reentrant))

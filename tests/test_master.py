@@ -360,3 +360,14 @@ def test_torchs_grad_scaler_is_refused_with_the_fix() -> None:
         with pytest.raises(ConfigError, match="mixprec.GradScaler"):
             scaler.step(opt)
         assert torch.equal(model.weight, before)
+
+
+def test_a_disabled_torch_grad_scaler_steps_as_before() -> None:
+    """GradScaler(enabled=use_fp16), as bf16 runs write it: a disabled torch scaler only calls step()."""
+    model = nn.Linear(8, 4).bfloat16()
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=1e-3), fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler.scale(model(torch.randn(2, 8).bfloat16()).float().sum()).backward()
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    assert not torch.equal(model.weight, before)
