@@ -178,9 +178,10 @@ def _equal_grads(params: list[torch.Tensor], x: torch.Tensor, region: Region,
         assert b is not None and torch.equal(a, b)
 
 
-def test_an_outer_segment_whose_changed_ops_are_all_in_a_nested_one_is_covered_too() -> None:
-    """Only the inner segment's top hook is seen when gelu runs; the outer one's recompute ran without the
-    layer, and its bf16 input to lin2 differed in value, not in dtype: other gradients, no error."""
+def _nested_segments(kind: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+                     ) -> None:
+    """lin2(inner(x)), checkpointed twice over with ``kind``: the only op the layer changes (gelu) runs in
+    the inner segment, against the same unchecked."""
     torch.manual_seed(0)
     lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
 
@@ -190,7 +191,13 @@ def test_an_outer_segment_whose_changed_ops_are_all_in_a_nested_one_is_covered_t
 
     x = torch.randn(32, 16, requires_grad=True)
     _equal_grads([*lin1.parameters(), *lin2.parameters()], x, GELU_FP32, lambda t: lin2(inner(t)),
-                 lambda t: _torch_checkpoint(lambda u: lin2(_torch_checkpoint(inner, u)), t))
+                 lambda t: kind(lambda u: lin2(kind(inner, u)), t))
+
+
+def test_an_outer_segment_whose_changed_ops_are_all_in_a_nested_one_is_covered_too() -> None:
+    """Only the inner segment's top hook is seen when gelu runs; the outer one's recompute ran without the
+    layer, and its bf16 input to lin2 differed in value, not in dtype: other gradients, no error."""
+    _nested_segments(_torch_checkpoint)
 
 
 def test_a_segment_whose_changed_ops_run_under_a_users_saved_tensors_hook_is_covered() -> None:
@@ -269,16 +276,7 @@ def _reentrant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
 def test_a_reentrant_segment_nested_in_a_reentrant_one_covers_the_outer_one_too() -> None:
     """The first changed op runs in the inner segment's forward; the outer one's recompute re-runs the
     inner checkpoint with a new ctx, so the outer ctx must be covered then as well."""
-    torch.manual_seed(0)
-    lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def inner(t: torch.Tensor) -> torch.Tensor:
-        g = nn.functional.gelu(lin1(t))
-        return g + g * 0.37
-
-    x = torch.randn(32, 16, requires_grad=True)
-    _equal_grads([*lin1.parameters(), *lin2.parameters()], x, GELU_FP32, lambda t: lin2(inner(t)),
-                 lambda t: _reentrant(lambda u: lin2(_reentrant(inner, u)), t))
+    _nested_segments(_reentrant)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
