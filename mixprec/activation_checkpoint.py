@@ -40,7 +40,7 @@ import torch.utils.checkpoint
 
 from mixprec.errors import AutocastError
 from mixprec.fp32_modules import ModuleRules
-from mixprec.region import STATE, Region, RegionMode, reentrant_forward_ctxs, top_pack_hook
+from mixprec.region import STATE, EntryMark, Region, RegionMode, reentrant_forward_ctxs, top_pack_hook
 
 __all__ = ["checkpoint", "checkpoint_context"]
 
@@ -52,10 +52,10 @@ def _active_modes() -> list[RegionMode]:
 @contextlib.contextmanager
 def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]:
     """The forward's region stack and modes again, for a recompute that may run outside them."""
-    saved, saved_under, saved_in = STATE.regions, STATE.entered_under, STATE.entered_in
+    saved, saved_under = STATE.regions, STATE.entered_under
     STATE.regions = list(regions)
-    STATE.entered_under = [top_pack_hook()] * len(regions)
-    STATE.entered_in = [None] * len(regions)  # re-entered for a recompute, not inside a segment
+    # re-entered for the recompute: under its hook, inside no reentrant segment
+    STATE.entered_under = [EntryMark(top_pack_hook(), None)] * len(regions)
     rules = None
     try:
         with contextlib.ExitStack() as stack:
@@ -68,7 +68,7 @@ def _reentered(regions: list[Region], modes: list[RegionMode]) -> Iterator[None]
                 stack.callback(rules.remove)
             yield
     finally:
-        STATE.regions, STATE.entered_under, STATE.entered_in = saved, saved_under, saved_in
+        STATE.regions, STATE.entered_under = saved, saved_under
         if not saved:
             # The recompute ran after the forward's region had closed: its casts (made from this step's
             # weights) must not outlive it, or the next step's region would reuse them after the optimizer
@@ -150,56 +150,16 @@ def cover_segment(mode: RegionMode | None) -> None:
 
 def _cover_reentrant(mode: RegionMode | None) -> None:
     """:func:`cover_segment` for torch's reentrant checkpoint (Hugging Face's default): the recompute of
-    each segment around this op (``ctx.run_function``) re-enters the regions in force when it started;
-    those entered inside it (reentrant_segments) are left to its code."""
+    each segment around this op (``ctx.run_function``) re-enters the regions in force when it started."""
     for ctx in reentrant_forward_ctxs():
         if ctx is None or getattr(ctx, "_mixprec_covered", False):
             continue
         ctx._mixprec_covered = True
         if not callable(getattr(ctx, "run_function", None)):
-            warnings.warn(
-                "a reentrant torch.utils.checkpoint segment runs under mixprec's cast rules, and this "
-                "torch's checkpoint is not one mixprec can re-enter them for: its recompute may give other "
-                "gradients. Fix: use_reentrant=False with context_fn=mixprec.checkpoint_context.",
-                stacklevel=4,
-            )
+            _warn_unreachable("use_reentrant=False with context_fn=mixprec.checkpoint_context")
             continue
-        _wrap_run_function(ctx, mode)
-
-
-def _wrap_run_function(ctx: Any, mode: RegionMode | None) -> None:
-    inside = [i for i, segments in enumerate(STATE.entered_in) if segments and id(ctx) in segments]
-    regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
-    half_before = _half_modes_entered_before(lambda _, segments: not (segments and id(ctx) in segments))
-    modes = [m for m in _candidate_modes(mode) if _entered_before(m, half_before, bool(inside), regions)]
-    run = ctx.run_function
-
-    def run_in_regions(*args: Any) -> Any:
-        with _reentered(regions, modes):
-            return run(*args)
-
-    ctx.run_function = run_in_regions
-
-
-def _half_modes_entered_before(before: Callable[[Any, Any], bool]) -> dict[int, bool]:
-    """id of each half_compute mode in force -> whether any of its entries came before the segment (a
-    cached mode entered again inside the segment is one object)."""
-    result: dict[int, bool] = {}
-    for m, under, segments in STATE.half_entries:
-        result[id(m)] = result.get(id(m), False) or before(under, segments)
-    return result
-
-
-def _candidate_modes(mode: RegionMode | None) -> list[RegionMode]:
-    return [*_active_modes(), *([mode] if mode is not None else [])]
-
-
-def _entered_before(m: RegionMode, half_before: dict[int, bool], cut: bool, regions: list[Region]) -> bool:
-    """Whether mode ``m`` was in force when the segment started: a half_compute mode by its entries, an
-    autocast region's mode by its region (``cut``: some region was entered inside the segment)."""
-    if id(m) in half_before:
-        return half_before[id(m)]
-    return not cut or any(getattr(m, "region", None) is r for r in regions)
+        inside: Callable[[EntryMark], bool] = functools.partial(EntryMark.inside_reentrant, ctx=ctx)
+        _rewrap(ctx, "run_function", *_in_force_at_start(inside, mode))
 
 
 def _pack_hooks() -> list[Callable[..., Any]]:
@@ -217,30 +177,55 @@ def _pack_hooks() -> list[Callable[..., Any]]:
 
 
 def _cover(pack: Callable[..., Any], inner: list[Callable[..., Any]], mode: RegionMode | None) -> None:
-    """Wrap the recompute of the segment whose pack hook is ``pack``; ``inner``: it and the hooks pushed
-    after it (a region entered under any of them was entered inside the segment)."""
+    """Wrap the recompute of the non-reentrant segment whose pack hook is ``pack``; ``inner``: it and the
+    hooks pushed after it (a region entered under any of them was entered inside the segment)."""
     frame = _segment_frame(pack)
     if frame is None:
-        warnings.warn(
-            "a torch.utils.checkpoint segment runs under mixprec's cast rules, and this torch's checkpoint "
-            "is not one mixprec can re-enter them for; its recompute may raise CheckpointError or give "
-            "other gradients. Fix: pass context_fn=mixprec.checkpoint_context (use_reentrant=False), or "
-            "call mixprec.activation_checkpoint.checkpoint.",
-            stacklevel=4,
-        )
+        _warn_unreachable("pass context_fn=mixprec.checkpoint_context (use_reentrant=False), or call "
+                          "mixprec.activation_checkpoint.checkpoint")
         return
     later = {id(h) for h in inner}
-    inside = [i for i, under in enumerate(STATE.entered_under) if id(under) in later]
-    regions = STATE.regions[: inside[0]] if inside else list(STATE.regions)
-    half_before = _half_modes_entered_before(lambda under, _: id(under) not in later)
-    modes = [m for m in _candidate_modes(mode) if _entered_before(m, half_before, bool(inside), regions)]
-    recompute = frame.recompute_fn
+    _rewrap(frame, "recompute_fn", *_in_force_at_start(lambda mark: id(mark.hook) in later, mode))
 
-    def recompute_in_regions(*args: Any) -> None:
+
+def _in_force_at_start(
+    inside: Callable[[EntryMark], bool], mode: RegionMode | None
+) -> tuple[list[Region], list[RegionMode]]:
+    """The regions and modes in force when a segment started: those entered before the first entry made
+    ``inside`` it. A half_compute mode (one cached object, maybe entered again inside) counts if any of
+    its entries came before; an autocast region's mode goes with its region."""
+    cut = next((i for i, mark in enumerate(STATE.entered_under) if inside(mark)), None)
+    regions = STATE.regions if cut is None else STATE.regions[:cut]
+    half_before: dict[int, bool] = {}
+    for m, mark in STATE.half_entries:
+        half_before[id(m)] = half_before.get(id(m), False) or not inside(mark)
+
+    def before(m: RegionMode) -> bool:
+        if id(m) in half_before:
+            return half_before[id(m)]
+        return cut is None or any(getattr(m, "region", None) is r for r in regions)
+
+    return list(regions), [m for m in [*_active_modes(), *([mode] if mode is not None else [])] if before(m)]
+
+
+def _rewrap(owner: Any, attr: str, regions: list[Region], modes: list[RegionMode]) -> None:
+    """Replace the recompute function ``owner.attr`` by one that runs it with ``regions`` re-entered."""
+    run = getattr(owner, attr)
+
+    def in_regions(*args: Any) -> Any:
         with _reentered(regions, modes):
-            recompute(*args)
+            return run(*args)
 
-    frame.recompute_fn = recompute_in_regions
+    setattr(owner, attr, in_regions)
+
+
+def _warn_unreachable(fix: str) -> None:
+    warnings.warn(
+        "a torch.utils.checkpoint segment runs under mixprec's cast rules, and this torch's checkpoint is "
+        "not one mixprec can re-enter them for; its recompute may raise CheckpointError or give other "
+        f"gradients. Fix: {fix}.",
+        stacklevel=5,
+    )
 
 
 def checkpoint(

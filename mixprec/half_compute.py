@@ -37,13 +37,12 @@ from mixprec.policy.rules import Action
 from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES
 from mixprec.region import (
     STATE,
+    EntryMark,
     Region,
     RegionMode,
     call_without_autocast,
     compiled_mode,
     func_name,
-    reentrant_segments,
-    top_pack_hook,
 )
 from mixprec.tensor_args import iter_tensors, map_tensors
 
@@ -148,7 +147,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
             mode = _mode(self.device_type, self.dtype)
             STATE.half_compute_depth += 1
             # activation_checkpoint.cover_segment
-            STATE.half_entries.append((mode, top_pack_hook(), reentrant_segments()))
+            STATE.half_entries.append((mode, EntryMark.now()))
         mode.__enter__()
         self._modes.append(mode)
         return self

@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EMULATED_NODE_KEY",
+    "EntryMark",
     "Region",
     "RegionMode", "call_without_autocast", "eager_backward_tracing", "current_region", "in_any_region",
-    "is_current", "pop_region", "push_region", "reentrant_forward_ctxs", "reentrant_segments", "STATE",
-    "top_pack_hook"]
+    "is_current", "pop_region", "push_region", "reentrant_forward_ctxs", "STATE", "top_pack_hook"]
 
 
 @dataclass(eq=False)
@@ -119,19 +119,33 @@ def func_name(func: Any) -> str | None:
     return getattr(func, "__name__", None)
 
 
+@dataclass(frozen=True)
+class EntryMark:
+    """What a region was entered under, so that a checkpoint's recompute re-enters only the regions in
+    force when its segment started (activation_checkpoint.cover_segment)."""
+
+    # the saved-tensors pack hook then on top (None: none); a non-reentrant segment's own hook there
+    # means the region was entered inside that segment, and its recompute enters it by itself
+    hook: Any
+    # ids of the reentrant checkpoint segments it was entered inside (None: entered with gradients on,
+    # so inside none: torch runs those segments under no_grad)
+    segments: frozenset[int] | None
+
+    @classmethod
+    def now(cls) -> EntryMark:
+        return cls(top_pack_hook(), reentrant_segments())
+
+    def inside_reentrant(self, ctx: Any) -> bool:
+        return self.segments is not None and id(ctx) in self.segments
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.regions: list[Region] = []
-        # Per entry of `regions`: the saved-tensors pack hook on top when it was entered (None: none).
-        # A checkpoint segment's own hook there means the region was entered inside that segment, so its
-        # recompute enters it by itself (activation_checkpoint.cover_segment). And the reentrant
-        # checkpoint segments it was entered inside (reentrant_segments; None: entered with gradients on,
-        # so inside none: torch runs those segments under no_grad).
-        self.entered_under: list[Any] = []
-        self.entered_in: list[frozenset[int] | None] = []
-        # half_compute regions entered eagerly and not left: (their mode, the pack hook then on top, the
-        # reentrant segments it was entered inside)
-        self.half_entries: list[tuple[Any, Any, frozenset[int] | None]] = []
+        # Per entry of `regions`: what it was entered under (activation_checkpoint.cover_segment)
+        self.entered_under: list[EntryMark] = []
+        # half_compute regions entered eagerly and not left: their mode, and what it was entered under
+        self.half_entries: list[tuple[Any, EntryMark]] = []
         self.cache = CastCache()
         # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
@@ -216,8 +230,7 @@ def reentrant_forward_ctxs(depth: int = 64) -> list[Any]:
 
 
 def reentrant_segments() -> frozenset[int] | None:
-    """What a region entered now records (``STATE.entered_in``): None with gradients on, else the ids of
-    the reentrant checkpoint segments it is entered inside."""
+    """None with gradients on, else the ids of the reentrant checkpoint segments the caller runs inside."""
     if torch.is_grad_enabled():
         return None
     return frozenset(id(ctx) for ctx in reentrant_forward_ctxs())
@@ -226,15 +239,14 @@ def reentrant_segments() -> frozenset[int] | None:
 def push_region(region: Region) -> None:
     """Enter ``region`` on this thread's stack (innermost), recording the saved-tensors hook it is under."""
     STATE.regions.append(region)
-    STATE.entered_under.append(top_pack_hook())
-    STATE.entered_in.append(reentrant_segments())
+    STATE.entered_under.append(EntryMark.now())
 
 
 def pop_region(region: Region) -> None:
     """Leave ``region``: its innermost entry (a cached region entered twice is one object, and each entry
     records the hook it was entered under)."""
     i = len(STATE.regions) - 1 - STATE.regions[::-1].index(region)
-    del STATE.regions[i], STATE.entered_under[i], STATE.entered_in[i]
+    del STATE.regions[i], STATE.entered_under[i]
 
 
 class _AutocastOff:
