@@ -11,8 +11,8 @@ half model, GradScaler and MasterWeights that the other interfaces use. The even
 
 Gradient accumulation: ``callbacks=[GradientAccumulation(n_acc)]`` (fastai v2's).
 Real models: ``fit(steps=...)`` counts optimizer steps (batches under GradientAccumulation);
-``loss_func=None`` takes the loss from models that return ``(logits, loss)``; ``opt_func`` may build
-its own param groups, or ``wd=`` splits decay/no-decay.
+``loss_func=None`` takes the loss from models that return ``(logits, loss)`` or a mapping with both (Hugging
+Face's ``ModelOutput``); ``opt_func`` may build its own param groups, or ``wd=`` splits decay/no-decay.
 Checkpoints: ``fit(..., checkpoint="run.pt")`` saves at every epoch end; ``fit(..., resume="run.pt")``
 continues from it, bit for bit (see :class:`~mixprec.callbacks.Checkpoint`).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,13 +90,48 @@ def decay_groups(model: nn.Module, weight_decay: float) -> ParamGroups:
 
 
 def _pred_and_loss(out: Any) -> tuple[Any, Tensor]:
-    """Split the ``(pred, loss)`` a model returns when it computes its own loss (``loss_func=None``)."""
+    """Split the ``(pred, loss)`` a model returns when it computes its own loss (``loss_func=None``): a
+    tuple or list as nanoGPT returns, or a mapping with ``logits`` and ``loss`` as Hugging Face models do."""
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor) and "logits" in out:
+        return out["logits"], out["loss"]
     if isinstance(out, tuple | list) and len(out) >= 2 and isinstance(out[1], Tensor):
         return out[0], out[1]
     raise ConfigError(
-        f"loss_func=None means the model computes its loss: model(xb, yb) must return (pred, loss); it "
-        f"returned {type(out).__name__}.",
+        f"loss_func=None means the model computes its loss: model(xb, yb) must return (pred, loss) or a "
+        f"mapping with 'logits' and 'loss'; it returned {_described(out)}.",
         "return (logits, loss) from forward when given targets (as nanoGPT does), or pass a loss_func.",
+    )
+
+
+def _prediction(out: Any) -> Any:
+    """The prediction in a model's output without targets: ``logits`` of a mapping, the first item of a
+    tuple (``(logits, None)``), else the output itself."""
+    if isinstance(out, Mapping) and "logits" in out:
+        return out["logits"]
+    if isinstance(out, tuple | list) and out:
+        return out[0]
+    return out
+
+
+def _described(out: Any) -> str:
+    if isinstance(out, Mapping):
+        return f"a {type(out).__name__} with keys {sorted(map(str, out))}"
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)} ({', '.join(type(o).__name__ for o in out)})"
+    return type(out).__name__
+
+
+def _check_prediction(pred: Any) -> None:
+    """A loss_func gets the model's output as it is; a default one (cross_entropy) fed a tuple or mapping
+    would fail inside torch with no word on the cause, so say it here."""
+    if isinstance(pred, Tensor):
+        return
+    raise ConfigError(
+        f"the model returned {_described(pred)}, and the loss_func (loss_func(pred, yb)) takes the model's "
+        "output as it is; the default, cross_entropy, needs the logits tensor.",
+        "if the model computes its own loss from targets (forward(x, targets) -> (logits, loss), as nanoGPT "
+        "and Hugging Face models do), pass loss_func=None; else return the logits alone, or pass a "
+        "loss_func that takes this output.",
     )
 
 
@@ -135,9 +170,11 @@ class Learner:
         model: the model; it stays where it is (batches are moved to its device).
         loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch). None: the model
             computes its own loss (nanoGPT's convention): the learner calls ``model(xb, yb)``, which
-            returns ``(pred, loss)``; metrics and ``predict`` see ``pred``. A Hugging Face model takes
-            ``labels=`` by keyword and returns a ``ModelOutput``: pass a small adapter module whose
-            ``forward(x, y)`` does ``out = hf(input_ids=x, labels=y); return out.logits, out.loss``.
+            returns ``(pred, loss)`` or a mapping with ``logits`` and ``loss`` (a Hugging Face
+            ``ModelOutput``); metrics and ``predict`` see ``pred``. A Hugging Face model takes ``labels=``
+            by keyword (its second positional argument is the attention mask): pass a small adapter module
+            whose ``forward(x, y)`` returns ``hf(input_ids=x, labels=y)``. With a ``loss_func`` such a
+            model's tuple or mapping is an error that says to pass ``loss_func=None``.
         opt_func: builds the optimizer as ``opt_func(params, lr=lr)``; each ``fit`` builds a fresh one, so
             optimizer state does not carry over from one ``fit`` call to the next. It may ignore ``params``
             and return an optimizer with param groups of its own (e.g. the model's
@@ -437,6 +474,8 @@ class Learner:
             # fp32 value), so the Recorder's averages and the scaled loss are fp32 whatever the model used.
             self.loss = model_loss.float()
         else:
+            if self.loss_func is F.cross_entropy or isinstance(self.loss_func, nn.modules.loss._Loss):
+                _check_prediction(self.pred)  # torch's losses take tensors only
             self.loss = self.loss_func(self.pred, self.yb)  # type: ignore[misc]
 
     def _step(self) -> None:
@@ -528,8 +567,8 @@ class Learner:
         xb = x.unsqueeze(0) if single else x
         self.model.eval()
         out = self.model(xb.to(self.device))
-        if self.loss_func is None and isinstance(out, tuple | list):
-            out = out[0]  # (logits, loss) models return (logits, None) without targets
+        if self.loss_func is None:
+            out = _prediction(out)  # (logits, loss) models return (logits, None) without targets
         out = out.float()
         return out[0] if single else out
 

@@ -277,3 +277,42 @@ def test_a_step_based_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
     for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert resumed.recorder.lrs == whole.recorder.lrs and len(whole.recorder.lrs) == 13
+
+
+class HFStyleModel(LossModel):
+    """Returns what Hugging Face models return: a mapping with ``logits`` and, given labels, ``loss``."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> dict[str, Any]:  # type: ignore[override]
+        logits, loss = super().forward(x, y)
+        return {"logits": logits} if loss is None else {"loss": loss, "logits": logits}
+
+
+def test_a_mapping_with_logits_and_loss_trains_like_the_tuple_model() -> None:
+    runs = []
+    for model_type in (LossModel, HFStyleModel):
+        torch.manual_seed(0)
+        learn = Learner(_data(), model_type(), loss_func=None, silent=True)
+        learn.fit(steps=4)
+        xb, _ = learn.data.one_batch("valid")
+        runs.append((learn.recorder.losses, learn.predict(xb)))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss_func", [F.cross_entropy, nn.CrossEntropyLoss()])
+def test_a_model_loss_with_the_default_loss_func_says_to_pass_none(loss_func: Any) -> None:
+    learn = Learner(_data(), LossModel(), loss_func=loss_func, silent=True)
+    said = r"(?s)returned a tuple of 2 \(Tensor, NoneType\).*pass loss_func=None"
+    with pytest.raises(ConfigError, match=said):
+        learn.fit(steps=1)
+
+
+def test_a_custom_loss_func_gets_the_model_output_as_it_is() -> None:
+    seen: list[type] = []
+
+    def first_of_pair(out: Any, yb: torch.Tensor) -> torch.Tensor:
+        seen.append(type(out))
+        return F.cross_entropy(out[0], yb)
+
+    Learner(_data(), LossModel(), loss_func=first_of_pair, silent=True).fit(steps=1)
+    assert seen and set(seen) == {tuple}  # training and validation batches alike
