@@ -14,7 +14,8 @@ decided: its weights are half. Two things remain, and this region does them:
    apex's O2 computed it in fp16.
 
 Ops whose floating inputs hold no half tensor, and every op while a torch autocast region is on (it has
-its own rules), pass straight through.
+its own rules), pass straight through. An autocast region of the *other* half dtype around the region is
+a :class:`~mixprec.errors.ConfigError` (it would round the model's weights to that dtype).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mixprec.activation_checkpoint import cover_segment
 from mixprec.cast_handlers import eligible, run_emulated
 from mixprec.cast_plan import plan, region_for
 from mixprec.emulation import round_result
+from mixprec.errors import ConfigError
 from mixprec.half_relu import RELU_NAMES, relu
 from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
@@ -129,6 +131,24 @@ def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     return mode
 
 
+def _check_no_other_half_autocast(device_type: str, dtype: torch.dtype) -> None:
+    """A half model inside an autocast region of the *other* half dtype would have its GEMMs round its
+    weights to that dtype (bf16 -> fp16 overflows past 65504; fp16 -> bf16 drops 3 bits) and its norms
+    fail in torch ("mixed dtype (CPU): expect parameter to have scalar type of Float"): say why here."""
+    if not torch.is_autocast_enabled(device_type):
+        return
+    outer = torch.get_autocast_dtype(device_type)
+    if outer in (torch.float16, torch.bfloat16) and outer is not dtype:
+        raise ConfigError(
+            f"a {dtype} model (O2/O3, to_fp16()/to_bf16(), half_compute) runs inside an autocast region of "
+            f"{outer} on {device_type!r}: its GEMMs would round the {dtype} weights to {outer} (and on a "
+            "CPU torch's norms fail on the mix).",
+            f"use one half dtype: autocast(..., dtype={dtype}) around it, or no autocast at all (the half "
+            f"model's region already runs its GEMMs in {dtype} and its sensitive ops in fp32), or cast the "
+            f"model to {outer} instead.",
+        )
+
+
 class half_compute:  # noqa: N801 - a context manager used like autocast
     """Run a model whose weights are already half precision with tensor-core arithmetic and fp32
     sensitive ops (see the module docstring). Re-entrant; cheap to enter every forward."""
@@ -144,6 +164,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
             # failure (a retrace with the new plan), as in autocast's compiled regions.
             mode = compiled_mode(_mode, self.device_type, self.dtype, registry_version())
         else:
+            _check_no_other_half_autocast(self.device_type, self.dtype)
             mode = _mode(self.device_type, self.dtype)
             STATE.half_compute_depth += 1
             # activation_checkpoint.cover_segment

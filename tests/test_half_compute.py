@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import mixprec
 import mixprec.policy
 from mixprec.diagnostics import CastTrace
+from mixprec.errors import ConfigError
 from mixprec.half_compute import half_compute
 
 HALF = [torch.float16, torch.bfloat16]
@@ -139,3 +142,47 @@ def test_a_forward_dynamo_gives_up_on_still_computes_its_loss_in_fp32() -> None:
 
     x = torch.randn(4, 8).half()
     assert run(x).dtype == torch.compile(run)(x).dtype == torch.float32
+
+
+# ------------------------------------------------------------------ inside an autocast region
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _outer_autocast(kind: str, dtype: torch.dtype) -> Any:
+    return torch.autocast("cpu", dtype) if kind == "torch" else mixprec.autocast("cpu", dtype)
+
+
+def _normed_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kind", ["torch", "mixprec"])
+@pytest.mark.parametrize("model_dtype", _HALVES)
+def test_a_half_model_inside_autocast_of_the_other_half_dtype_is_a_clear_error(
+    kind: str, model_dtype: torch.dtype
+) -> None:
+    outer = next(d for d in _HALVES if d is not model_dtype)
+    model = _normed_model().to(model_dtype)
+    x = torch.randn(4, 8, dtype=model_dtype)
+    with pytest.raises(RuntimeError, match="mixed dtype"):  # torch's own failure, with no word on the cause
+        with torch.autocast("cpu", outer):
+            model(x)
+    said = f"runs inside an autocast region of {outer}"
+    with _outer_autocast(kind, outer), pytest.raises(ConfigError, match=said):
+        with half_compute("cpu", model_dtype):
+            model(x)
+    with half_compute("cpu", model_dtype):  # the region was left clean: the model runs again
+        assert model(x).dtype is model_dtype
+
+
+@pytest.mark.parametrize("kind", ["torch", "mixprec"])
+@pytest.mark.parametrize("dtype", _HALVES)
+def test_a_half_model_inside_autocast_of_its_dtype_follows_autocast(kind: str, dtype: torch.dtype) -> None:
+    model = _normed_model().to(dtype)
+    x = torch.randn(4, 8, dtype=dtype)
+    with _outer_autocast(kind, dtype):
+        expected = model(x)
+        with half_compute("cpu", dtype):  # autocast's rules decide inside it (module docstring)
+            got = model(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
