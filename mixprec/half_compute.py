@@ -167,6 +167,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
             _check_no_other_half_autocast(self.device_type, self.dtype)
             mode = _mode(self.device_type, self.dtype)
             STATE.half_compute_depth += 1
+            STATE.entries += 1
             # activation_checkpoint.cover_segment
             STATE.half_entries.append((mode, EntryMark.now()))
         mode.__enter__()

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
 from mixprec.hardware import HALF_DTYPES
+from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
 from mixprec.tree import cast_floating
 
@@ -447,6 +448,7 @@ def prepare(
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
     make = region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
+    mark_prepared(model.parameters())  # their forward runs in the region: fast, compiled or not
     # the submodules, for a checkpoint's recompute (_submodule_forward)
     hooks.append(_SubmoduleForwards(model, make, half_model=recipe.casts_model))  # type: ignore[arg-type]
     out_dtype = output_dtype or (torch.float32 if recipe.loss_fp32 else None)

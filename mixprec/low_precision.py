@@ -67,6 +67,7 @@ from torch import Tensor
 from mixprec.errors import ConfigError, UnsupportedParameterError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master import _views_like, clip_half_grads_
+from mixprec.outside_region import RegionWatch
 from mixprec.skip_step import record_step_called
 from mixprec.split_adam import SUPPORTED as SPLIT_ADAM_OPTIMIZERS
 from mixprec.split_adam import NativeSplitAdam
@@ -365,6 +366,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._extras, self._generators = _buffers_of(optimizer, (self.mode, state_dtype, seed))
         self._native = NativeSplitAdam(optimizer, self._extras)
         self._fallbacks: set[str] = set()  # reasons the native step could not run, warned about once each
+        self._region_watch = RegionWatch("LowPrecisionOptimizer")  # a bare forward where half GEMMs crawl
         # ids of the parameters whose low halves load_state_dict set, until the next step or the weight's own
         # load (low_half_awaits_weight): they came from a checkpoint and await their weights
         self._lows_await_weights: set[int] = set()
@@ -468,6 +470,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._region_watch.check(p for g in self.param_groups for p in g["params"])
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and found_inf.item() > 0:
             record_step_called(self)  # skipped: neither step() ran, as a scheduler built on either sees

@@ -57,6 +57,7 @@ from mixprec.master_fused import FusedMasterStep
 from mixprec.master_kernel import record_non_finite_
 from mixprec.master_state import InnerOptimizerGuard, check_state_shapes, split_master_state, warn_reseeded
 from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_masters, views_like
+from mixprec.outside_region import RegionWatch
 from mixprec.skip_step import record_step_called
 from mixprec.unscale_copy import unscale_copy_
 
@@ -242,6 +243,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._iteration = _Iteration()
         self._mirror = GradMirror()
         self._guard = InnerOptimizerGuard(optimizer, self._seed_from_model)
+        self._region_watch = RegionWatch("MasterWeights")  # a bare forward where torch's half GEMMs crawl
 
     # ------------------------------------------------------------------ the wrapped optimizer's bookkeeping
     @property  # type: ignore[override]
@@ -517,6 +519,7 @@ class MasterWeights(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             self._iteration.grads_copied = False
+        self._region_watch.check(self.model_params())
         if not self._iteration.grads_copied:
             self.copy_grads_to_master()
         self._mirror.take_edits()

@@ -153,6 +153,8 @@ class _ThreadState(threading.local):
         self.emulating: torch.dtype | None = None
         # half_compute regions entered eagerly and not left (autocast's are in `regions`)
         self.half_compute_depth = 0
+        # regions of either kind entered eagerly so far (outside_region.RegionWatch compares two counts)
+        self.entries = 0
 
 
 # Key in an autograd node's metadata: the half dtype whose GEMM this (fp32) node's backward emulates.
@@ -240,6 +242,7 @@ def push_region(region: Region) -> None:
     """Enter ``region`` on this thread's stack (innermost), recording the saved-tensors hook it is under."""
     STATE.regions.append(region)
     STATE.entered_under.append(EntryMark.now())
+    STATE.entries += 1
 
 
 def pop_region(region: Region) -> None:
