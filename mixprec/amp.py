@@ -53,6 +53,7 @@ __all__ = [
     "scale_loss",
     "master_params",
     "loss_scaler",
+    "loss_scalers_of",
     "restore",
     "reset",
     "state_dict",
@@ -700,6 +701,14 @@ def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:
 def loss_scaler(loss_id: int = 0) -> GradScaler:
     """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty)."""
     return _state().scalers[loss_id]
+
+
+def loss_scalers_of(optimizers: Sequence[Any]) -> list[GradScaler]:
+    """The loss scalers of the ``initialize`` calls that returned these optimizers, in order (none for an
+    optimizer initialize did not return): what a checkpoint of an apex-style run must hold."""
+    states = [getattr(opt, _OPT_STATE_ATTR, None) for opt in optimizers]
+    unique = list({id(s): s for s in states if s is not None}.values())
+    return [scaler for state in unique for scaler in state.scalers]
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
+from mixprec.amp import loss_scalers_of
 from mixprec.checkpoint_checks import (
     check_can_save,
     check_classes,
@@ -273,11 +274,12 @@ def save_checkpoint(
     with the classes of the objects and a checksum of their state (``load_checkpoint`` verifies both).
 
     ``model``, ``optimizer``, ``scaler`` and ``scheduler`` each take one object or a sequence (several
-    models / optimizers / scalers); ``load_checkpoint`` must get them in the same order. Pass the
-    ``MasterWeights`` wrapper (not the wrapped optimizer) so the fp32 masters are saved, and the unwrapped
-    model (``ddp.module``) so the checkpoint loads without DDP. Call it after ``scaler.update()``. Both
-    mistakes raise ``CheckpointError``. Syncs with the device (the scaler's counters, the checksum).
-    Returns the path written."""
+    models / optimizers / scalers); ``load_checkpoint`` must get them in the same order. Without
+    ``scaler``, the loss scalers of the ``mixprec.initialize`` calls that returned the optimizers are
+    saved (and loaded) with them. Pass the ``MasterWeights`` wrapper (not the wrapped optimizer) so the
+    fp32 masters are saved, and the unwrapped model (``ddp.module``) so the checkpoint loads without
+    DDP. Call it after ``scaler.update()``. Both mistakes raise ``CheckpointError``. Syncs with the
+    device (the scaler's counters, the checksum). Returns the path written."""
     target = Path(path)
     if not target.parent.is_dir():
         raise ConfigError(
@@ -285,6 +287,8 @@ def save_checkpoint(
             f"create it first: Path({str(target.parent)!r}).mkdir(parents=True, exist_ok=True).",
         )
     objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    if scaler is None:  # an apex-style run's scale lives with its optimizers: keep it without being asked
+        objects["scaler"] = loss_scalers_of(objects["optimizer"])
     check_can_save(objects["model"], objects["optimizer"], objects["scaler"])
     payload: dict[str, Any] = {
         "format": FORMAT_VERSION,
@@ -374,6 +378,8 @@ def load_checkpoint(
     are checked first; a ``CheckpointError`` naming the difference leaves every object as it was."""
     payload = _read(Path(path), map_location)
     objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    if scaler is None:
+        objects["scaler"] = _amp_scalers_to_load(objects["optimizer"], payload["scalers"], Path(path))
     _validate(payload, objects, loader)
     # Optimizers after models: MasterWeights.load_state_dict copies the masters into the model weights.
     for kind, objs in objects.items():
@@ -384,6 +390,19 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(payload["rng"])
     return Resumed(payload["step"], payload["extra"])
+
+
+def _amp_scalers_to_load(optimizers: Sequence[Any], saved: Sequence[Any], source: Path) -> list[Any]:
+    """The loss scalers of ``initialize``'s optimizers, which save_checkpoint saved without being given
+    them; a checkpoint from before it did (none saved) loads without them, and says the scale restarts."""
+    scalers = loss_scalers_of(optimizers)
+    if scalers and not saved:
+        warnings.warn(
+            f"{source} holds no loss scale (saved by an older mixprec, which kept initialize's loss scalers "
+            f"only when passed as scaler=): the scale restarts at {scalers[0].get_scale():g}, and overflows "
+            "skip a few steps to find its level again.", stacklevel=3)
+        return []
+    return scalers
 
 
 def read_checkpoint(

@@ -354,3 +354,57 @@ def test_a_split_masters_checkpoint_records_the_optimizer_it_wraps(tmp_path: Pat
     with pytest.raises(CheckpointError, match=r"saved as LowPrecisionOptimizer\(AdamW\).*SGD"):
         load_checkpoint(tmp_path / "ck.pt", model=model, optimizer=split(torch.optim.SGD))
     check_classes("optimizer", [adamw], ["LowPrecisionOptimizer"])  # the old record: accepted
+
+
+class ApexRun:
+    """An O2 run through mixprec.initialize / scale_loss: its loss scale lives with the optimizer."""
+
+    def __init__(self) -> None:
+        mixprec.amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.model, self.opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+    def step(self, overflow: bool = False) -> float:
+        loss = F.cross_entropy(self.model(self.x), self.y) * (float("inf") if overflow else 1.0)
+        with mixprec.scale_loss(loss, self.opt) as scaled:
+            scaled.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def state(self) -> list[torch.Tensor]:
+        return [*self.model.state_dict().values(), *mixprec.master_params(self.opt)]
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+def test_an_initialize_run_keeps_its_loss_scale_without_being_given_the_scaler(tmp_path: Path) -> None:
+    a = ApexRun()
+    a.step(overflow=True)  # 65536 -> 32768
+    a.step()
+    scale = mixprec.amp.loss_scaler().get_scale()
+    assert scale == 2.0**15
+    save_checkpoint(tmp_path / "ck.pt", model=a.model, optimizer=a.opt, step=2)
+    losses_a = [a.step() for _ in range(3)]
+
+    b = ApexRun()  # a fresh initialize: its scaler starts at 65536
+    load_checkpoint(tmp_path / "ck.pt", model=b.model, optimizer=b.opt)
+    assert mixprec.amp.loss_scaler().get_scale() == scale
+    losses_b = [b.step() for _ in range(3)]
+    assert losses_b == losses_a
+    assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+def test_an_initialize_checkpoint_saved_without_its_scale_loads_and_says_so(tmp_path: Path) -> None:
+    a = ApexRun()
+    a.step(overflow=True)
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, model=a.model, optimizer=a.opt, scaler=[], step=1)  # as mixprec did before
+    b = ApexRun()
+    with pytest.warns(UserWarning, match="holds no loss scale.*restarts at 65536"):
+        load_checkpoint(path, model=b.model, optimizer=b.opt)
+    assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
