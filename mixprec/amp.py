@@ -442,7 +442,8 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
     """apex's line for a skipped step, on rank 0 only, once per loss that overflowed. (A fused optimizer
-    skips on the device: reading the flag to say so would cost a sync every step, so it stays quiet.)"""
+    on a GPU skips on the device: reading the flag to say so would cost a sync every step, so it stays
+    quiet; on the CPU the flag is read for free.)"""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return

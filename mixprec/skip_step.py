@@ -89,10 +89,14 @@ def step_unless_inf(
     torch). A clean step of an optimizer that unscales itself but may not skip on the device (fused SGD
     before its momentum buffers exist) still gets both flags. ``grad_scale`` needs such an optimizer:
     others must be given unscaled gradients. ``on_skip`` runs when the host path skips (apex's "Gradient
-    overflow" message: the flag was read already, so saying so costs no sync); the device path never
-    knows, so never calls it."""
+    overflow" message: the flag was read already, so saying so costs no sync), and the device path where
+    the flag is in host memory (a fused optimizer on the CPU: reading it costs nothing); on a GPU the
+    device path never knows, so never calls it."""
     if skips_on_device(optimizer):
-        return step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
+        result = step_with_flags(optimizer, found_inf, grad_scale, step_fn, *args, **kwargs)
+        if on_skip is not None and found_inf.device.type == "cpu" and found_inf.item():
+            on_skip()  # a flag in host memory reads without a sync (a fused optimizer on the CPU)
+        return result
     unscales_itself = supports_amp_scaling(optimizer)
     assert grad_scale is None or unscales_itself, "scaled gradients need an optimizer that unscales them"
     if not found_inf.item():  # the one host sync of the host path
