@@ -55,7 +55,8 @@ class Run:
     def step(self) -> float:
         x, y = next(self.batches)
         self.opt.zero_grad()
-        loss = F.cross_entropy(self.model(x.half()).float(), y)
+        with mixprec.half_compute("cpu", torch.float16):
+            loss = F.cross_entropy(self.model(x.half()), y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
