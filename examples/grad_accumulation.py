@@ -84,6 +84,7 @@ def train_amp(half: bool, steps: int, fault_micro: Iterable[int]) -> dict[str, A
         history.append(flat(model))
         if mixprec.amp.loss_scaler().last_step_skipped:
             skipped.append(step)
+    mixprec.amp.reset()  # the run is over: another initialize in this process starts afresh, unwarned
     return {"model": model, "history": history, "skipped": skipped}
 
 

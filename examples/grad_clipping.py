@@ -66,6 +66,7 @@ def train_amp(half: bool, steps: int) -> dict[str, Any]:
         norms.append(float(nn.utils.clip_grad_norm_(mixprec.master_params(opt), MAX_NORM)))
         opt.step()  # skipped if a gradient was inf/NaN
         losses.append(loss.item())
+    mixprec.amp.reset()  # the run is over: another initialize in this process starts afresh, unwarned
     return {"model": model, "losses": losses, "norms": norms}
 
 

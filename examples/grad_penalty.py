@@ -85,6 +85,7 @@ def train_amp(half: bool, steps: int) -> dict[str, Any]:
         opt.step()
         losses.append(loss.item())
         penalties.append(penalty.item())
+    mixprec.amp.reset()  # the run is over: another initialize in this process starts afresh, unwarned
     return {"model": model, "losses": losses, "penalties": penalties}
 
 

@@ -91,6 +91,7 @@ def train_amp(half: bool, steps: int, fault_at: Iterable[int]) -> dict[str, Any]
         opt1.step()
         history.append((flat(m0), flat(m1)))
         losses.append((loss0.item(), loss1.item()))
+    mixprec.amp.reset()  # the run is over: another initialize in this process starts afresh, unwarned
     return {"models": [m0, m1], "history": history, "losses": losses}
 
 

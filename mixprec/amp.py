@@ -203,7 +203,8 @@ def initialize(
     if _STATE is not None and opt_list:
         warnings.warn(
             "mixprec.initialize was called again: its optimizers keep their own loss scalers, and "
-            "mixprec.amp.state_dict()/loss_scaler() now refer to this call's.",
+            "mixprec.amp.state_dict()/loss_scaler() now refer to this call's. For independent runs one "
+            "after another (a sweep, a notebook), call mixprec.amp.reset() when a run ends: then no warning.",
             stacklevel=2,
         )
     for mine, returned in zip(given, opt_list, strict=True):

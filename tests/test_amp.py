@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -365,6 +366,17 @@ def test_a_second_initialize_keeps_the_first_models_scaler() -> None:
         with mixprec.scale_loss(loss, opt) as scaled:
             assert scaled.item() == loss.item() * scale
             scaled.backward()
+
+
+def test_an_initialize_after_reset_starts_a_new_run_without_a_warning() -> None:
+    m0 = _net(0)
+    mixprec.initialize(m0, torch.optim.SGD(m0.parameters(), lr=0.1), "O2", verbosity=0)
+    mixprec.amp.reset()  # what the warning says to do between independent runs
+    m1 = _net(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m1, o1 = mixprec.initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), "O2", verbosity=0)
+    assert mixprec.amp.loss_scaler() is mixprec.amp.loss_scalers_of([o1])[0]
 
 
 class _LarcLike:
