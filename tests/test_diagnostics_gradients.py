@@ -11,6 +11,7 @@ import matplotlib.image
 import pytest
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from torch import nn
 
 from mixprec.commands import grads as grads_command
@@ -195,6 +196,24 @@ def test_a_gradient_without_finite_non_zero_values() -> None:
     assert dead.nonzero == 0 and sum(dead.counts) == 0 and (dead.max_abs, dead.min_abs) == (0.0, INF)
     assert all(o.nonzero == 0 and o.fraction("underflow") == 0.0 for o in dead.outcomes)
     assert report.suggested_scale == suggest_loss_scale(2.0**-3)
+
+
+@pytest.mark.parametrize(("values", "said"), [
+    ([INF, NAN, -INF, 1.0 * INF], "Every non-zero gradient is inf/NaN (4 of 4)"),
+    ([0.0, 0.0], "Every gradient is exactly zero"),
+])
+def test_a_report_with_nothing_finite_says_so_instead_of_a_range(values: list[float], said: str) -> None:
+    """All inf/NaN is what an overflowing step's gradients look like; the summary printed "|g| from inf to
+    0" and "0% overflow" there (a user trial)."""
+    report = analyze_grads([("w", torch.tensor(values))])
+    summary = report.summary()
+    assert said in summary
+    assert "|g| from" not in summary and "%" not in summary
+    console = Console(width=200, record=True)
+    console.print(report.table())
+    row = next(line for line in console.export_text().splitlines() if line.startswith("│ w "))
+    assert "%" not in row  # no fraction of an empty set
+    assert row.split("│")[4].strip() == f"{sum(not torch.tensor(v).isfinite() for v in values):,}"  # inf/NaN
 
 
 def test_summary_states_the_fp16_thresholds_torch_casts_by() -> None:

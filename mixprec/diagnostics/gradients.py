@@ -461,7 +461,8 @@ def _report_table(report: GradientReport, scale: float | None) -> Table:
 
     table = Table(title="Gradient magnitudes and what fp16 does to them (fractions of non-zero gradients)",
                   title_justify="left")
-    for header in ("parameter", "numel", "zeros", "min |g|", "max |g|", "fp16 underflow", "fp16 subnormal"):
+    for header in ("parameter", "numel", "zeros", "inf/NaN", "min |g|", "max |g|", "fp16 underflow",
+                   "fp16 subnormal"):
         table.add_column(header, justify="left" if header == "parameter" else "right")
     if scale is not None:
         for header in (f"underflow x{scale:g}", f"subnormal x{scale:g}", f"overflow x{scale:g}"):
@@ -469,23 +470,38 @@ def _report_table(report: GradientReport, scale: float | None) -> Table:
     for stats in (*report.layers, report.overall):
         if stats is report.overall:
             table.add_section()
-        row = [stats.name, f"{stats.numel:,}", f"{stats.zeros:,}", _log2_text(stats.min_abs),
-               _log2_text(stats.max_abs)]
+        row = [stats.name, f"{stats.numel:,}", f"{stats.zeros:,}", f"{stats.nonfinite:,}",
+               _log2_text(stats.min_abs), _log2_text(stats.max_abs)]
         plain = stats.outcome(1.0)
         assert plain is not None  # scale 1 is always evaluated
-        row += [_pct(plain.fraction("underflow")), _pct(plain.fraction("subnormal"))]
+
+        def pct(outcome: Any, kind: str, stats: GradStats = stats) -> str:
+            return _pct(outcome.fraction(kind)) if stats.nonzero else "-"  # a fraction of nothing: none
+
+        row += [pct(plain, "underflow"), pct(plain, "subnormal")]
         scaled = stats.outcome(scale) if scale is not None else None
         if scaled is not None:
-            row += [_pct(scaled.fraction(k)) for k in ("underflow", "subnormal", "overflow")]
+            row += [pct(scaled, k) for k in ("underflow", "subnormal", "overflow")]
         table.add_row(*row, style="bold" if stats is report.overall else None)
     return table
 
 
+def _nothing_finite(o: GradStats) -> str:
+    if o.nonfinite:
+        return (f"Every non-zero gradient is inf/NaN ({o.nonfinite:,} of {o.numel:,}): the backward "
+                "overflowed at this loss scale (a GradScaler skips this step and lowers the scale), or the "
+                "forward made inf/NaN (mixprec.diagnostics.trace_nonfinite finds where).")
+    return "Every gradient is exactly zero: nothing reached these parameters, or all of it underflowed."
+
+
 def _summary(report: GradientReport, scale: float | None) -> str:
     o = report.overall
+    counts = (f"{o.nonzero:,} non-zero finite gradients; {o.zeros:,} exact zeros and {o.nonfinite:,} inf/NaN "
+              "excluded from the fractions.")
+    if not o.nonzero:  # no range and no fractions to give: say what there is instead of sentinel values
+        return "\n".join([counts, _nothing_finite(o)])
     lines = [
-        f"{o.nonzero:,} non-zero finite gradients; {o.zeros:,} exact zeros and {o.nonfinite:,} inf/NaN "
-        "excluded from the fractions.",
+        counts,
         f"|g| from {o.min_abs:.3g} ({_log2_text(o.min_abs)}) to {o.max_abs:.3g} ({_log2_text(o.max_abs)}).",
         _FP16_LIMITS,
     ]
