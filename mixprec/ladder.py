@@ -93,7 +93,8 @@ def _pure(mode: UpdateMode, label: str, lesson: str, base: str, shows: tuple[str
 LADDER: tuple[Rung, ...] = (
     Rung("fp32", "fp32", "the reference", RECIPES["fp32"]),
     Rung("fp16-naive", "fp16 naive", "fp16 weights updated in fp16: small updates round away",
-         RECIPES["pure-fp16"], bases=("fp32",), shows=("lost", "loss")),
+         # grads 0 too: in the underflow experiment the gradients that flush to 0 are this rung's loss
+         RECIPES["pure-fp16"], bases=("fp32",), shows=("zero", "lost", "loss")),
     Rung("fp16-master", "fp16 + master", "updates land in fp32 copies of the weights",
          RECIPES["fp16-master"], bases=("fp16-naive", "fp32"), shows=("lost", "bytes")),
     Rung("fp16-static", f"+ static scale {FASTAI_LOSS_SCALE:g}", "small gradients lifted above underflow",

@@ -151,7 +151,9 @@ def _theory_notes(results: Sequence[RungResult]) -> list[str]:
              and r.predicted_lost_pct is not None and r.lost_update_pct is not None]
     return [
         f"{r.label}: {r.lost_update_pct:.1f}% of updates lost; {r.predicted_lost_pct:.1f}% were below half "
-        "an ulp of their half weight (what rounding to nearest loses, the theory)." for r in rungs
+        "an ulp of their half weight (what rounding to nearest loses, the theory). Both count entries with "
+        "a nonzero gradient: a gradient that underflowed to 0 is in grads 0 %"
+        + (f" ({r.zero_grad_pct:.1f}% here)." if r.zero_grad_pct is not None else ".") for r in rungs
     ]
 
 

@@ -3,6 +3,7 @@ and exit status 2 (argparse's convention), never a traceback; a bug still raises
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -277,6 +278,16 @@ def test_mnist_at_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.Captur
     assert cli.main(["grads", "--data", f"mnist:{file}", "--no-png"]) == 2
     err = _error(capsys)
     assert f"{file} is a file; mnist needs the folder" in err and f"--data mnist:{tmp_path}." in err
+
+
+def test_opt_levels_are_spelled_either_way_on_the_command_line() -> None:
+    """compare took only o1 and train only O1 (a user trial tried each with the other's spelling)."""
+    from mixprec.commands import compare, train
+
+    assert compare._rungs_arg("FP32,O1, bf16") == ["fp32", "o1", "bf16"]
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    assert [parser.parse_args(["--opt-level", level]).opt_level for level in ("o2", "O2")] == ["O2", "O2"]
 
 
 @pytest.mark.parametrize("rungs", ["", " , "])

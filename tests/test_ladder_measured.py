@@ -84,6 +84,17 @@ def test_explanations_compare_each_rung_with_its_base(results: dict[str, ladder.
     assert explain(results["fp32"], all_results) == ladder.ALL_RUNGS["fp32"].lesson
 
 
+def test_fp16_naive_says_what_underflowed_beside_what_rounded_away() -> None:
+    """In the small-gradient experiment 99% of fp16's gradients flush to 0 and no update is "lost" (only
+    nonzero gradients count): the line and the note said 0% lost and nothing of the flush (a user trial)."""
+    ran = [ladder.RungResult("fp32", "fp32", "ok", zero_grad_pct=6.7, lost_update_pct=0.0),
+           ladder.RungResult("fp16-naive", "fp16 naive", "ok", zero_grad_pct=99.0, lost_update_pct=0.0,
+                             predicted_lost_pct=0.0)]
+    assert "grads 0 6.7% -> 99.0%" in explain(ran[1], ran)
+    note = next(n for n in measured_notes(ran) if n.startswith("fp16 naive:"))
+    assert "underflowed to 0 is in grads 0 % (99.0% here)" in note
+
+
 @pytest.mark.parametrize("arithmetic", ["native", "emulated"])
 def test_notes_say_which_arithmetic_ran(arithmetic: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(hardware.ENV_VAR, arithmetic)

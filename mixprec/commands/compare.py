@@ -53,7 +53,7 @@ DEMO_KEYS = (*RUNG_KEYS[:-1], *PURE_BF16_KEYS, "bf16")
 
 
 def _rungs_arg(text: str) -> list[str]:
-    keys = [k.strip() for k in text.split(",") if k.strip()]
+    keys = [k.strip().lower() for k in text.split(",") if k.strip()]  # O1 as o1: train spells it O1
     unknown = [k for k in keys if k not in DEMO_KEYS]
     if not keys:
         raise argparse.ArgumentTypeError(f"{text!r} names no rung; choose from {','.join(DEMO_KEYS)}")
@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(DEMO_KEYS)} (default: all)")
     parser.add_argument("--underflow", action=argparse.BooleanOptionalAction, default=None,
                         help="also run the small-gradient experiment (loss x 2^-16, lr x 2^16), where loss "
-                             "scaling matters, into underflow.* (default: with the full demo, not with "
-                             "--rungs)")
+                             "scaling matters, into underflow.*, with its own rungs (--rungs does not "
+                             "choose them; default: with the full demo, not with --rungs)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), metavar="DIR",
                         help="where compare.{csv,json,md,png} go (default: runs/compare)")
     parser.add_argument("--report", type=Path, default=None, metavar="DIR",

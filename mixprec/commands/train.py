@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
                         help="fp32 (the default); fp16: fp32 masters + loss scaling (Learner.to_fp16); "
                         "bf16: fp32 masters, no scaling")
-    parser.add_argument("--opt-level", choices=OPT_LEVELS, default=None,
+    parser.add_argument("--opt-level", type=str.upper, choices=OPT_LEVELS, default=None,  # o2 as O2
                         help="an apex opt level's recipe (O0-O3, apex's properties), run by the Learner's "
                         "mixed-precision callback; instead of --precision")
     parser.add_argument("--loss-scale", type=_loss_scale_arg, default=None, metavar="dynamic|NUMBER",
