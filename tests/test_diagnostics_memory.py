@@ -186,6 +186,8 @@ def test_user_errors_name_the_fix() -> None:
         memory_breakdown(mlp(4, 4, 2), "adam", torch.randn(1, 4))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="pure-bf16"):  # a low-precision update mode over fp32 masters
         memory_breakdown(mlp(4, 4, 2), None, torch.randn(1, 4), "bf16", update="kahan")
+    with pytest.raises(ConfigError, match="(?s)unknown update mode 'foo'.*kahan"):  # was a bare ValueError
+        memory_breakdown(mlp(4, 4, 2), None, torch.randn(1, 4), "pure-bf16", update="foo")
 
 
 def test_table_and_png(tmp_path: object) -> None:

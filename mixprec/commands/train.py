@@ -111,7 +111,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
     if path and Path(path).expanduser().is_file():  # else mnist() lists all four files as missing
         folder = Path(path).expanduser().parent
         raise UsageError(f"--data {args.data}: {path} is a file; mnist needs the folder that holds its four "
-                         "IDX files.", f"pass the folder: --data mnist:{folder}.")
+                         "IDX files.", f"pass the folder: --data mnist:{folder.resolve()}")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}.")
     if args.size is not None and args.size < 1:  # None (the model's default) cannot be typed: leave it out
@@ -198,11 +198,13 @@ def _check(args: argparse.Namespace) -> None:
         args.precision = "fp32"
     if args.loss_scale is not None and args.precision != "fp16":
         raise UsageError(
-            f"--loss-scale applies to fp16 only; {args.precision} has fp32's exponent range and needs no "
-            "scaling. Drop --loss-scale, or use --precision fp16."
+            f"--loss-scale applies to fp16 only; {args.precision} needs no scaling ("
+            + ("bf16 has fp32's exponent range" if args.precision == "bf16" else "its gradients are fp32")
+            + "). Drop --loss-scale, or use --precision fp16."
         )
     if args.flat_master and args.precision == "fp32" and args.opt_level is None:
-        raise UsageError("--flat-master needs half precision master weights: add --precision fp16 or bf16.")
+        raise UsageError("--flat-master lays out the fp32 master weights of a half model, and fp32 training "
+                         "keeps none: add --precision fp16 or bf16, or drop --flat-master.")
     if args.flat_master and args.opt_level in ("O0", "O1", "O3"):
         raise UsageError(f"--flat-master needs fp32 master weights, which {args.opt_level} does not keep: "
                          "use --opt-level O2, or drop --flat-master.")

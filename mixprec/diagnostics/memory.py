@@ -102,7 +102,8 @@ def _resolve(precision: PrecisionLike, update: UpdateMode | str | None) -> tuple
         if mode is not None:
             raise ConfigError(f"precision {precision!r} names an update mode, and update={update!r} another.",
                               "name the mode once.")
-        mode = parse_precision(f"{recipe.name}+{UpdateMode(update).value}")[1]
+        text = update.value if isinstance(update, UpdateMode) else str(update)
+        mode = parse_precision(f"{recipe.name}+{text}")[1]  # an unknown mode: its ConfigError
     return recipe, mode
 
 
