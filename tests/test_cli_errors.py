@@ -281,7 +281,8 @@ def test_mnist_at_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.Captur
     file.write_bytes(b"")
     assert cli.main(["grads", "--data", f"mnist:{file}", "--no-png"]) == 2
     err = _error(capsys)
-    assert f"{file} is a file; mnist needs the folder" in err and f"--data mnist:{tmp_path.resolve()}\n" in err
+    assert f"{file} is a file; mnist needs the folder" in err
+    assert f"--data mnist:{tmp_path.resolve()}\n" in err  # absolute, and no full stop to misread
 
 
 def test_opt_levels_are_spelled_either_way_on_the_command_line() -> None:
