@@ -114,11 +114,14 @@ def test_non_finite_made_between_modules_is_reported_as_such() -> None:
             return self.b(torch.log(self.a(x) * 0 - 1))  # log(-1) = NaN, outside any module
 
     model = Parent()
-    with trace_nonfinite(model, compare_fp32=False) as tracer:
+    with trace_nonfinite(model) as tracer:
         model(torch.randn(2, 4))
     assert tracer.event is not None and tracer.event.module == "b"
+    # no fp32 re-run: the input was non-finite already, fp32 would only repeat it
     assert not tracer.event.inputs_finite and tracer.event.fp32_outputs is None
-    assert "received non-finite input" in tracer.event.explain()
+    said = tracer.event.explain()
+    assert "received non-finite input" in said
+    assert "between a (Linear)'s output and b (Linear)'s input" in said and "<model> (Parent)" in said
 
 
 def test_finite_forward_reports_nothing_and_hooks_are_removed() -> None:
@@ -136,7 +139,7 @@ def test_tensor_range_counts_and_finite_extremes() -> None:
     r = tensor_range(torch.tensor([1.0, -3.0, float("inf"), float("nan"), float("-inf")]).half())
     assert (r.min, r.max, r.n_inf, r.n_nan, r.max_abs) == (-3.0, 1.0, 2, 1, 3.0)
     empty = tensor_range(torch.tensor([float("nan")]))
-    assert empty.min is None and empty.max_abs is None and "no finite values" in str(empty)
+    assert empty.min is None and empty.max_abs is None and "no finite value" in str(empty)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -246,3 +249,54 @@ def test_o3_adam_is_blamed_on_the_optimizer_update_not_on_log0() -> None:
     event = tracer.event
     assert event is not None and event.nonfinite_state
     assert "earlier optimizer step" in event.explain() and "log(0)" not in event.explain()
+
+
+# ------------------------------------------------------------------------------------------- backward
+def _output_grads(model: nn.Sequential, x: torch.Tensor, loss_scale: float) -> dict[str, torch.Tensor]:
+    """The reference: each module's output gradient, read with plain tensor hooks."""
+    grads: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda m, a, out, n=n: out.register_hook(
+        lambda g, n=n: grads.setdefault(n, g.clone())) and None) for n, m in model.named_children()]
+    (model(x).float().sum() * loss_scale).backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad()
+    return grads
+
+
+def _traced_backward(model: nn.Sequential, x: torch.Tensor, loss_scale: float) -> NonfiniteTracer:
+    with trace_nonfinite(model, loss_scale=loss_scale) as tracer:
+        loss = model(x).float().sum() * loss_scale
+    loss.backward()  # after the block: the hooks live on the forward's outputs
+    return tracer
+
+
+def test_a_backward_that_overflows_at_the_loss_is_traced_to_the_first_gradient() -> None:
+    model, x = _model().half(), _input().half()
+    ref = _output_grads(model, x, 1e6)  # d(sum)/d(out) = 1e6, above fp16's 65504: inf (IEEE-754)
+    assert torch.isinf(ref["head"]).all()
+    tracer = _traced_backward(model, x, 1e6)
+    assert tracer.event is None  # the forward was finite
+    event = tracer.backward_event
+    assert event is not None and (event.module, event.after) == ("head", None)
+    assert event.grad.n_inf == ref["head"].numel()
+    assert "loss scale 1e+06 overflowed float16" in tracer.report()
+
+
+def test_a_backward_that_overflows_inside_is_traced_between_two_modules() -> None:
+    model, x = _model().half(), _input().half()
+    with torch.no_grad():
+        model.head.weight.mul_(8.0)  # d/d(layer3 out) = head.weight^T @ g: up to 4 x 2 x 6e4, past 65504
+    ref = _output_grads(model, x, 6e4)  # the output's gradient, 6e4, still fits fp16
+    assert torch.isfinite(ref["head"]).all() and not torch.isfinite(ref["layer3"]).all()
+    tracer = _traced_backward(model, x, 6e4)
+    event = tracer.backward_event
+    assert event is not None and (event.module, event.after) == ("layer3", "head (Linear)")
+    assert "up to head (Linear)" in event.explain()
+
+
+def test_a_finite_backward_reports_what_it_checked() -> None:
+    model = _model()
+    tracer = _traced_backward(model, _input(), 1.0)
+    assert tracer.backward_event is None and tracer.grads_checked == len(list(model.children()))
+    assert tracer.report().endswith(f"nor gradient w.r.t. one ({tracer.grads_checked} checked).")

@@ -28,6 +28,7 @@ from mixprec.diagnostics.memory import (
     memory_table,
 )
 from mixprec.diagnostics.overflow import (
+    BackwardEvent,
     NonfiniteEvent,
     NonfiniteGrad,
     NonfiniteTracer,
@@ -62,6 +63,7 @@ __all__ = [
     "trace_nonfinite",
     "NonfiniteTracer",
     "NonfiniteEvent",
+    "BackwardEvent",
     "TensorRange",
     # cast trace
     "CastTrace",

@@ -10,6 +10,10 @@ Two tools, both opt-in, so a training loop pays nothing for them until something
   inputs and outputs, and (``compare_fp32=True``) the same module is re-run on fp32 copies of its
   weights and inputs, which tells a half-precision overflow ("max 7.1e4 > 65504, fp32 is fine") from a
   genuine bug (NaN in fp32 too). Each hook syncs with the device: use it to diagnose, not to train.
+  A backward of that forward (inside the block or after it) is traced too: each module output's gradient
+  is checked as backward computes it, and the first one that holds inf/NaN is recorded
+  (:class:`BackwardEvent`) with the module whose output gradient was the last finite one before it. That
+  finds the usual fp16 failure, a forward that is finite and a scaled backward that overflows.
 
 Hooks fire when a module's forward *returns*, children before their parent, so the first module that
 reports a non-finite output is the innermost one that made it; if its inputs were already non-finite, the
@@ -29,11 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.errors import ConfigError
 from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
+    "BackwardEvent",
     "NonfiniteEvent",
     "NonfiniteGrad",
     "NonfiniteTracer",
@@ -144,9 +150,9 @@ class TensorRange:
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"
-        span = f"[{self.min:.3g}, {self.max:.3g}]" if self.min is not None else "no finite values"
+        span = f"finite range [{self.min:.3g}, {self.max:.3g}]" if self.min is not None else "no finite value"
         bad = f", {self.n_inf:,} inf, {self.n_nan:,} NaN" if not self.finite else ""
-        return f"{_dtype_name(self.dtype)} {shape}: finite range {span}{bad}"
+        return f"{_dtype_name(self.dtype)} {shape}: {span}{bad}"
 
 
 def tensor_range(t: Tensor) -> TensorRange:
@@ -196,6 +202,8 @@ class NonfiniteEvent:
     fp32_outputs: tuple[TensorRange, ...] | None = None  # the same forward on fp32 copies
     fp32_error: str | None = None  # why the fp32 re-run failed, if it did
     nonfinite_state: tuple[str, ...] = ()  # the module's own parameters/buffers that already held inf/NaN
+    after: str | None = None  # label of the last module (forward order) whose output was finite
+    parent: str | None = None  # label of the module whose forward calls this one
 
     @property
     def inputs_finite(self) -> bool:
@@ -208,8 +216,11 @@ class NonfiniteEvent:
     def explain(self) -> str:
         """One or two sentences: what overflowed, in which dtype, and what fp32 says about it."""
         if not self.inputs_finite:
-            return (f"{self.label} received non-finite input: the inf/NaN was made before it, outside any "
-                    "module's forward (in the batch itself, or by code in the parent module's forward).")
+            where = (f"between {self.after}'s output and {self.label}'s input" if self.after is not None
+                     else f"before {self.label}")
+            by = f"code in the forward of {self.parent}" if self.parent is not None else "the caller's code"
+            return (f"{self.label} received non-finite input: the inf/NaN was made {where}, outside any "
+                    f"module's forward (by {by}, or it was in the batch itself).")
         out = next(r for r in self.outputs if not r.finite)
         what = _kind(out)
         if self.nonfinite_state:
@@ -254,6 +265,43 @@ class NonfiniteEvent:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class BackwardEvent:
+    """The first gradient w.r.t. a module's output that held inf/NaN, in the order backward computed
+    them, and the module whose output gradient was the last finite one before it."""
+
+    module: str
+    module_type: str
+    grad: TensorRange  # the gradient w.r.t. the module's output
+    after: str | None  # label of the module with the last finite output gradient; None: this was the first
+    loss_scale: float | None = None  # the scaler's scale at the time, when the tracer was given one
+
+    @property
+    def label(self) -> str:
+        return f"{self.module or '<model>'} ({self.module_type})"
+
+    def explain(self) -> str:
+        name = _dtype_name(self.grad.dtype)
+        scale = f" x the loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
+        limit = _max_of(self.grad.dtype)
+        if self.after is None:
+            return (f"the first gradient backward computed, w.r.t. {self.label}'s output, is already "
+                    f"non-finite in {name} ({_counts(self.grad)}): the loss's gradient{scale} overflowed "
+                    f"{name} (max {limit:.6g}) there, or the loss is inf/NaN. A GradScaler skips such a step "
+                    "and lowers the scale; if it keeps happening, lower init_scale or compute the last "
+                    "layer and the loss in fp32.")
+        at_scale = " at this loss scale" if scale else ""
+        return (f"the gradient w.r.t. {self.label}'s output went non-finite in {name} "
+                f"({_counts(self.grad)}), and the one w.r.t. {self.after}'s output, computed just before it, "
+                f"was finite: the backward of what the forward ran after {self.label} and up to {self.after} "
+                f"(that module, and code between them) overflowed {name}{at_scale}. A GradScaler skips such "
+                "a step and lowers the scale; if it keeps happening, keep that part in fp32.")
+
+    def report(self) -> str:
+        return "\n".join([f"first non-finite gradient: w.r.t. the output of {self.label}",
+                          f"  gradient: {self.grad}", "  " + self.explain()])
+
+
 def _counts(r: TensorRange) -> str:
     parts = [f"{r.n_inf:,} inf" if r.n_inf else "", f"{r.n_nan:,} NaN" if r.n_nan else ""]
     return ", ".join(p for p in parts if p)
@@ -282,22 +330,40 @@ class NonfiniteTracer:
     or None if all outputs were finite) and ``print(tracer.report())``. ``compare_fp32`` re-runs the
     offending module once on fp32 copies (its weights are copied: memory of one module). Hooks are
     removed on exit; after the first event the remaining hooks return at once.
+
+    A backward of the traced forward, inside the block or after it, fills ``tracer.backward_event`` (a
+    :class:`BackwardEvent`, or None while every output gradient was finite); ``loss_scale`` (a number, or
+    a callable such as ``scaler.get_scale``) is quoted in its explanation. The gradient hooks live on the
+    forward's outputs, so they go with its graph.
     """
 
-    def __init__(self, model: nn.Module, compare_fp32: bool = True) -> None:
+    def __init__(self, model: nn.Module, compare_fp32: bool = True,
+                 loss_scale: float | Callable[[], float] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"NonfiniteTracer traces an nn.Module, got {type(model).__name__}.",
                               "pass the model whose forward you want to check.")
         self.model = model
         self.compare_fp32 = compare_fp32
+        self.loss_scale = loss_scale
         self.event: NonfiniteEvent | None = None
+        self.backward_event: BackwardEvent | None = None
         self.checked = 0  # module outputs checked
+        self.grads_checked = 0  # gradients w.r.t. module outputs checked
         self._handles: list[RemovableHandle] = []
         self._paused = False
+        self._labels: dict[str, str] = {}
+        self._last_finite: str | None = None  # forward order: the last module whose output was finite
+        self._last_finite_grad: str | None = None  # backward order: the same for output gradients
+        # outputs given a gradient hook in this forward (a child's first); by identity, and weak: an id alone
+        # is reused once a freed intermediate's Python object is gone
+        self._hooked = WeakIdKeyDictionary()
 
     def __enter__(self) -> NonfiniteTracer:
-        self.event = None
-        self.checked = 0
+        self.event = self.backward_event = None
+        self.checked = self.grads_checked = 0
+        self._last_finite = self._last_finite_grad = None
+        self._hooked = WeakIdKeyDictionary()
+        self._labels = {n: f"{n or '<model>'} ({type(m).__name__})" for n, m in self.model.named_modules()}
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
@@ -313,15 +379,45 @@ class NonfiniteTracer:
                 return
             self.checked += 1
             produced = _floating(output)
+            self._hook_gradients(name, produced)
             if all(finite_flags(produced)):  # the common case: one flag per output, one sync per device
+                self._last_finite = self._labels.get(name)
                 return
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
-            fp32, error = self._rerun_fp32(module, args, kwargs) if self.compare_fp32 else (None, None)
+            # A non-finite input was made before the module: rerunning it in fp32 would only repeat that.
+            rerun = self.compare_fp32 and all(r.finite for r in inputs)
+            fp32, error = self._rerun_fp32(module, args, kwargs) if rerun else (None, None)
             state = _nonfinite_state(module)
-            self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state)
+            parent = self._labels.get(name.rpartition(".")[0]) if name else None
+            self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state,
+                                        after=self._last_finite, parent=parent)
 
         return hook
+
+    def _hook_gradients(self, name: str, outputs: list[Tensor]) -> None:
+        """A hook on each output that backward will reach; an output a child returned is its child's."""
+        for t in outputs:
+            if t.requires_grad and t not in self._hooked:
+                self._hooked[t] = True
+                t.register_hook(self._grad_hook(name))
+
+    def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
+        label = self._labels.get(name, name)
+
+        def check(grad: Tensor) -> None:
+            if self.backward_event is not None:
+                return
+            self.grads_checked += 1
+            if finite_flags([grad])[0]:
+                self._last_finite_grad = label
+                return
+            scale = self.loss_scale() if callable(self.loss_scale) else self.loss_scale
+            module_type = label.rpartition(" (")[2].rstrip(")")
+            self.backward_event = BackwardEvent(name, module_type, tensor_range(grad), self._last_finite_grad,
+                                                None if scale is None else float(scale))
+
+        return check
 
     def _rerun_fp32(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -340,12 +436,26 @@ class NonfiniteTracer:
             self._paused = False
 
     def report(self) -> str:
-        if self.event is None:
-            return f"No non-finite module output ({self.checked} outputs checked)."
-        return self.event.report()
+        """The forward's event, else the backward's, else what was checked (and, after a backward, the
+        parameter gradients that hold inf/NaN although every output gradient was finite)."""
+        if self.event is not None:
+            return self.event.report()
+        if self.backward_event is not None:
+            return self.backward_event.report()
+        text = f"No non-finite module output ({self.checked} outputs checked)"
+        if not self.grads_checked:
+            return text + "."
+        text += f", nor gradient w.r.t. one ({self.grads_checked} checked)."
+        bad = nonfinite_grads(self.model)
+        if bad:
+            text += ("\nBut these parameter gradients hold inf/NaN, made by their module's weight-gradient "
+                     "computation (its output gradient was finite):\n" + "\n".join(f"  {g}" for g in bad))
+        return text
 
 
-def trace_nonfinite(model: nn.Module, compare_fp32: bool = True) -> NonfiniteTracer:
-    """``with trace_nonfinite(model) as t: model(x)``, then ``print(t.report())``; see NonfiniteTracer."""
-    return NonfiniteTracer(model, compare_fp32)
+def trace_nonfinite(model: nn.Module, compare_fp32: bool = True,
+                    loss_scale: float | Callable[[], float] | None = None) -> NonfiniteTracer:
+    """``with trace_nonfinite(model) as t: loss = loss_fn(model(x))``, then ``loss.backward()`` (or the
+    scaler's) and ``print(t.report())``; see NonfiniteTracer."""
+    return NonfiniteTracer(model, compare_fp32, loss_scale)
 
