@@ -493,3 +493,32 @@ def test_nan_bits_are_a_nan_and_the_note_says_torch_may_differ(fmt: formats.Floa
             assert "torch's casts may set others" in " ".join(d.notes)
     else:  # fn formats have one NaN per sign; torch's positive NaN is it
         assert casts == {d.encoding} and d.notes == ("not a number",)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("1e400", "beyond float64's max"),  # float('1e400') is inf: every row showed inf, 'infinity'
+        ("-1e400", "beyond float64's max"),
+        ("1e-400", "below float64's range"),  # read as 0.0: every row showed 'zero'
+        ("3.14159", "read as the nearest float64, 3.14158999999999988261834005243144929409027099609375"),
+        ("0.5", None),  # a binary float: nothing to say
+        ("65504", None),
+        ("2**-25", None),  # an expression: computed in float64, as its title shows
+        ("inf", None),
+    ],
+)
+def test_a_decimal_that_float64_cannot_hold_is_said_so(text: str, said: str | None,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Reference: Python's decimal module, exact for every float64 (Decimal(float) is the float's value)."""
+    from decimal import Decimal
+
+    from mixprec.commands.formats import Value, as_read
+
+    value = parse_value(text)
+    if said is not None:
+        assert Decimal(value) != Decimal(text)  # the cases that need a word do differ
+    note = as_read(Value(text, value))
+    assert (note is None) if said is None else (note is not None and said in note)
+    assert main(["formats", "-d", "fp16", "--", text]) == 0
+    assert (said is None) or said in " ".join(capsys.readouterr().out.split())

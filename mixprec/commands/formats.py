@@ -9,6 +9,7 @@ fp16 but survives in bf16.
 from __future__ import annotations
 
 import argparse
+import decimal
 import io
 import math
 import re
@@ -458,10 +459,37 @@ def _print_value(console: Console, value: Value, fmts: list[formats.FloatFormat]
 
     title = value.text if value.text == repr(value.value) else f"{value.text} = {value.value!r}"
     console.print(Text(title, style="bold"))
+    note = as_read(value)
+    if note is not None:
+        console.print(note)
     rows = [_row(value.value, fmt) for fmt in fmts]
     table = _wide_table(rows)
     # A table too wide for the terminal would be cut into unreadable columns: stack each row instead.
     console.print(table if _fits(console, table) else _stacked_table(rows))
+
+
+def as_read(value: Value) -> str | None:
+    """What reading a typed decimal as a float64 did to it, when that is not nothing: every row's errors
+    are against the float64, and the fp64 row's "exact" is about the float64, not the decimal."""
+    try:
+        typed = decimal.Decimal(value.text.strip())
+    except decimal.InvalidOperation:
+        return None  # an expression, or a name: computed in float64, as the title shows
+    if not typed.is_finite() or typed == 0 or decimal.Decimal(value.value) == typed:
+        return None
+    if math.isinf(value.value):
+        return (f"beyond float64's max (about 1.8e308): read as {value.value!r}, so every row shows inf; the "
+                "value overflows each of these formats too.")
+    if value.value == 0:
+        return ("below float64's range (under half its smallest subnormal, 4.9e-324): read as 0.0, so every "
+                "row shows zero; the value underflows each of these formats too.")
+    digits = str(decimal.Decimal(value.value))
+    shown = digits if len(digits) <= _READ_DIGITS else digits[:_READ_DIGITS] + "..."
+    return (f"not a binary float: read as the nearest float64, {shown}; errors are against that float64 "
+            "(the fp64 row is 'exact' for it).")
+
+
+_READ_DIGITS = 60  # a float64's exact decimal runs to ~750 digits for subnormals: enough to see it differ
 
 
 def _wide_table(rows: list[_Row]) -> Table:
