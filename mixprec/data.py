@@ -328,7 +328,8 @@ def _mnist_paths(folder: Path) -> dict[str, Path]:
             f"MNIST not found in {folder.resolve()}: expected the four IDX files "
             f"{', '.join(MNIST_FILES.values())} (raw or .gz); missing: {', '.join(missing)}. "
             f"Download them from the MNIST page ({MNIST_URL}) or a mirror into that folder, "
-            "or use the bundled digits data set (mixprec.data.digits(size=28)), which needs no download."
+            "or use the bundled digits data set, which needs no download (--data digits on the command line, "
+            "mixprec.data.digits(size=28) in Python)."
         )
     return {role: p for role, p in found.items() if p is not None}
 

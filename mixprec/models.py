@@ -369,7 +369,8 @@ def _build_vgg16(shape: Shape | None, n_classes: int | None, kw: dict[str, Any])
         if min(h, w) < 32:
             raise ValueError(
                 f"vgg16 halves the image five times and needs at least 32x32 inputs, got {h}x{w}. "
-                "Resize it, e.g. mixprec.data.digits(size=224, channels=3)."
+                "Resize it: --size 32 (train, compare) or --input 3x32x32 (memory) on the command line, "
+                "mixprec.data.digits(size=32, channels=3) in Python."
             )
         kw.setdefault("in_channels", c)
     if n_classes is not None:

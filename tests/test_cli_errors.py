@@ -327,3 +327,16 @@ def test_formats_hint_is_a_command_that_works(argv: list[str], values: dict[str,
     assert cli.main(["formats", *fixed]) == 0  # the hint, typed as shown, shows every VALUE
     out = capsys.readouterr().out
     assert all(f"{text} = {value!r}" in out for text, value in values.items())
+
+
+@pytest.mark.parametrize("scale", ["inf", "nan", "1e-30", "0.5", "-4"])
+def test_a_loss_scale_below_the_floor_is_refused_in_command_line_words(
+    scale: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inf reached the scaler, whose message named loss_scale= and min_scale (Python), not the flag."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--precision", "fp16", "--loss-scale", scale])
+    assert exit_.value.code == 2
+    err = _error(capsys)
+    assert "a loss scale must be a finite number >= 1" in err and "--loss-scale 512" in err
+    assert "min_scale" not in err and "init_scale" not in err

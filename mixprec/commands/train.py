@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.commands.console import make_console
 from mixprec.errors import MixprecError
+from mixprec.scale_state import DEFAULT_SCALE_FLOOR
 
 if TYPE_CHECKING:
     import torch
@@ -148,8 +149,11 @@ def _loss_scale_arg(text: str) -> float | str:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'dynamic' or a number like 512, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a loss scale must be > 0, got {text!r}")
+    if not (math.isfinite(value) and value >= DEFAULT_SCALE_FLOOR):
+        # the scaler's own check would name its Python arguments (init_scale, min_scale) instead
+        raise argparse.ArgumentTypeError(
+            f"a loss scale must be a finite number >= {DEFAULT_SCALE_FLOOR:g} (the scaler's floor: a smaller "
+            f"one only shrinks gradients), got {text!r}; e.g. --loss-scale 512, or --loss-scale dynamic")
     return value
 
 
