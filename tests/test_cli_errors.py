@@ -340,3 +340,17 @@ def test_a_loss_scale_below_the_floor_is_refused_in_command_line_words(
     err = _error(capsys)
     assert "a loss scale must be a finite number >= 1" in err and "--loss-scale 512" in err
     assert "min_scale" not in err and "init_scale" not in err
+
+
+def test_train_into_a_folder_that_holds_a_run_asks_before_replacing_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second `train --out DIR` replaced DIR/checkpoint.pt without a word (a user trial)."""
+    out = tmp_path / "run"
+    assert cli.main(["train", *TINY, "--out", str(out)]) == 0
+    saved = (out / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["train", *TINY, "--out", str(out), "--lr", "1e-2"]) == 2
+    assert "holds a run already" in _error(capsys) and (out / "checkpoint.pt").read_bytes() == saved
+    assert cli.main(["train", *TINY, "--out", str(out), "--lr", "1e-2", "--overwrite"]) == 0
+    assert (out / "checkpoint.pt").read_bytes() != saved

@@ -182,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from DIR/checkpoint.pt of an interrupted run with the same arguments "
                         "(--epochs may grow under --schedule constant: one-cycle's schedule spans the "
                         "epochs); with no checkpoint there yet, start afresh")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh where DIR holds a run already (its checkpoint.pt is replaced)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -213,6 +215,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--flat-master needs fp32 master weights, which {args.opt_level} does not keep: "
                          "use --opt-level O2, or drop --flat-master.")
     check_out(args.out)
+    kept = args.out / "checkpoint.pt"
+    if kept.exists() and not (args.resume or args.overwrite):  # a finished run's, or an interrupted one's
+        raise UsageError(f"--out {args.out} holds a run already ({kept}): training afresh would replace it.",
+                         "pass --resume to continue it, --overwrite to replace it, or another --out.")
 
 
 def _folder_problem(folder: Path) -> str | None:
