@@ -126,3 +126,25 @@ def test_emulated_fp16_gemms_are_reported_as_emulated_fp16() -> None:
     with autocast("cpu", dtype=torch.bfloat16), CastTrace() as bf16:  # not emulated: plain bf16
         model(x)
     assert bf16.dtypes_of("addmm") == {"bf16"}
+
+
+def test_ops_without_a_float_tensor_are_left_out() -> None:
+    """A loss scaler's int counters and bool flags filled the trace's summary (a user trial): an op with
+    no floating tensor in or out has no dtype story to tell."""
+    import mixprec
+
+    model, x, y = _setup("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**20)
+    with CastTrace() as trace:
+        with autocast("cpu", torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        torch.zeros(3, dtype=torch.int64).add_(1)  # an int-only op of the user's: left out too
+    floats = {dtype_label(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+    # labels may carry a note ("fp16 (emulated)"): the dtype is the first word
+    dtypes_seen = [{label.split()[0] for label in (*r.inputs, *r.outputs)} for r in trace.ops]
+    assert dtypes_seen and all(floats & seen for seen in dtypes_seen), trace.ops
+    assert not {"int32", "int64"} & set(trace.output_dtypes())  # bool stays: isfinite of a float tensor

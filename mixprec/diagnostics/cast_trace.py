@@ -121,6 +121,9 @@ class CastTrace(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _CAST_OPS and self._record_cast(phase, name, args, out):
             return out
+        leaves = tree_leaves((args, kwargs, out))
+        if not any(isinstance(t, Tensor) and t.is_floating_point() for t in leaves):
+            return out  # no float in or out (a scaler's int counters, a CPU-support query): no dtype to show
         emulated = _emulated_dtype(node)
         self._ops[(phase, name, _dtypes((args, kwargs), emulated), _dtypes(out, emulated))] += 1
         return out
