@@ -206,6 +206,26 @@ def test_table_and_png(tmp_path: object) -> None:
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
+@pytest.mark.parametrize(("total", "unit"), [(100, "KiB"), (2**20 - 1, "KiB"), (2**20, "MiB"),
+                                             (5 * 2**30, "GiB")])
+def test_the_table_unit_follows_the_largest_total(total: int, unit: str) -> None:
+    """A small model's table read 0.00/0.01 MiB everywhere, and the chart was in decimal GB beside a MiB
+    table (a user trial): one binary unit, the largest whose 1 fits the largest total."""
+    from rich.console import Console
+
+    from mixprec.diagnostics.memory import MemoryBreakdown, memory_unit
+
+    b = MemoryBreakdown("fp32", params=total, masters=0, buffers=0, grads=0, master_grads=0,
+                        optimizer_state=0, weight_copies=0, activations=0, n_params=total // 4,
+                        estimated=True)
+    name, per = memory_unit([b])
+    assert name == unit and per == 2 ** {"KiB": 10, "MiB": 20, "GiB": 30}[unit]
+    console = Console(width=200, record=True)
+    console.print(memory_table([b]))
+    text = console.export_text()
+    assert f"({unit})" in text and f"{total / per:,.2f}" in text
+
+
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     memory_command.add_arguments(parser)

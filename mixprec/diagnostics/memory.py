@@ -78,7 +78,17 @@ __all__ = [
     "memory_table",
 ]
 
-MIB = 2**20  # what the memory tables show (the ladder's too); plots.py charts decimal MB/GB
+MIB = 2**20  # the ladder's tables show MiB
+
+# Binary units, smallest first: a breakdown is shown in the largest whose 1 fits its largest total, so a
+# small model's table is not all 0.00 and a large one's not six digits (the table and the chart alike).
+_UNITS: tuple[tuple[str, int], ...] = (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30))
+
+
+def memory_unit(breakdowns: Sequence[MemoryBreakdown]) -> tuple[str, int]:
+    """(name, bytes) of the unit to show ``breakdowns`` in."""
+    top = max((b.total for b in breakdowns), default=0)
+    return next(((n, b) for n, b in reversed(_UNITS) if top >= b), _UNITS[0])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -654,10 +664,12 @@ def memory_breakdowns(
 
 
 def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None) -> Table:
-    """A rich table: one row per component, one column per precision, in MiB (2**20 bytes)."""
+    """A rich table: one row per component, one column per precision, in KiB, MiB or GiB (binary: 2**10,
+    2**20, 2**30 bytes; :func:`memory_unit`)."""
     from rich.table import Table
 
-    table = Table(title=title or "Memory of one training step (MiB)", title_justify="left")
+    unit, per = memory_unit(breakdowns)
+    table = Table(title=title or f"Memory of one training step ({unit})", title_justify="left")
     table.add_column("component")
     for b in breakdowns:
         table.add_column(b.precision, justify="right")
@@ -665,16 +677,16 @@ def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None
     for key, label, what in COMPONENTS:
         values = [getattr(b, key) for b in breakdowns]
         if any(values):
-            table.add_row(label, *(f"{v / MIB:,.2f}" for v in values), what)
+            table.add_row(label, *(f"{v / per:,.2f}" for v in values), what)
     if any(b.arithmetic for b in breakdowns):
         table.add_row("half GEMMs", *(b.arithmetic or "-" for b in breakdowns),
                       "how the counted step's half GEMMs ran: emulated ones save fp32 weight copies")
     table.add_section()
-    table.add_row("weights (params + masters)", *(f"{b.weights / MIB:,.2f}" for b in breakdowns),
+    table.add_row("weights (params + masters)", *(f"{b.weights / per:,.2f}" for b in breakdowns),
                   "the published 'model memory'")
     table.add_row("bytes per parameter", *(f"{b.bytes_per_param:.1f}" for b in breakdowns),
                   "params + grads + masters/extras + optimizer state, per parameter")
-    table.add_row("[bold]total[/bold]", *(f"[bold]{b.total / MIB:,.2f}[/bold]" for b in breakdowns),
+    table.add_row("[bold]total[/bold]", *(f"[bold]{b.total / per:,.2f}[/bold]" for b in breakdowns),
                   "sum: upper bound of one step's live tensors")
     if breakdowns:
         base = breakdowns[0].total

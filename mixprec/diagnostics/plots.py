@@ -137,7 +137,7 @@ def plot_memory(breakdowns: Sequence[MemoryBreakdown], path: str | Path, title: 
     """Stacked bars: one per precision, one segment per memory component, in MB (1e6 bytes)."""
     import matplotlib
 
-    from mixprec.diagnostics.memory import COMPONENTS
+    from mixprec.diagnostics.memory import COMPONENTS, memory_unit
 
     if not breakdowns:
         raise ValueError("plot_memory needs at least one MemoryBreakdown.")
@@ -145,8 +145,7 @@ def plot_memory(breakdowns: Sequence[MemoryBreakdown], path: str | Path, title: 
         fig, ax = new_figure(width=max(6.0, 1.6 * len(breakdowns) + 4.5), height=5.5)
         names = [b.precision for b in breakdowns]
         x = list(range(len(breakdowns)))
-        # GB (1e9 bytes) once bars pass 2 GB, so tick labels stay short; MB below.
-        unit, per = ("GB", 1e9) if max(b.total for b in breakdowns) > 2e9 else ("MB", 1e6)
+        unit, per = memory_unit(breakdowns)  # the table's unit, binary
         bottom = [0.0] * len(breakdowns)
         for key, label, _ in COMPONENTS:
             heights = [getattr(b, key) / per for b in breakdowns]
@@ -162,7 +161,7 @@ def plot_memory(breakdowns: Sequence[MemoryBreakdown], path: str | Path, title: 
         ax.set_xticks(x, names)
         ax.set_ylim(0, top * 1.12)
         ax.set_xlabel("precision")
-        ax.set_ylabel(f"memory ({unit}, 1 {unit} = 10^{9 if unit == 'GB' else 6} bytes)")
+        ax.set_ylabel(f"memory ({unit}, 1 {unit} = 2^{per.bit_length() - 1} bytes)")
         ax.set_title(title or "Training memory by precision")
         ax.grid(axis="x", visible=False)
         handles, labels = ax.get_legend_handles_labels()
