@@ -94,5 +94,7 @@ def _message(who: str, device_type: str, dtype: torch.dtype, why: str) -> str:
         f"times slower than fp32 ({why}). Fix: run the forward (and loss) inside "
         f"`with mixprec.half_compute({device_type!r}, {dtype}):`, which computes them at fp32's speed with "
         f"{label}'s numerics (or let mixprec cast the model: mixprec.initialize(..., opt_level='O2'), "
-        f"Learner.to_{label}()). To keep torch's kernels, set MIXPREC_HALF_ARITHMETIC={label}=native."
+        f"Learner.to_{label}()). To keep torch's kernels, set MIXPREC_HALF_ARITHMETIC={label}=native. "
+        "(A half_compute region entered only inside torch.compile'd code is not counted here: there this "
+        "warning is wrong; warnings.filterwarnings('ignore', '.*outside any mixprec region') silences it.)"
     )

@@ -128,3 +128,23 @@ def test_a_model_mixprec_prepared_and_compiled_does_not_warn(arithmetic: Any) ->
             opt.zero_grad()
     assert STATE.entries == before  # so the count alone would have warned
     assert not [w for w in caught if SAID in str(w.message)]
+
+
+def test_the_filter_the_warning_quotes_silences_it(arithmetic: Any) -> None:
+    """Where the check cannot see a region (half_compute entered only inside compiled code), the message
+    offers a filter: it must match the message."""
+    arithmetic("fp16=emulated,bf16=emulated")
+    model = _model()
+    opt = _masters(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, opt, _bare, steps=1)
+    quoted = next(w for w in caught if SAID in str(w.message))
+    pattern = str(quoted.message).split("warnings.filterwarnings('ignore', '")[1].split("')")[0]
+    model = _model()
+    opt = _masters(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", pattern)
+        _train(model, opt, _bare, steps=1)
+    assert not [w for w in caught if SAID in str(w.message)]
