@@ -37,12 +37,12 @@ from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.errors import ConfigError, ScalerStateError
-from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, prepare
+from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
-from mixprec.scaler import GradScaler, _is_sharded
+from mixprec.scaler import GradScaler
 from mixprec.skip_step import combined_found_inf, step_unless_inf
 from mixprec.split_state_dict import hook_split_state_dict
 
@@ -173,12 +173,12 @@ def initialize(
     opt_list, opts_were_list = _as_list(optimizers)
     given = opt_list
     _check_models_and_optimizers(model_list, opt_list)
-    if recipe.casts_model:
-        _check_not_sharded(model_list, recipe.name)
+    for model in model_list:
+        check_castable(model, recipe)  # before any model is cast: FSDP2 shards, a DDP wrapper
     if recipe.split_masters:
         check_split_params(model_list, opt_list, recipe)
     device_type = _device_type(model_list)
-    for line in banner(recipe, verbosity):
+    for line in banner(recipe, verbosity) if _rank_zero() else ():  # apex prints it on rank 0 only
         print(line)
     # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there, and
     # it casts the model too: mixprec leaves a model of another dtype, fp64, and its inputs as they are)
@@ -307,22 +307,6 @@ def _check_models_and_optimizers(models: list[nn.Module], optimizers: list[Any])
         check_params_belong(inner, models, label=f"optimizers[{i}]")
 
 
-def _check_not_sharded(models: list[nn.Module], level: str) -> None:
-    """Refuse a model FSDP2 already sharded: O2/O3 cast the model and keep a master per parameter, while
-    fully_shard replaces the parameters by DTensor shards and gathers them for each forward in the dtype
-    of its own MixedPrecisionPolicy. The two disagree about who owns the parameters' dtype."""
-    # duck-typed as the scaler's _is_sharded: DTensor moved between releases, and builds without
-    # torch.distributed have none to import
-    if any(_is_sharded(p) for m in models for p in m.parameters()):
-        raise ConfigError(
-            f"opt_level {level!r} casts the model to half and keeps fp32 masters, but this model's "
-            "parameters are FSDP2 shards (DTensor): fully_shard decides their dtype itself.",
-            "with FSDP2 keep the model fp32 and use fully_shard(model, mp_policy=MixedPrecisionPolicy("
-            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) with a plain optimizer (and "
-            "mixprec.GradScaler for fp16), or opt_level='O1'; see docs/recipes.md, Distributed.",
-        )
-
-
 def split_masters_of(optimizer: torch.optim.Optimizer,
                      originals: dict[torch.Tensor, torch.Tensor]) -> LowPrecisionOptimizer:
     """``optimizer`` wrapped in split masters seeded from ``originals`` (the fp32 weights a half model was
@@ -441,12 +425,17 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
                            on_skip=on_skip, **kwargs)  # fmt: skip
 
 
+def _rank_zero() -> bool:
+    """Whether this process is rank 0 of the default process group, or runs without one."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
     """apex's line for a skipped step, on rank 0 only, once per loss that overflowed. (A fused optimizer
     on a GPU skips on the device: reading the flag to say so would cost a sync every step, so it stays
     quiet; on the CPU the flag is read for free.)"""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if not _rank_zero():
         return
     for loss_id in sorted(set(loss_ids)):
         scaler = state.scalers[loss_id]

@@ -297,6 +297,7 @@ def save_checkpoint(
         **{f"{kind}s": _states(objs) for kind, objs in objects.items()},
         "loader": None if loader is None else loader.state_dict(),
         "rng": rng_state(),
+        "rank": _rank(),  # whose RNG state this is (load_checkpoint warns another rank)
         "classes": {kind: [describe(o) for o in objs] for kind, objs in objects.items()},
     }
     payload["checksum"] = payload_digest(payload)
@@ -388,8 +389,25 @@ def load_checkpoint(
     if loader is not None:
         loader.load_state_dict(payload["loader"])
     if restore_rng:
+        _warn_if_another_ranks_rng(payload.get("rank", 0), Path(path))
         set_rng_state(payload["rng"])
     return Resumed(payload["step"], payload["extra"])
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _warn_if_another_ranks_rng(saved_rank: int, source: Path) -> None:
+    """One rank's RNG state restored on every rank gives them all the same dropout masks (each rank was
+    seeded apart), and the run is no longer the one that was saved."""
+    if _rank() != saved_rank:
+        warnings.warn(
+            f"{source} holds the RNG state of rank {saved_rank}, restored now on rank {_rank()}: every rank "
+            "that loads it draws the same random numbers (dropout masks) from here on. To resume exactly, "
+            "save one file per rank (each with its own RNG state); or pass restore_rng=False to keep each "
+            "rank's own generator.", stacklevel=3)
 
 
 def _amp_scalers_to_load(optimizers: Sequence[Any], saved: Sequence[Any], source: Path) -> list[Any]:

@@ -41,6 +41,14 @@ def describe(obj: Any) -> str:
 
 # --------------------------------------------------------------------------------------------- at save
 def check_can_save(models: Sequence[nn.Module], optimizers: Sequence[Any], scalers: Sequence[Any]) -> None:
+    for i, model in enumerate(models):
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            # its state dict's keys start with "module.": the file would load only into another wrapper
+            raise CheckpointError(
+                f"model {i} is wrapped in {type(model).__name__}: its state dict's names start with "
+                "'module.', and the checkpoint would not load into the model itself.",
+                "pass the model it wraps: save_checkpoint(..., model=ddp.module) (and load into it).",
+            )
     for i, opt in enumerate(optimizers):
         _refuse_inner_optimizer(models, opt, i)
         for scaler in scalers:

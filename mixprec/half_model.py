@@ -26,9 +26,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
+from mixprec.errors import ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
+from mixprec.scaler import _is_sharded
 from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
@@ -424,6 +426,39 @@ class HalfModel:
         self.handles, self.converted = [], []
 
 
+# Wrappers that hold per-parameter state made for the parameters as they were (DDP's gradient buckets and
+# hooks, DataParallel's replicas): casting the model inside them afterwards is not seen by them.
+_PARALLEL_WRAPPERS: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+def check_castable(model: nn.Module, recipe: Recipe) -> None:
+    """Refuse to cast a model a parallel wrapper already holds (apex refused it too): DDP built its buckets
+    for the fp32 parameters, and after the cast each rank trains on its own gradients, with no error. And
+    a model FSDP2 sharded: the recipe casts it and keeps a master per parameter, while fully_shard replaces
+    the parameters by DTensor shards gathered in its own MixedPrecisionPolicy's dtype."""
+    if not recipe.casts_model:
+        return
+    if any(_is_sharded(p) for p in model.parameters()):
+        raise ConfigError(
+            f"{recipe.name} casts the model to half and keeps fp32 masters, but this model's parameters are "
+            "FSDP2 shards (DTensor): fully_shard decides their dtype itself.",
+            "with FSDP2 keep the model fp32 and use fully_shard(model, mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) with a plain optimizer (and "
+            "mixprec.GradScaler for fp16), or O1 (initialize's opt_level='O1', the Learner's "
+            "to_recipe('O1')); see docs/recipes.md, Distributed.",
+        )
+    if not isinstance(model, _PARALLEL_WRAPPERS):
+        return
+    raise ConfigError(
+        f"{recipe.name} casts the model to {recipe.model_dtype}, and this model is already wrapped in "
+        f"{type(model).__name__}, which set up its gradient sync for the fp32 parameters: cast inside it, "
+        "the ranks would train apart without an error.",
+        f"cast first, then wrap (apex's order): model, opt = mixprec.initialize(model, opt, '{recipe.name}') "
+        "and then DistributedDataParallel(model). The Learner casts when a fit starts, so with a wrapped "
+        "model use learn.to_recipe('O1') (autocast: the model stays fp32); docs/recipes.md, Distributed.",
+    )
+
+
 def prepare(
     model: nn.Module,
     recipe: Recipe,
@@ -436,6 +471,7 @@ def prepare(
     the forward inside the recipe's precision region, outputs cast to ``output_dtype`` (by default fp32
     for the half ones when ``recipe.loss_fp32``). ``fp32_state_dict``: ``model.state_dict()`` holds fp32
     tensors (apex O2). An fp32 recipe changes nothing."""
+    check_castable(model, recipe)
     half = HalfModel(model, recipe)
     if recipe.is_fp32:
         return half

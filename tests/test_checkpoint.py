@@ -296,6 +296,16 @@ def test_saving_the_optimizer_inside_master_weights_is_refused(tmp_path: Path) -
     assert not (tmp_path / "ck.pt").exists()
 
 
+def test_saving_a_wrapped_model_is_refused(tmp_path: Path) -> None:
+    """A DDP (here DataParallel, which needs no process group) model's state dict is 'module.'-prefixed:
+    the saved file failed to load into the model later, with a message about architecture (a user trial)."""
+    run = Run()
+    run.step()
+    with pytest.raises(CheckpointError, match=r"(?s)wrapped in DataParallel.*model=ddp.module"):
+        save_checkpoint(tmp_path / "ck.pt", model=nn.DataParallel(run.model), optimizer=run.opt)
+    assert not (tmp_path / "ck.pt").exists()
+
+
 def test_a_killed_saves_temp_file_is_removed_at_the_next_save(tmp_path: Path) -> None:
     run = Run()
     path = tmp_path / "ck.pt"

@@ -86,6 +86,65 @@ def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
     out["o2_ddp_masters"] = _o2_ddp_masters(info)
     out["fsdp2"] = fsdp.train(info, steps, half=True, fault_step=fault_step, fault_rank=1)
     out["o2_after_fully_shard"] = _o2_after_fully_shard(info)
+    out["casts_refused"] = _casts_of_wrapped_models(info)
+    out["rng_warned"] = _rng_of_another_rank(info)
+    return out
+
+
+def _rng_of_another_rank(info: DistInfo) -> dict[str, bool]:
+    """Whether load_checkpoint warns when a rank restores another rank's RNG state (a file saved on rank 0
+    and loaded everywhere gave every rank rank 0's dropout masks, silently: a user trial)."""
+    import tempfile
+
+    from mixprec.checkpoint import load_checkpoint, save_checkpoint
+
+    folder = Path(tempfile.gettempdir()) / f"mixprec-rng-{os.getppid()}"  # the spawner's: one per run
+    folder.mkdir(exist_ok=True)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(folder / f"rank{info.rank}.pt", model=model, optimizer=opt)
+    torch.distributed.barrier()  # both files written
+    out = {}
+    for whose in ("own", "other"):
+        rank = info.rank if whose == "own" else 1 - info.rank
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_checkpoint(folder / f"rank{rank}.pt", model=model, optimizer=opt)
+        out[whose] = any("holds the RNG state of rank" in str(w.message) for w in caught)
+    return out
+
+
+def _casts_of_wrapped_models(info: DistInfo) -> dict[str, str]:
+    """What a cast of a model DDP or FSDP2 already holds says, through initialize and the Learner. Before,
+    initialize(DDP(model), "O2") and Learner(data, DDP(model)).to_fp16() trained the ranks apart with no
+    error, and the Learner under FSDP2 failed in torch ("_foreach_copy_ ... no sharding strategy")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import mixprec
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(info.device)
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    data = mixprec.synthetic(n=32, input_shape=(4,), n_classes=2, batch_size=8, seed=0)
+    attempts = {
+        "initialize ddp": lambda m: mixprec.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "O2",
+                                                       verbosity=0),
+        "learner ddp": lambda m: mixprec.Learner(data, m, silent=True).to_fp16().fit(steps=1),
+        "learner fsdp2": lambda m: mixprec.Learner(data, m, silent=True).to_bf16().fit(steps=1),
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        model = fully_shard(net(), mesh=mesh) if "fsdp2" in name else DistributedDataParallel(net())
+        try:
+            attempt(model)
+            out[name] = "accepted"
+        except mixprec.ConfigError as exc:
+            out[name] = str(exc)
+        finally:
+            mixprec.amp.reset()
     return out
 
 
@@ -183,6 +242,26 @@ def test_o2_refuses_a_model_fsdp2_sharded_and_names_its_mixed_precision_policy(
     for r in spawned:
         assert "FSDP2 shards" in r["o2_after_fully_shard"]
         assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in r["o2_after_fully_shard"]
+
+
+def test_restoring_another_ranks_rng_state_warns(spawned: list[dict[str, Any]]) -> None:
+    if isinstance(spawned[0]["fsdp2"], str):
+        pytest.skip(spawned[0]["fsdp2"])
+    assert [r["rng_warned"] for r in spawned] == [{"own": False, "other": True}] * 2
+
+
+def test_a_cast_of_a_model_ddp_or_fsdp2_holds_is_refused_through_every_interface(
+    spawned: list[dict[str, Any]]
+) -> None:
+    if isinstance(spawned[0]["fsdp2"], str):
+        pytest.skip(spawned[0]["fsdp2"])
+    for r in spawned:
+        said = r["casts_refused"]
+        assert "already wrapped in DistributedDataParallel" in said["initialize ddp"]  # apex refused it too
+        assert "then DistributedDataParallel(model)" in said["initialize ddp"]
+        assert "already wrapped in DistributedDataParallel" in said["learner ddp"]
+        assert "to_recipe('O1')" in said["learner ddp"]
+        assert "FSDP2 shards" in said["learner fsdp2"]
 
 
 def test_broadcast_masters_makes_o2_replicas_identical_under_ddp(spawned: list[dict[str, Any]]) -> None:
