@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
+from mixprec.distributed import process_rank
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
 from mixprec.hardware import HALF_DTYPES
@@ -178,7 +179,7 @@ def initialize(
     if recipe.split_masters:
         check_split_params(model_list, opt_list, recipe)
     device_type = _device_type(model_list)
-    for line in banner(recipe, verbosity) if _rank_zero() else ():  # apex prints it on rank 0 only
+    for line in banner(recipe, verbosity) if process_rank() == 0 else ():  # apex prints it on rank 0 only
         print(line)
     # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there, and
     # it casts the model too: mixprec leaves a model of another dtype, fp64, and its inputs as they are)
@@ -425,17 +426,11 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
                            on_skip=on_skip, **kwargs)  # fmt: skip
 
 
-def _rank_zero() -> bool:
-    """Whether this process is rank 0 of the default process group, or runs without one."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
     """apex's line for a skipped step, on rank 0 only, once per loss that overflowed. (A fused optimizer
     on a GPU skips on the device: reading the flag to say so would cost a sync every step, so it stays
     quiet; on the CPU the flag is read for free.)"""
-    if not _rank_zero():
+    if process_rank() != 0:
         return
     for loss_id in sorted(set(loss_ids)):
         scaler = state.scalers[loss_id]

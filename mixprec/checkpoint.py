@@ -53,6 +53,7 @@ from mixprec.checkpoint_checks import (
     describe,
 )
 from mixprec.checkpoint_digest import payload_digest
+from mixprec.distributed import process_rank
 from mixprec.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -297,7 +298,7 @@ def save_checkpoint(
         **{f"{kind}s": _states(objs) for kind, objs in objects.items()},
         "loader": None if loader is None else loader.state_dict(),
         "rng": rng_state(),
-        "rank": _rank(),  # whose RNG state this is (load_checkpoint warns another rank)
+        "rank": process_rank(),  # whose RNG state this is (load_checkpoint warns another rank)
         "classes": {kind: [describe(o) for o in objs] for kind, objs in objects.items()},
     }
     payload["checksum"] = payload_digest(payload)
@@ -394,17 +395,13 @@ def load_checkpoint(
     return Resumed(payload["step"], payload["extra"])
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _warn_if_another_ranks_rng(saved_rank: int, source: Path) -> None:
     """One rank's RNG state restored on every rank gives them all the same dropout masks (each rank was
     seeded apart), and the run is no longer the one that was saved."""
-    if _rank() != saved_rank:
+    rank = process_rank()
+    if rank != saved_rank:
         warnings.warn(
-            f"{source} holds the RNG state of rank {saved_rank}, restored now on rank {_rank()}: every rank "
+            f"{source} holds the RNG state of rank {saved_rank}, restored now on rank {rank}: every rank "
             "that loads it draws the same random numbers (dropout masks) from here on. To resume exactly, "
             "save one file per rank (each with its own RNG state); or pass restore_rng=False to keep each "
             "rank's own generator.", stacklevel=3)

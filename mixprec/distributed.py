@@ -64,6 +64,11 @@ class DistInfo:
         return self.rank == 0
 
 
+def process_rank() -> int:
+    """This process's rank in the default process group; 0 where there is none (one process)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _device(local_rank: int, local_world: int | None, backend: str | None) -> torch.device:
     """This process's GPU (``local_rank`` modulo the GPUs it sees), or the CPU.
 

@@ -166,9 +166,7 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
         else:
             _check_no_other_half_autocast(self.device_type, self.dtype)
             mode = _mode(self.device_type, self.dtype)
-            STATE.half_compute_depth += 1
             STATE.entries += 1
-            # activation_checkpoint.cover_segment
             STATE.half_entries.append((mode, EntryMark.now()))
         mode.__enter__()
         self._modes.append(mode)
@@ -183,7 +181,6 @@ class half_compute:  # noqa: N801 - a context manager used like autocast
     def __exit__(self, *exc: Any) -> None:
         self._modes.pop().__exit__(*exc)
         if not torch.compiler.is_compiling():
-            STATE.half_compute_depth -= 1
             STATE.half_entries.pop()
-            if not STATE.regions and not STATE.half_compute_depth:
+            if not STATE.regions and not STATE.half_entries:
                 STATE.cache.clear()  # the upcasts live for this forward only (autograd keeps its own)

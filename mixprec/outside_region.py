@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mixprec.formats import dtype_label
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.region import STATE
 
@@ -87,7 +88,7 @@ def _slow_half_kinds(params: Iterable[torch.Tensor]) -> list[tuple[str, torch.dt
 
 
 def _message(who: str, device_type: str, dtype: torch.dtype, why: str) -> str:
-    label = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    label = dtype_label(dtype)
     return (
         f"{who}: the model's {dtype} parameters got their gradients from a forward run outside any mixprec "
         f"region, so torch's own {label} GEMMs ran, which on this {device_type} are several to hundreds of "

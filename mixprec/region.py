@@ -144,15 +144,14 @@ class _ThreadState(threading.local):
         self.regions: list[Region] = []
         # Per entry of `regions`: what it was entered under (activation_checkpoint.cover_segment)
         self.entered_under: list[EntryMark] = []
-        # half_compute regions entered eagerly and not left: their mode, and what it was entered under
+        # half_compute regions entered eagerly and not left (autocast's are in `regions`): their mode, and
+        # what it was entered under (activation_checkpoint.cover_segment)
         self.half_entries: list[tuple[Any, EntryMark]] = []
         self.cache = CastCache()
         # For diagnostics.CastTrace: how many traces are active, and the half dtype an emulated GEMM is
         # computing right now (its fp32 kernel then reports as emulated half arithmetic).
         self.traces = 0
         self.emulating: torch.dtype | None = None
-        # half_compute regions entered eagerly and not left (autocast's are in `regions`)
-        self.half_compute_depth = 0
         # regions of either kind entered eagerly so far (outside_region.RegionWatch compares two counts)
         self.entries = 0
 
@@ -201,7 +200,7 @@ def is_current(region: Region) -> bool:
 def eager_region_open() -> bool:
     """Whether a region entered eagerly is open on this thread: it clears the cast cache when it leaves.
     (A mode entered by compiled code can run eagerly, in a frame Dynamo gave up on; nothing clears there.)"""
-    return bool(STATE.regions) or STATE.half_compute_depth > 0
+    return bool(STATE.regions or STATE.half_entries)
 
 
 def top_pack_hook() -> Any:

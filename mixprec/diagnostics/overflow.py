@@ -187,6 +187,11 @@ def _to_fp32(t: Tensor) -> Tensor:
     return t.detach().float() if t.is_floating_point() else t
 
 
+def _label(module: str, module_type: str) -> str:
+    """How a report names a module: its qualified name (the model itself: <model>) and its class."""
+    return f"{module or '<model>'} ({module_type})"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -211,7 +216,7 @@ class NonfiniteEvent:
 
     @property
     def label(self) -> str:
-        return f"{self.module or '<model>'} ({self.module_type})"
+        return _label(self.module, self.module_type)
 
     def explain(self) -> str:
         """One or two sentences: what overflowed, in which dtype, and what fp32 says about it."""
@@ -278,7 +283,7 @@ class BackwardEvent:
 
     @property
     def label(self) -> str:
-        return f"{self.module or '<model>'} ({self.module_type})"
+        return _label(self.module, self.module_type)
 
     def explain(self) -> str:
         name = _dtype_name(self.grad.dtype)
@@ -351,7 +356,7 @@ class NonfiniteTracer:
         self.grads_checked = 0  # gradients w.r.t. module outputs checked
         self._handles: list[RemovableHandle] = []
         self._paused = False
-        self._labels: dict[str, str] = {}
+        self._types: dict[str, str] = {}  # qualified name -> class name, of the model's modules
         self._last_finite: str | None = None  # forward order: the last module whose output was finite
         self._last_finite_grad: str | None = None  # backward order: the same for output gradients
         # outputs given a gradient hook in this forward (a child's first); by identity, and weak: an id alone
@@ -363,7 +368,7 @@ class NonfiniteTracer:
         self.checked = self.grads_checked = 0
         self._last_finite = self._last_finite_grad = None
         self._hooked = WeakIdKeyDictionary()
-        self._labels = {n: f"{n or '<model>'} ({type(m).__name__})" for n, m in self.model.named_modules()}
+        self._types = {n: type(m).__name__ for n, m in self.model.named_modules()}
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
@@ -381,7 +386,7 @@ class NonfiniteTracer:
             produced = _floating(output)
             self._hook_gradients(name, produced)
             if all(finite_flags(produced)):  # the common case: one flag per output, one sync per device
-                self._last_finite = self._labels.get(name)
+                self._last_finite = _label(name, self._types[name])
                 return
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
@@ -389,7 +394,8 @@ class NonfiniteTracer:
             rerun = self.compare_fp32 and all(r.finite for r in inputs)
             fp32, error = self._rerun_fp32(module, args, kwargs) if rerun else (None, None)
             state = _nonfinite_state(module)
-            parent = self._labels.get(name.rpartition(".")[0]) if name else None
+            outer = name.rpartition(".")[0]
+            parent = _label(outer, self._types[outer]) if name else None
             self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state,
                                         after=self._last_finite, parent=parent)
 
@@ -403,7 +409,7 @@ class NonfiniteTracer:
                 t.register_hook(self._grad_hook(name))
 
     def _grad_hook(self, name: str) -> Callable[[Tensor], None]:
-        label = self._labels.get(name, name)
+        label = _label(name, self._types[name])
 
         def check(grad: Tensor) -> None:
             if self.backward_event is not None:
@@ -413,9 +419,9 @@ class NonfiniteTracer:
                 self._last_finite_grad = label
                 return
             scale = self.loss_scale() if callable(self.loss_scale) else self.loss_scale
-            module_type = label.rpartition(" (")[2].rstrip(")")
-            self.backward_event = BackwardEvent(name, module_type, tensor_range(grad), self._last_finite_grad,
-                                                None if scale is None else float(scale))
+            scale = None if scale is None else float(scale)
+            self.backward_event = BackwardEvent(name, self._types[name], tensor_range(grad),
+                                                self._last_finite_grad, scale)
 
         return check
 
