@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
-from mixprec.distributed import process_rank
+from mixprec.distributed import forward_skips_grad_sync, process_rank
 from mixprec.errors import ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
 from mixprec.hardware import HALF_DTYPES
@@ -88,6 +88,9 @@ class _AmpState:
     optimizers: list[Any] = field(default_factory=list)  # as initialize returned them
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
+    # the models' latest forward ran inside DDP's no_sync() (scale_loss must not move its gradients away)
+    unsynced_forward: bool = False
+    warned_unsynced: bool = False
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -213,12 +216,41 @@ def initialize(
         if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
             setattr(mine, _REPLACED_ATTR, recipe.name)
     _STATE = _AmpState(recipe, device_type, scalers, halves, list(opt_list), verbosity=verbosity)
+    for half in halves:
+        half.handles.append(half.model.register_forward_pre_hook(_SyncWatch(_STATE)))
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
     if optimizers is None:
         return out_models
     return out_models, (opt_list if opts_were_list else opt_list[0])
+
+
+@dataclass
+class _SyncWatch:
+    """A forward pre-hook noting whether the forward runs inside DDP's ``no_sync()``: ``scale_loss``
+    warns when it unscales such a backward (:func:`_warn_if_unsynced`)."""
+
+    state: _AmpState
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced, its reads of DDP's state would become guards: recompiles
+            return
+        self.state.unsynced_forward = torch.is_grad_enabled() and forward_skips_grad_sync()
+
+
+def _warn_if_unsynced(state: _AmpState) -> None:
+    if not state.unsynced_forward or state.warned_unsynced:
+        return
+    state.warned_unsynced = True
+    warnings.warn(
+        "scale_loss unscaled the gradients of a backward run inside DistributedDataParallel.no_sync(): "
+        "they leave the model's .grad here (into the fp32 masters, or set aside while the next loss's "
+        "backward runs), so DDP's synchronising backward all-reduces only the last micro-batch's gradients "
+        "and the ranks drift apart (apex's scale_loss does the same). Pass delay_unscale=True to the "
+        "scale_loss calls inside no_sync(), and leave it False for the last micro-batch's, outside it.",
+        stacklevel=4,  # the user's `with scale_loss(...)` line, past contextlib's __exit__
+    )
 
 
 def _prepare(
@@ -503,7 +535,8 @@ def scale_loss(
     and this loss's scaler is updated. Several losses may feed one optimizer in an iteration: gradients
     already unscaled for an earlier loss are set aside and added back after this loss's are unscaled.
     ``delay_unscale=True`` leaves the gradients scaled (accumulate, then let the last ``scale_loss`` of the
-    iteration unscale them all with the same scale)."""
+    iteration unscale them all with the same scale); inside DDP's ``no_sync()`` it is needed (a warning
+    says so), or the synchronising backward all-reduces only the last micro-batch's gradients."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(
@@ -539,6 +572,7 @@ def scale_loss(
             # the gradients hold this loss's scaled ones now: the next loss must not set them aside
             pending.delayed, pending.unscaled = True, False
         return
+    _warn_if_unsynced(state)
     flags: list[torch.Tensor] = []
     for opt in opts:
         inner = _inner(opt)

@@ -69,6 +69,14 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def forward_skips_grad_sync() -> bool:
+    """Whether the forward running now runs inside a ``DistributedDataParallel`` whose ``no_sync()`` is on:
+    its backward leaves each rank's gradients local. False outside a DDP forward, and where this torch no
+    longer names the active DDP module (a private attribute, read defensively)."""
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    return ddp is not None and not getattr(ddp, "require_backward_grad_sync", True)
+
+
 def _device(local_rank: int, local_world: int | None, backend: str | None) -> torch.device:
     """This process's GPU (``local_rank`` modulo the GPUs it sees), or the CPU.
 

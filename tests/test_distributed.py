@@ -88,6 +88,43 @@ def scenarios(info: DistInfo, steps: int, fault_step: int) -> dict[str, Any]:
     out["o2_after_fully_shard"] = _o2_after_fully_shard(info)
     out["casts_refused"] = _casts_of_wrapped_models(info)
     out["rng_warned"] = _rng_of_another_rank(info)
+    out["no_sync_accumulation"] = _o2_no_sync_accumulation(info)
+    return out
+
+
+def _o2_no_sync_accumulation(info: DistInfo) -> dict[str, Any]:
+    """O2 under DDP, two micro-batches a step, the first inside ddp.no_sync() (a user trial's loop): this
+    rank's masters after two steps and the warnings scale_loss gave, with and without delay_unscale on
+    the no_sync micro-batch."""
+    import mixprec
+
+    out: dict[str, Any] = {}
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = mixprec.initialize(model, opt, "O2", verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        g = torch.Generator().manual_seed(1 + info.rank)  # each rank its own micro-batches
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with ddp.no_sync():
+                    loss = ddp(torch.randn(4, 8, generator=g)).float().square().mean()
+                    with mixprec.scale_loss(loss, opt, delay_unscale=delay) as scaled:
+                        scaled.backward()
+                loss = ddp(torch.randn(4, 8, generator=g)).float().square().mean()
+                with mixprec.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                opt.zero_grad()
+        masters = torch.cat([m.detach().reshape(-1) for m in opt.master_views()])
+        out["delayed" if delay else "unscaled"] = {
+            "masters": masters.tolist(),
+            "warnings": [str(w.message) for w in said if "no_sync" in str(w.message)],
+            "warned_at": [Path(w.filename).name for w in said if "no_sync" in str(w.message)],
+        }
+        mixprec.amp.reset()
     return out
 
 
@@ -262,6 +299,21 @@ def test_a_cast_of_a_model_ddp_or_fsdp2_holds_is_refused_through_every_interface
         assert "already wrapped in DistributedDataParallel" in said["learner ddp"]
         assert "to_recipe('O1')" in said["learner ddp"]
         assert "FSDP2 shards" in said["learner fsdp2"]
+
+
+def test_scale_loss_inside_no_sync_warns_that_the_ranks_drift(spawned: list[dict[str, Any]]) -> None:
+    """Unscaling a no_sync micro-batch moves its gradients out of .grad before DDP's synchronising backward:
+    the ranks' masters drift, and scale_loss says so once, at the user's line. delay_unscale keeps them
+    in .grad: the ranks stay bit-identical, no warning."""
+    if isinstance(spawned[0]["fsdp2"], str):
+        pytest.skip(spawned[0]["fsdp2"])
+    rank0, rank1 = (r["no_sync_accumulation"] for r in spawned)
+    assert rank0["unscaled"]["masters"] != rank1["unscaled"]["masters"]  # the drift
+    for r in (rank0, rank1):
+        assert len(r["unscaled"]["warnings"]) == 1 and "delay_unscale=True" in r["unscaled"]["warnings"][0]
+        assert r["unscaled"]["warned_at"] == ["test_distributed.py"]
+        assert r["delayed"]["warnings"] == []
+    assert rank0["delayed"]["masters"] == rank1["delayed"]["masters"]
 
 
 def test_broadcast_masters_makes_o2_replicas_identical_under_ddp(spawned: list[dict[str, Any]]) -> None:
