@@ -1,11 +1,12 @@
 """Full training steps (forward, loss, backward, AdamW) in every precision mixprec and torch.amp offer.
 
-Workloads: a GPT-style decoder (d 512, 4 layers, 8 heads, T 128, vocab 4096, batch 16, tied embedding) and
-the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512). Configurations: fp32; torch.autocast bf16;
-torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16, bf16), O2 fp16 and O2 bf16
-(``mixprec.initialize`` + ``scale_loss``; O2 bf16 also at 16 bytes per parameter), and fastai's
-``Learner(...).to_bf16()``; each eager and ``torch.compile``-d (a configuration that fails to compile shows
-the reason in its row; the run goes on).
+Workloads: a GPT-style decoder (d 512, 4 layers, 8 heads, T 128, vocab 4096, batch 16, tied embedding),
+the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512), and a laptop-sized GPT (``gpt-small``: d 128,
+2 layers, 4 heads, T 64, vocab 512, batch 8), where per-op costs (casts, dispatch) weigh most.
+Configurations: fp32; torch.autocast bf16; torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16,
+bf16), O2 fp16 and O2 bf16 (``mixprec.initialize`` + ``scale_loss``; O2 bf16 also at 16 bytes per
+parameter), and fastai's ``Learner(...).to_bf16()``; each eager and ``torch.compile``-d (a configuration
+that fails to compile shows the reason in its row; the run goes on).
 
 Configurations are timed round-robin in one process (one step of each in turn), so load drift on a shared
 machine hits them alike. Reported: median ms/step, ratio to fp32 and to torch.autocast of the same dtype,
@@ -73,6 +74,8 @@ except ImportError:
 HAS_RUSAGE = resource is not None
 
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
+# A user trial's size: GEMMs small enough that each cast and dispatched op shows (emulated bf16, eager)
+GPT_SMALL = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128)
 
 
 class GPTLogits(GPT):
@@ -117,9 +120,9 @@ def with_batch(workload: Workload, batch: int) -> Workload:
     return replace(workload, name=name, batch_size=batch, slow_batch_size=slow)
 
 
-def _gpt_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gpt_batch(n: int, size: GPTConfig = GPT_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, GPT_SIZE.vocab_size, (n, GPT_SIZE.block_size + 1), generator=gen)
+    idx = torch.randint(0, size.vocab_size, (n, size.block_size + 1), generator=gen)
     return idx[:, :-1], idx[:, 1:]
 
 
@@ -133,6 +136,9 @@ WORKLOADS = {
                     gpt_flops_per_token(GPT_SIZE), slow_batch_size=1),
     "mlp": Workload("MLP 784-8192-10, b512", lambda: models.mlp(784, 8192, 10), _mlp_batch, 512, 1,
                     mlp_flops_per_sample(784, 8192, 10), slow_batch_size=512),
+    "gpt-small": Workload("GPT d128 L2 H4 T64 V512, b8", lambda: GPTLogits(GPT_SMALL),
+                          lambda n: _gpt_batch(n, GPT_SMALL), 8, 64, gpt_flops_per_token(GPT_SMALL),
+                          slow_batch_size=8),
 }
 
 
@@ -490,7 +496,7 @@ def _ratio(r: Result, base: Result | None) -> str:
 
 # Ops that only change a tensor's dtype (self time, so nested calls are counted once): torch's casts, the
 # emulation's input rounding, and the master-to-model copies of O2.
-CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::_foreach_copy_", "mixprec::round_to_half")
+CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::_foreach_copy_")
 
 
 def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float, float]:

@@ -15,13 +15,18 @@ gradient and the rounded operands autograd saved (no operand is rounded again), 
 its result is rounded once where it leaves through an input rounding.
 
 **Compiled code.** Inductor keeps fp32 values in registers across casts it considers pointwise, so a plain
-``t.to(half).float()`` is compiled to nothing and the GEMM silently reads unrounded inputs. The input
-rounding is therefore an opaque custom op, ``mixprec::round_to_half`` (fake implementation for tracing;
-its backward rounds the gradient, as the eager ``Tensor.to`` pair does), which no compiler can elide:
-eager and compiled code compute the same bits. Eager code, where nothing fuses, runs the cast pair itself:
-same bits, without the custom op's Python dispatch (~80 us a call; it made a small GPT's emulated bf16 step
-1.5x fp32's, 1.3x without). The op is the *rounding*, not the GEMM, so every GEMM and convolution keeps
-torch's own fp32 forward and backward kernels.
+``t.to(half).float()`` is compiled to nothing and the GEMM silently reads unrounded inputs. Compiled code
+therefore rounds fp32 inputs by arithmetic (:data:`COMPILED_ROUNDING`): bf16 by torch's own formula on the
+bits, fp16 by dividing x by fp16's spacing around it (a power of two), ``torch.round`` (ties to even), and
+the product. No compiler may elide that, and Inductor fuses it into the ops around it: no pass of its own.
+Eager code, where nothing fuses, runs the cast pair itself. Both give the same bits, forward and backward
+(tests/test_emulation.py, every class of fp32 value). They replaced an opaque custom op, whose Python
+dispatch (~80 us a call) and unfusable passes made a small GPT's emulated bf16 step 1.5x fp32's eager and
+1.3x compiled. Two roundings compiled code can still lose (strict xfails in tests/test_emulation.py): a
+GEMM's half result read by an fp32 op Inductor fuses with its cast, and a half input cast from fp32 in the
+same fused kernel. Rounding those by arithmetic too made the small GPT's compiled step 1.4-1.9x fp32's.
+The rounding is all that is emulated, not the GEMM: every GEMM and convolution keeps torch's own fp32
+forward and backward kernels.
 
 Cost: linear, plain matrix products and convolutions save a half activation as it is for backward and
 upcast it again there (:mod:`mixprec.half_saving_gemms`: an O2 MLP's saved activations 25.9 -> 9.1 MiB,
@@ -59,28 +64,54 @@ def emulates(device_type: str, dtype: torch.dtype, allow: bool = True) -> bool:
     return allow and dtype in HALF_DTYPES and half_arithmetic(device_type, dtype).emulated
 
 
-@torch.library.custom_op("mixprec::round_to_half", mutates_args=())
-def _round_op(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype).float()
+# Compiled code's roundings (module docstring, "Compiled code"): fp32 x to the nearest value of the half
+# format (ties to even), carried in fp32, by ops no compiler may elide, each value read as few times as it
+# can be (Inductor inlines a value into every use, so nested roundings multiply their reads), and no
+# subnormal operand where the inputs are normal (x86 takes ~100 cycles per subnormal operation: ReLU
+# zeros would pay it).
 
 
-@_round_op.register_fake
-def _(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty_like(t, dtype=torch.float32)
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    # torch's own conversion (c10's round_to_nearest_even) on the bits: add 0x7FFF, plus 1 where the kept
+    # part is odd (ties to even), and keep the high 16 bits. A carry moves the exponent up, to inf past
+    # bf16's largest value as in the cast.
+    bits = x.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)  # a NaN's sum may carry into its sign or leave inf
 
 
-def _round_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    ctx.dtype = inputs[1]
-    ctx.input_dtype = inputs[0].dtype
+def _round_fp16(x: torch.Tensor) -> torch.Tensor:
+    # x divided by fp16's spacing around it, rounded to an integer by torch.round (ties to even), multiplied
+    # back. The spacing is 2**(x's exponent - 10) but never below fp16's subnormal spacing 2**-24: a power of
+    # two, so the division and the products are exact. Its upper bound keeps inf/NaN (exponent bits all
+    # ones: spacing inf) from dividing inf by inf. Overflow: scaled up by 2**112 the product overflows fp32
+    # exactly where the rounded value reaches 2**16 (fp16's largest finite value is 65504), and inf stays
+    # inf when scaled back.
+    power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**(x's exponent); 0 if subnormal
+    spacing = torch.clamp(power * 2.0**-10, 2.0**-24, 2.0**117)
+    return torch.round(x / spacing) * (spacing * 2.0**112) * 2.0**-112
 
 
-def _round_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    # What the eager pair t.to(half).float() does in backward: the gradient leaves rounded to half
-    # (the one rounding of the backward GEMM that produced it), in the input's dtype.
-    return _round_op(grad, ctx.dtype).to(ctx.input_dtype), None
+# half dtype -> compiled code's rounding of fp32 values to it
+COMPILED_ROUNDING: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+    torch.bfloat16: _round_bf16,
+    torch.float16: _round_fp16,
+}
 
 
-_round_op.register_autograd(_round_backward, setup_context=_round_setup)
+class _CompiledRound(torch.autograd.Function):
+    """The rounding compiled code traces (module docstring, "Compiled code"). Backward rounds the gradient
+    and returns it in the input's dtype, as the eager pair ``t.to(half).float()`` does: the one rounding of
+    the backward GEMM that produced it."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype, ctx.input_dtype = dtype, t.dtype
+        return COMPILED_ROUNDING[dtype](t.float())  # a half input upcasts exactly
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return COMPILED_ROUNDING[ctx.dtype](grad.float()).to(ctx.input_dtype), None
 
 
 def round_to_half(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -91,12 +122,10 @@ def round_to_half(t: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.
     if not t.is_floating_point() or t.dtype is torch.float64:
         return t
     if t.dtype is dtype:
-        return t.float()  # exact: every half value is an fp32 value, so there is nothing to elide
-    if not torch.compiler.is_compiling():
-        # Eager: the cast pair, whose autograd rounds the gradient as _round_backward does, at a fraction
-        # of the custom op's dispatch cost (module docstring, "Compiled code").
-        return t.to(dtype).float()
-    return _round_op(t, dtype)  # opaque: see "Compiled code" in the module docstring
+        return t.float()  # exact: every half value is an fp32 value
+    if torch.compiler.is_compiling():
+        return _CompiledRound.apply(t, dtype)  # a cast pair would be elided: see "Compiled code" above
+    return t.to(dtype).float()  # two of torch's casts, autograd rounding the gradient alike
 
 
 def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:

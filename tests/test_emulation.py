@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import autocast, half_compute
 from mixprec.diagnostics import CastTrace
-from mixprec.emulation import emulated, emulates, round_to_half
+from mixprec.emulation import COMPILED_ROUNDING, _CompiledRound, emulated, emulates, round_to_half
 from mixprec.formats import dtype_label
 from mixprec.policy import TORCH_NATIVE
 
@@ -28,22 +28,38 @@ def test_round_to_half_is_ieee_round_to_nearest_even() -> None:
     assert round_to_half(torch.tensor([3], dtype=torch.int64)).dtype == torch.int64  # non-floats untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_eager_rounding_equals_the_opaque_op_values_and_gradients(dtype: torch.dtype) -> None:
-    # Eager code rounds with the plain cast pair (the custom op's Python dispatch is slow); compiled code
-    # needs the opaque op. Both must give the same bits forward and backward, specials included.
+def _bit_patterns() -> torch.Tensor:
+    """fp32 values of every class: random bit patterns (NaNs with payloads, subnormals, both signs), each
+    half format's subnormal and overflow edges, exact ties, and spans of decades."""
     torch.manual_seed(1)
-    specials = [float("inf"), float("-inf"), float("nan"), 70000.0, 2.0**-25, -0.0, 3.4e38]
-    x = torch.cat([torch.randn(64) * 1e3, torch.tensor(specials)]).requires_grad_()
-    g = torch.cat([torch.randn(64) * 1e-6, torch.tensor(specials)])
-    eager = round_to_half(x, dtype)
-    opaque = torch.ops.mixprec.round_to_half(x, dtype)
-    assert torch.equal(eager.isnan(), opaque.isnan())
-    assert torch.equal(eager.nan_to_num(0.5), opaque.nan_to_num(0.5))
-    (grad_eager,) = torch.autograd.grad(eager, x, g)
-    (grad_opaque,) = torch.autograd.grad(opaque, x, g)
-    assert torch.equal(grad_eager.nan_to_num(0.5), grad_opaque.nan_to_num(0.5))
-    assert not torch.equal(grad_eager[:64], g[:64])  # the gradient was rounded, not passed through
+    edges = [float("inf"), float("-inf"), float("nan"), 65504.0, 65519.99, 65520.0, -65520.0, 2.0**-14,
+             2.0**-24, 2.0**-25, 3 * 2.0**-25, -(2.0**-25), 0.0, -0.0, 1e-45, -1e-45, 3.4028235e38,
+             -3.4028235e38, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8]
+    return torch.cat([
+        torch.randint(-(2**31), 2**31 - 1, (200_000,), dtype=torch.int32).view(torch.float32),
+        torch.randn(50_000) * 10.0 ** torch.randint(-45, 39, (50_000,)).float(),
+        torch.rand(50_000) * 2.0**-13,
+        torch.tensor(edges),
+    ])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_rounding_equals_torchs_cast(dtype: torch.dtype) -> None:
+    # Compiled code rounds by arithmetic (a cast pair would be elided); eager code by
+    # torch's casts. Both must give the same bits forward and backward, every class of fp32 value.
+    x = _bit_patterns()
+    assert _same_bits(COMPILED_ROUNDING[dtype](x), x.to(dtype).float())
+    assert _same_bits(torch.compile(COMPILED_ROUNDING[dtype], fullgraph=True)(x), x.to(dtype).float())
+    x = x.clone().requires_grad_()
+    g = torch.randn_like(x) * 1e-6
+    (grad_eager,) = torch.autograd.grad(round_to_half(x, dtype), x, g)
+    (grad_bits,) = torch.autograd.grad(_CompiledRound.apply(x, dtype), x, g)
+    assert _same_bits(grad_eager, grad_bits)
+    assert not torch.equal(grad_eager, g)  # the gradient was rounded, not passed through
 
 
 def test_emulated_mm_is_exact_products_rounded_once() -> None:
@@ -186,45 +202,89 @@ def test_emulated_override_pushes_the_emulation(
 # ---- compiled code computes the same bits ---------------------------------------------------------------
 
 
-def test_compiled_emulation_keeps_its_input_rounding() -> None:
-    dtype = torch.bfloat16
+def _eager_and_compiled(
+    fn: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``fn(a, b)`` and its gradients for ``a`` and ``b``, eager and then compiled by Inductor."""
+    runs = []
+    for f in (fn, torch.compile(fn, backend="inductor", fullgraph=True)):
+        a.grad = b.grad = None
+        out = f(a, b)
+        out.backward(grad)
+        assert a.grad is not None and b.grad is not None
+        runs.append((out.detach(), a.grad.clone(), b.grad.clone()))
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_compiled_emulation_keeps_its_input_rounding(dtype: torch.dtype) -> None:
     torch.manual_seed(4)
     a = torch.randn(16, 32, requires_grad=True)
     b = torch.randn(32, 8, requires_grad=True)
-    g = torch.randn(16, 8).to(dtype)
 
     def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return emulated(torch.mm, (a, b), {}, dtype)
 
-    def run(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        a.grad = b.grad = None
-        out = fn(a, b)
-        out.backward(g)
-        assert a.grad is not None and b.grad is not None
-        return out.detach(), a.grad.clone(), b.grad.clone()
-
-    eager = run(gemm)
+    eager, compiled = _eager_and_compiled(gemm, a, b, torch.randn(16, 8).to(dtype))
     # The case is one where the rounding matters: an fp32 GEMM rounded once differs (what Inductor
     # computed when the rounding was a plain cast pair it could fuse away).
     assert not torch.equal(eager[0], (a @ b).to(dtype))
-    compiled = run(torch.compile(gemm, backend="inductor", fullgraph=True))
     for e, c in zip(eager, compiled, strict=True):
         assert torch.equal(e, c)
+
+
+# Known gaps, kept as strict xfails (they fail once fixed, so the mark goes): Inductor drops a cast pair it
+# fuses, and these two sites still use plain casts. Rounding them by arithmetic as the fp32 inputs are made
+# a small GPT's compiled bf16 step 1.4-1.9x fp32's instead of 1.2-1.3x (2026-11-26, AVX2 EPYC).
+_ELIDED = pytest.mark.xfail(strict=True, reason="Inductor fuses a plain cast pair away (module docstring)")
+
+
+@_ELIDED
+@pytest.mark.parametrize("dtype", HALF)
+def test_compiled_emulation_keeps_its_output_rounding(dtype: torch.dtype) -> None:
+    # The half result read by an fp32 op Inductor fuses with the cast: the bare cast is dropped there, and
+    # compiled results are the unrounded fp32 GEMM's (0.06 off in this case), forward and backward.
+    torch.manual_seed(5)
+    a = torch.randn(64, 64, requires_grad=True)
+    b = torch.randn(64, 64, requires_grad=True)
+
+    def gemm_then_fp32_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return emulated(torch.mm, (a, b), {}, dtype).float() * 1.0001 + 0.5
+
+    grad = torch.linspace(-1, 1, 4096).reshape(64, 64)
+    eager, compiled = _eager_and_compiled(gemm_then_fp32_op, a, b, grad)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)
+
+
+@_ELIDED
+@pytest.mark.parametrize("dtype", HALF)
+def test_compiled_emulation_rounds_a_half_input_made_in_the_same_kernel(dtype: torch.dtype) -> None:
+    # An fp32 value cast to half right before the GEMM (a model's input cast, an op's half output): Inductor
+    # fuses that cast with the GEMM input's upcast and drops both (0.125 off in this case).
+    torch.manual_seed(6)
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def cast_then_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return emulated(torch.mm, ((a * 1.0001).to(dtype), b), {}, dtype)
+
+    compiled = torch.compile(cast_then_gemm, backend="inductor", fullgraph=True)
+    assert torch.equal(cast_then_gemm(a, b), compiled(a, b))
 
 
 # ---- cast cost: each weight rounded once per step ---------------------------------------------------------
 
 
 class _CountCasts(TorchDispatchMode):
-    """Counts the casts (aten._to_copy, the rounding op) whose source is one given tensor."""
+    """Counts the casts (aten._to_copy: the eager rounding is a pair of them) whose source is one given
+    tensor."""
 
     def __init__(self, source: torch.Tensor) -> None:
         super().__init__()
         self.source, self.count = source, 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        casts = (torch.ops.aten._to_copy.default, torch.ops.mixprec.round_to_half.default)
-        if func in casts and args[0] is self.source:
+        if func is torch.ops.aten._to_copy.default and args[0] is self.source:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
