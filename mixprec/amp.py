@@ -88,9 +88,7 @@ class _AmpState:
     optimizers: list[Any] = field(default_factory=list)  # as initialize returned them
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
-    # the models' latest forward ran inside DDP's no_sync() (scale_loss must not move its gradients away)
-    unsynced_forward: bool = False
-    warned_unsynced: bool = False
+    warned_unsynced: bool = False  # scale_loss said once that it unscaled a no_sync() backward
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -217,7 +215,7 @@ def initialize(
             setattr(mine, _REPLACED_ATTR, recipe.name)
     _STATE = _AmpState(recipe, device_type, scalers, halves, list(opt_list), verbosity=verbosity)
     for half in halves:
-        half.handles.append(half.model.register_forward_pre_hook(_SyncWatch(_STATE)))
+        half.handles.append(half.model.register_forward_pre_hook(_note_grad_sync))
     for opt in opt_list:
         _patch_step(opt, _STATE)
     out_models: Any = model_list if models_were_list else model_list[0]
@@ -226,21 +224,21 @@ def initialize(
     return out_models, (opt_list if opts_were_list else opt_list[0])
 
 
-@dataclass
-class _SyncWatch:
-    """A forward pre-hook noting whether the forward runs inside DDP's ``no_sync()``: ``scale_loss``
-    warns when it unscales such a backward (:func:`_warn_if_unsynced`)."""
+# Whether the latest forward of an initialize's model ran inside DDP's no_sync(): scale_loss must not move
+# that backward's gradients away (_warn_if_unsynced). Module-level, as _STATE is: the hook holds no state,
+# so deepcopy(model) (an EMA copy) and torch.save(model) stay as light as before.
+_UNSYNCED_FORWARD = [False]
 
-    state: _AmpState
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # traced, its reads of DDP's state would become guards: recompiles
-            return
-        self.state.unsynced_forward = torch.is_grad_enabled() and forward_skips_grad_sync()
+def _note_grad_sync(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook on each model ``initialize`` prepares."""
+    if torch.compiler.is_compiling():  # traced, its reads of DDP's state would become guards: recompiles
+        return
+    _UNSYNCED_FORWARD[0] = torch.is_grad_enabled() and forward_skips_grad_sync()
 
 
 def _warn_if_unsynced(state: _AmpState) -> None:
-    if not state.unsynced_forward or state.warned_unsynced:
+    if not _UNSYNCED_FORWARD[0] or state.warned_unsynced:
         return
     state.warned_unsynced = True
     warnings.warn(

@@ -1125,3 +1125,26 @@ def test_a_step_right_after_a_delayed_loss_is_refused_with_the_fix(dtype: torch.
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_saved_or_copied_model_carries_no_optimizer_state() -> None:
+    """initialize's hooks on the model (the no_sync watch among them) must not hold the run's state: a
+    torch.save(model) or an EMA's deepcopy(model) would carry the optimizer, its masters and moments."""
+    import io
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters())
+    model, opt = mixprec.initialize(model, opt, "O2", verbosity=0)
+    with mixprec.scale_loss(model(torch.randn(8, 64).half()).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()  # Adam's moments and the fp32 masters now exist: 3x the half model's bytes in fp32 alone
+
+    def saved_bytes(obj: Any) -> int:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return len(buffer.getvalue())
+
+    weights = saved_bytes(model.state_dict())  # fp32 on save (apex's O2 hook): the masters' size
+    assert saved_bytes(model) < 1.5 * weights
+    assert saved_bytes(copy.deepcopy(model)) < 1.5 * weights
+    amp.reset()
