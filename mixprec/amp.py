@@ -245,7 +245,7 @@ def _warn_if_unsynced(state: _AmpState) -> None:
         "scale_loss unscaled the gradients of a backward run inside DistributedDataParallel.no_sync(): "
         "they leave the model's .grad here (into the fp32 masters, or set aside while the next loss's "
         "backward runs), so DDP's synchronising backward all-reduces only the last micro-batch's gradients "
-        "and the ranks drift apart (apex's scale_loss does the same). Pass delay_unscale=True to the "
+        "and the ranks drift apart. Pass delay_unscale=True to the "
         "scale_loss calls inside no_sync(), and leave it False for the last micro-batch's, outside it.",
         stacklevel=4,  # the user's `with scale_loss(...)` line, past contextlib's __exit__
     )

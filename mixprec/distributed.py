@@ -32,6 +32,7 @@ from mixprec.errors import ConfigError, DistributedError
 
 __all__ = [
     "DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch", "LAUNCH_TIMEOUT", "broadcast_masters",
+    "process_rank", "forward_skips_grad_sync",
 ]
 
 # device type -> the collective backend for it
