@@ -32,7 +32,7 @@ from mixprec.errors import ConfigError, DistributedError
 
 __all__ = [
     "DistInfo", "BACKENDS", "setup", "teardown", "free_port", "launch", "LAUNCH_TIMEOUT", "broadcast_masters",
-    "process_rank", "forward_skips_grad_sync",
+    "process_rank", "forward_skips_grad_sync", "is_sharded",
 ]
 
 # device type -> the collective backend for it
@@ -68,6 +68,12 @@ class DistInfo:
 def process_rank() -> int:
     """This process's rank in the default process group; 0 where there is none (one process)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (an FSDP2 shard, a tensor-parallel piece). Duck-typed: the DTensor
+    class moved between torch releases (torch.distributed._tensor, then torch.distributed.tensor)."""
+    return hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh")
 
 
 def forward_skips_grad_sync() -> bool:

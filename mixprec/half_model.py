@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
+from mixprec.distributed import is_sharded
 from mixprec.errors import ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
-from mixprec.scaler import _is_sharded
 from mixprec.tree import cast_floating
 
 if TYPE_CHECKING:
@@ -438,7 +438,7 @@ def check_castable(model: nn.Module, recipe: Recipe) -> None:
     the parameters by DTensor shards gathered in its own MixedPrecisionPolicy's dtype."""
     if not recipe.casts_model:
         return
-    if any(_is_sharded(p) for p in model.parameters()):
+    if any(is_sharded(p) for p in model.parameters()):
         raise ConfigError(
             f"{recipe.name} casts the model to half and keeps fp32 masters, but this model's parameters are "
             "FSDP2 shards (DTensor): fully_shard decides their dtype itself.",

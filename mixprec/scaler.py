@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
 import torch
 from torch import nn
 
+from mixprec.distributed import is_sharded
 from mixprec.errors import (
     ConfigError,
     DeviceMismatchError,
@@ -140,7 +141,7 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
         return
     # A sharded (DTensor) gradient is checked and scaled through its local shard, which may be empty (a
     # dimension smaller than the number of ranks); the ranks' flags then meet in one all-reduce.
-    local = [g.to_local() if _is_sharded(g) else g for g in grads]
+    local = [g.to_local() if is_sharded(g) else g for g in grads]
     # max |g| of each tensor: an inf stays inf and a NaN propagates through the max, so one stack of
     # per-tensor peaks holds a non-finite value exactly when some gradient does (no model-sized temporary).
     # Empty tensors hold nothing to check (and have no inf-norm).
@@ -149,7 +150,7 @@ def unscale_and_check_(grads: list[torch.Tensor], found: torch.Tensor, inv_scale
     if nonempty:
         peaks = torch._foreach_norm(nonempty, ord=math.inf)
         bad = (~torch.isfinite(torch.stack(peaks))).any().to(found.dtype)
-    for mesh in {id(g.device_mesh): g.device_mesh for g in grads if _is_sharded(g)}.values():
+    for mesh in {id(g.device_mesh): g.device_mesh for g in grads if is_sharded(g)}.values():
         for group in mesh.get_all_groups():  # every rank of every mesh dimension: the same flag everywhere
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
     found.copy_(torch.maximum(found, bad))  # 1.0 once any is inf/NaN, never more
@@ -183,11 +184,6 @@ def _read_only_check(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: 
         return False
     checker(grads, found)
     return True
-
-
-def _is_sharded(grad: torch.Tensor) -> bool:
-    """A DTensor (duck-typed: torch.distributed.tensor moved between releases)."""
-    return hasattr(grad, "to_local") and hasattr(grad, "device_mesh")
 
 
 class GradScaler:

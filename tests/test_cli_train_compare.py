@@ -79,9 +79,11 @@ def test_compare_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_compare_rejects_unknown_rungs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The unknown names as typed, not a Python list of lowered ones (it said "unknown rung(s) ['o7']")."""
     with pytest.raises(SystemExit):
-        cli.main(["compare", "--rungs", "fp32,fp8"])
-    assert "fp8" in capsys.readouterr().err
+        cli.main(["compare", "--rungs", "fp32,fp8,O7"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the usage lines
+    assert "unknown rungs fp8, O7; choose from fp32," in error and "[" not in error
 
 
 def test_compare_defaults_are_the_ladder_defaults() -> None:

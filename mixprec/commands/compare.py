@@ -53,12 +53,15 @@ DEMO_KEYS = (*RUNG_KEYS[:-1], *PURE_BF16_KEYS, "bf16")
 
 
 def _rungs_arg(text: str) -> list[str]:
-    keys = [k.strip().lower() for k in text.split(",") if k.strip()]  # O1 as o1: train spells it O1
-    unknown = [k for k in keys if k not in DEMO_KEYS]
+    typed = [k.strip() for k in text.split(",") if k.strip()]
+    keys = [k.lower() for k in typed]  # O1 as o1: train spells it O1
+    unknown = [t for t in typed if t.lower() not in DEMO_KEYS]  # as typed, for the message
     if not keys:
         raise argparse.ArgumentTypeError(f"{text!r} names no rung; choose from {','.join(DEMO_KEYS)}")
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown rung(s) {unknown}; choose from {','.join(DEMO_KEYS)}")
+        plural = "s" if len(unknown) > 1 else ""
+        raise argparse.ArgumentTypeError(f"unknown rung{plural} {', '.join(unknown)}; "
+                                         f"choose from {','.join(DEMO_KEYS)}")
     return keys
 
 
