@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import warnings
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,11 +39,12 @@ from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.distributed import forward_skips_grad_sync, process_rank
-from mixprec.errors import ConfigError, ScalerStateError
+from mixprec.errors import ApexPropertyError, ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
 from mixprec.master import MasterWeights, check_params_belong
+from mixprec.policy import register_float_function, register_half_function, register_promote_function
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
 from mixprec.skip_step import combined_found_inf, step_unless_inf
@@ -59,6 +62,12 @@ __all__ = [
     "reset",
     "state_dict",
     "load_state_dict",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "half_function",
+    "float_function",
+    "promote_function",
 ]
 
 
@@ -118,6 +127,36 @@ def _as_list(x: T | Sequence[T] | None) -> tuple[list[T], bool]:
     return [x], False  # type: ignore[list-item]
 
 
+# apex's positional order after (models, optimizers). mixprec's third positional is opt_level (a str);
+# apex's is enabled (a bool), so a bool there means the whole call is in apex's order.
+APEX_POSITIONAL = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+                   "master_weights", "loss_scale", "cast_model_outputs", "num_losses", "verbosity",
+                   "min_loss_scale", "max_loss_scale")
+
+
+def _apex_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Let ``initialize`` take apex's positional order, ``initialize(model, opt, True, "O2")``, besides its
+    own ``initialize(model, opt, "O2")``: the third argument's type says which."""
+
+    @functools.wraps(fn)
+    def initialize(models: Any, optimizers: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if not (args and isinstance(args[0], bool)):
+            return fn(models, optimizers, *args, **kwargs)
+        if len(args) > len(APEX_POSITIONAL):
+            raise TypeError(f"initialize() takes at most {len(APEX_POSITIONAL) + 2} positional arguments in "
+                            f"apex's order (models, optimizers, {', '.join(APEX_POSITIONAL)}); got "
+                            f"{len(args) + 2}")
+        named = dict(zip(APEX_POSITIONAL, args, strict=False))
+        twice = sorted(named.keys() & kwargs.keys())
+        if twice:
+            raise TypeError(f"initialize() got {', '.join(twice)} both by position (apex's order: models, "
+                            f"optimizers, enabled, opt_level, ...) and by keyword")
+        return fn(models, optimizers, **named, **kwargs)
+
+    return initialize
+
+
+@_apex_positional
 def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: Any = None,
@@ -152,12 +191,20 @@ def initialize(
     (O2, bf16) holds each fp32 master as the bf16 weight plus its low 16 bits instead
     (:class:`~mixprec.low_precision.LowPrecisionOptimizer` ``"split"``): the masters start at the same fp32
     values, 14 bytes per parameter with Adam, and on the CPU one native pass for Adam/AdamW.
-    ``verbosity``: 0 silent, 1 one line, 2 apex's property list."""
+    ``verbosity``: 0 silent, 1 one line, 2 apex's property list.
+
+    The third positional argument is ``opt_level``; apex's is ``enabled``, and a call in apex's order
+    (a bool third, ``initialize(model, opt, True, "O2")``) is read in apex's order."""
     global _STATE
     if not enabled:
         for opt in _as_list(optimizers)[0]:
             setattr(opt, _DISABLED_ATTR, True)  # scale_loss passes its loss through, as apex's does
         return models if optimizers is None else (models, optimizers)
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:  # apex: RuntimeError, as this one
+        raise ApexPropertyError(
+            f"Unknown opt_level {opt_level!r}.",
+            f"use one of {', '.join(OPT_LEVELS)} (letter O, not zero: 'O1', not '01').",
+        )
     recipe = apply_overrides(
         Recipe.from_opt_level(opt_level, dtype),
         min_loss_scale=min_loss_scale,
@@ -382,7 +429,7 @@ def _check_fp32(model: nn.Module, held: set[int]) -> None:
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (not held or id(p) in held)]
     for name, p in trained:  # with no optimizer given, every parameter that requires grad
         if p.dtype in HALF_DTYPES:
-            raise ConfigError(
+            raise ApexPropertyError(  # a RuntimeError, as apex's
                 f"Found parameter {name!r} of {p.dtype}, expected torch.float32: initialize casts the model "
                 "itself, so you do not need to call .half() on your model before passing it, at any opt "
                 "level (apex refuses this too).",
@@ -525,6 +572,7 @@ def scale_loss(
     loss_id: int = 0,
     model: nn.Module | None = None,
     delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
 ) -> Iterator[torch.Tensor]:
     """``with scale_loss(loss, optimizer) as scaled: scaled.backward()``.
 
@@ -534,13 +582,20 @@ def scale_loss(
     already unscaled for an earlier loss are set aside and added back after this loss's are unscaled.
     ``delay_unscale=True`` leaves the gradients scaled (accumulate, then let the last ``scale_loss`` of the
     iteration unscale them all with the same scale); inside DDP's ``no_sync()`` it is needed (a warning
-    says so), or the synchronising backward all-reduces only the last micro-batch's gradients."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+    says so), or the synchronising backward all-reduces only the last micro-batch's gradients.
+
+    As apex's, the loss may have several elements (backward then takes a ``gradient``), is scaled in fp32
+    (``loss.float()``), and ``model`` is unused. ``delay_overflow_check=True`` made apex skip the inf check
+    and the scale update (for fused optimizers it planned); here the check stays (a warning says so once):
+    it needs no host read with fused optimizers, and without it an overflow reaches the weights."""
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        kind = f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(
-            f"scale_loss got a loss of shape {shape}; it scales one scalar loss.",
-            "reduce it first: loss.mean() (or loss.sum()).",
+            f"scale_loss got {kind} as the loss; it scales a floating-point tensor (what backward takes).",
+            "pass the loss tensor your loss function returned, e.g. F.cross_entropy(out, y).",
         )
+    if delay_overflow_check:
+        _warn_overflow_check_kept()
     opts, _ = _as_list(optimizers)
     if opts and all(getattr(opt, _DISABLED_ATTR, False) for opt in opts):
         yield loss  # initialize(..., enabled=False): apex's scale_loss passes the loss through
@@ -562,7 +617,7 @@ def scale_loss(
             pending.carried = None
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
-    yield scaler.scale(loss)
+    yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
     if delay_unscale:
         for opt in opts:
             pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -599,6 +654,15 @@ def scale_loss(
             pending.loss_ids.append(loss_id)
         pending.unscaled, pending.delayed = True, False
     scaler.update()
+
+
+def _warn_overflow_check_kept() -> None:
+    warnings.warn(
+        "scale_loss(..., delay_overflow_check=True): apex then skipped the inf/NaN check and the scale "
+        "update; mixprec keeps both (with fused optimizers the check needs no host read), so an overflowing "
+        "step is still skipped and the scale still backs off.",
+        stacklevel=4,  # the user's with-line: past this function, scale_loss and contextlib's __enter__
+    )
 
 
 _GradMark = tuple[int, int]  # (id, version) of a gradient: backward's accumulation changes the version
@@ -765,6 +829,27 @@ def split_master_values(opt: LowPrecisionOptimizer, among: set[torch.Tensor]) ->
     return {id(p): v for p, v in zip(params, opt.master_values(params), strict=True)}
 
 
+# ------------------------------------------------------------------------------------------------ registry
+# apex.amp's function registry: register_*_function(module, "name") are mixprec.policy's (they work at any
+# time, not only before initialize), and the decorators are the same registrations of your own function.
+
+
+def half_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """apex's ``@amp.half_function``: ``fn``'s floating tensor arguments are cast to the half dtype inside
+    mixprec's precision regions (O1's autocast, an O2 model's forward)."""
+    return register_half_function(fn)
+
+
+def float_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """apex's ``@amp.float_function``: ``fn`` runs in fp32 inside mixprec's precision regions."""
+    return register_float_function(fn)
+
+
+def promote_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """apex's ``@amp.promote_function``: ``fn`` runs in its widest floating input dtype inside regions."""
+    return register_promote_function(fn)
+
+
 def reset() -> None:
     """Forget the state of the last ``initialize`` (its scalers and pending steps). The models keep their
     dtype and hooks: build fresh models to initialize again."""
@@ -772,11 +857,13 @@ def reset() -> None:
     _STATE = None
 
 
-def state_dict() -> dict[str, Any]:
+def state_dict(destination: MutableMapping[str, Any] | None = None) -> MutableMapping[str, Any]:
     """Every loss scaler's state in apex's format, ``{"loss_scaler0": {"loss_scale": ..., "unskipped":
-    ...}, ...}``, each entry also carrying the scaler's full state (so apex can read ours, and we resume
-    exactly). Reads the scale: one host sync."""
-    out = {}
+    ...}, ...}`` (an OrderedDict, or written into ``destination`` and returned, as apex's), each entry
+    also carrying the scaler's full state (so apex can read ours, and we resume exactly). ``unskipped``
+    counts the clean iterations since the last overflow, at a static scale too. Reads the scale: one host
+    sync."""
+    out: MutableMapping[str, Any] = OrderedDict() if destination is None else destination
     for i, scaler in enumerate(_state().scalers):
         full = scaler.state_dict()
         apex = {"loss_scale": scaler.get_scale(), "unskipped": int(full.get("_growth_tracker", 0))}
@@ -812,5 +899,12 @@ def _full_scaler_state(scaler: GradScaler, entry: dict[str, Any]) -> dict[str, A
                           "pass what apex's amp.state_dict() returned.")  # fmt: skip
     full = scaler.state_dict()  # this run's settings; the saved scale and clean-step count
     full["scale"] = float(entry["loss_scale"])
+    if full["scale"] < scaler.scale_floor:  # apex has no floor unless min_loss_scale sets one
+        raise ConfigError(
+            f"The apex checkpoint's loss scale {full['scale']:g} is below this run's scale floor "
+            f"{scaler.scale_floor:g} (mixprec's default floor: below 1 an unscaled gradient can overflow "
+            "after the inf check; apex has none).",
+            f"pass min_loss_scale={full['scale']:g} (or lower) to mixprec.initialize to resume at it.",
+        )
     full["_growth_tracker"] = int(entry.get("unskipped", 0))
     return full

@@ -30,6 +30,7 @@ from mixprec.errors import ApexPropertyError, ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe, ScaleConfig
 from mixprec.recipe import OPT_LEVELS as _RECIPES
+from mixprec.scale_state import DEFAULT_INIT_SCALE
 
 __all__ = ["Properties", "OPT_LEVELS", "apply_overrides", "banner", "DYNAMIC"]
 
@@ -113,7 +114,10 @@ def apply_overrides(
         warnings.warn(f"{recipe.name}: master_weights=True with fp32 weights does nothing: they are the "
                       "masters already.", stacklevel=3)  # fmt: skip
     loss_scale = _loss_scale(props["loss_scale"])
-    scale = (ScaleConfig(max_scale=max_loss_scale, min_scale=min_loss_scale) if loss_scale == DYNAMIC
+    # apex starts a dynamic scale at min(max_loss_scale, 2**16): a lower ceiling caps the start too
+    start = min(max_loss_scale, DEFAULT_INIT_SCALE)
+    scale = (ScaleConfig(max_scale=max_loss_scale, min_scale=min_loss_scale, init_scale=start)
+             if loss_scale == DYNAMIC
              else ScaleConfig.static(float(loss_scale)))  # fmt: skip
     keep_bn = _bn_flag(props["keep_batchnorm_fp32"])
     return recipe.replace(

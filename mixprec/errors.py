@@ -71,7 +71,8 @@ class UnsupportedParameterError(MixprecError, TypeError):
 
 
 class ApexPropertyError(ConfigError, RuntimeError):
-    """An apex opt-level property that apex itself refused (apex raised RuntimeError for these)."""
+    """What ``apex.amp.initialize`` itself refused with a RuntimeError: a property at an opt level that
+    forbids it, an unknown opt level, a trained parameter already cast to half."""
 
 
 class CheckpointError(MixprecError, RuntimeError):

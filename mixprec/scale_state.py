@@ -316,6 +316,13 @@ def update_dynamic(config: ScaleConfig, dev: DeviceCounters, found: torch.Tensor
     dev.scale.clamp_(min=config.floor, max=config.max_scale)
 
 
+def count_clean(dev: DeviceCounters, found: torch.Tensor) -> None:
+    """A static scale's bookkeeping: the growth tracker counts the clean iterations since the last overflow
+    (apex's ``unskipped``, which apex counts at a static scale too), the scale stays. torch's fused update
+    with both factors 1 is exactly that, in one kernel and without a sync (scale * 1.0 is exact)."""
+    torch._amp_update_scale_(dev.scale, dev.growth_tracker, found, 1.0, 1.0, MAX_COUNT)
+
+
 def _spend_deepspeed(left: torch.Tensor, overflow: torch.Tensor, hysteresis: int) -> torch.Tensor:
     """DeepSpeed's DynamicLossScaler / Megatron's rule: the first ``hysteresis - 1`` overflows spend the
     allowance; once it is spent every further overflow backs off, until a growth restores it."""

@@ -61,6 +61,7 @@ from mixprec.scale_state import (
     ScaleState,
     check_count,
     check_scale,
+    count_clean,
     update_dynamic,
 )
 from mixprec.skip_step import (
@@ -610,6 +611,8 @@ class GradScaler:
             dev.scale.fill_(new_scale)
         elif self._config.dynamic:
             update_dynamic(self._config, dev, cast(torch.Tensor, found))
+        elif found is not None:
+            count_clean(dev, found)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._check_skip_limit()
 

@@ -3,6 +3,8 @@ and the errors misuse gets (wrong dtypes, mixed devices, a non-scalar loss, a do
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,6 @@ from mixprec.errors import (
     ConfigError,
     DeviceMismatchError,
     Fp16GradientError,
-    MixprecError,
     PersistentOverflowError,
     ScalerStateError,
 )
@@ -201,16 +202,42 @@ def test_non_scalar_loss_gets_the_same_error_as_torch() -> None:
     assert messages[0] == messages[1]
 
 
-def test_scale_loss_rejects_a_non_scalar_loss() -> None:
-    """apex-style scale_loss takes a loss, never outputs: a non-scalar one is a user error with a fix."""
+def _o1_grads_of_per_sample_losses(
+    backward: Callable[[torch.Tensor, torch.Tensor], None],
+) -> list[torch.Tensor]:
+    torch.manual_seed(0)
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = mixprec.initialize(net, opt, opt_level="O1", verbosity=0)
+    mixprec.amp.reset()  # the next call's initialize is a new run, not a second initialize of this one
     x, y = _batch()
     losses = F.cross_entropy(net(x), y, reduction="none")
-    with pytest.raises(MixprecError, match="scalar"):
-        with mixprec.scale_loss(losses, opt) as scaled:
-            scaled.backward()
+    with mixprec.scale_loss(losses, opt) as scaled:
+        backward(losses, scaled)
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_scale_loss_takes_a_non_scalar_loss_as_apex_does() -> None:
+    """apex's scale_loss docstring: the loss "could have more than one element, as long as you call
+    backward() on scaled_loss appropriately". backward(gradient) gives the mean's gradients; a plain
+    backward() gets torch's own error, as under apex (mixprec refused such a loss before)."""
+    by_gradient = _o1_grads_of_per_sample_losses(
+        lambda losses, scaled: scaled.backward(torch.full_like(scaled, 1 / len(scaled))))
+    by_mean = _o1_grads_of_per_sample_losses(lambda losses, scaled: (scaled.sum() / len(scaled)).backward())
+    for a, b in zip(by_gradient, by_mean, strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        _o1_grads_of_per_sample_losses(lambda losses, scaled: scaled.backward())
+
+
+def test_scale_loss_refuses_what_is_not_a_loss() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = mixprec.initialize(net, opt, opt_level="O1", verbosity=0)
+    for not_a_loss in (1.5, torch.tensor([1, 2])):
+        with pytest.raises(ConfigError, match="scales a floating-point tensor"):
+            with mixprec.scale_loss(not_a_loss, opt):
+                pass
 
 
 def test_double_step_and_double_unscale_raise() -> None:

@@ -1,0 +1,243 @@
+"""mixprec.amp against apex.amp's own code, for what a user trial found different (apex cannot be installed
+here: its amp was removed in 2025). The reference below restates apex's LossScaler rules from its source
+(apex/amp/scaler.py: ``__init__`` and ``update_scale``; apex/amp/frontend.py: ``initialize``,
+``state_dict``) and every test compares mixprec with it or with apex's documented signature."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+from mixprec.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("fresh_amp_state")
+
+
+@dataclass
+class ApexLossScaler:
+    """apex's LossScaler, rule for rule: the start is capped by the ceiling; an overflow halves the scale
+    (no floor unless min_loss_scale) and zeroes ``unskipped``; every clean iteration counts, at a static
+    scale too; after ``scale_window`` clean ones a dynamic scale doubles, up to the ceiling."""
+
+    dynamic: bool = True
+    scale: float = 2.0**16
+    min_loss_scale: float | None = None
+    max_loss_scale: float = 2.0**24
+    scale_window: int = 2000
+    unskipped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dynamic:
+            self.scale = min(self.max_loss_scale, self.scale)
+
+    def update(self, overflow: bool) -> None:
+        if overflow and self.dynamic:
+            halved = self.scale / 2
+            self.scale = max(self.min_loss_scale, halved) if self.min_loss_scale else halved
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+        if self.unskipped == self.scale_window and self.dynamic:
+            self.scale = min(self.max_loss_scale, self.scale * 2)
+            self.unskipped = 0
+
+
+def _model_and_opt(**initialize: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return amp.initialize(model, opt, verbosity=0, **initialize)
+
+
+def _iteration(model: nn.Module, opt: torch.optim.Optimizer, overflow: bool) -> None:
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+        if overflow:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+
+
+MIXED = [True, False, False, True, True, False, False, False]  # overflowing iterations
+
+
+@pytest.mark.parametrize(
+    ("initialize", "reference", "overflows"),
+    [
+        ({"opt_level": "O1"}, ApexLossScaler(), MIXED),
+        ({"opt_level": "O1", "max_loss_scale": 2.0**10}, ApexLossScaler(max_loss_scale=2.0**10), MIXED),
+        ({"opt_level": "O2", "min_loss_scale": 2.0**14}, ApexLossScaler(min_loss_scale=2.0**14), MIXED),
+        # apex neither checks nor skips at a static scale (mixprec does, on purpose: the apex doc's
+        # differences), so only clean iterations compare there
+        ({"opt_level": "O1", "loss_scale": 128.0}, ApexLossScaler(dynamic=False, scale=128.0), [False] * 5),
+    ],
+    ids=["dynamic", "max_loss_scale caps the start", "min_loss_scale", "static"],
+)
+def test_loss_scale_and_unskipped_follow_apexs_scaler(
+    initialize: dict, reference: ApexLossScaler, overflows: list[bool]
+) -> None:
+    """It started at 2**16 under a lower max_loss_scale (apex starts at the ceiling), and ``unskipped``
+    stayed 0 at a static scale (apex counts the clean iterations there too)."""
+    model, opt = _model_and_opt(**initialize)
+    seen, expected = [], []
+    for overflow in overflows:
+        expected.append((reference.scale, reference.unskipped))
+        seen.append(tuple(amp.state_dict()["loss_scaler0"][k] for k in ("loss_scale", "unskipped")))
+        _iteration(model, opt, overflow)
+        reference.update(overflow)
+    assert seen == expected
+
+
+def test_a_static_scale_counts_clean_iterations_since_its_last_skip() -> None:
+    """mixprec skips an overflowing step at a static scale too, so ``unskipped`` restarts there."""
+    model, opt = _model_and_opt(opt_level="O1", loss_scale=128.0)
+    counts = []
+    for overflow in (False, False, True, False):
+        _iteration(model, opt, overflow)
+        counts.append(amp.state_dict()["loss_scaler0"]["unskipped"])
+    assert counts == [1, 2, 0, 1] and amp.loss_scaler().get_scale() == 128.0
+
+
+def test_state_dict_takes_apexs_destination() -> None:
+    """apex: ``state_dict(destination=None)`` fills ``destination`` (an OrderedDict by default)."""
+    _model_and_opt(opt_level="O1")
+    destination = {"epoch": 3}
+    assert amp.state_dict(destination) is destination
+    assert destination["epoch"] == 3 and destination["loss_scaler0"]["loss_scale"] == 2.0**16
+    assert isinstance(amp.state_dict(), collections.OrderedDict)
+
+
+def test_an_apex_checkpoint_below_the_scale_floor_names_min_loss_scale() -> None:
+    """apex has no floor (a scale of 0.5 is possible there); mixprec's default floor is 1 (on purpose,
+    docs/migrating-from-apex.md). Loading such a checkpoint says how to resume at its scale, and does."""
+    _model_and_opt(opt_level="O1")
+    apex_checkpoint = {"loss_scaler0": {"loss_scale": 0.5, "unskipped": 3}}
+    with pytest.raises(ConfigError, match=r"min_loss_scale=0\.5"):
+        amp.load_state_dict(apex_checkpoint)
+    amp.reset()
+    _model_and_opt(opt_level="O1", min_loss_scale=0.25)
+    amp.load_state_dict(apex_checkpoint)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 0.5
+
+
+def test_apexs_positional_order_is_read_as_apexs() -> None:
+    """apex: ``initialize(models, optimizers=None, enabled=True, opt_level="O1", ...)``. A bool third is
+    apex's ``enabled``; mixprec's own third positional, a str, is ``opt_level``."""
+    model, _ = _model_and_opt()  # O1 by default: the model stays fp32
+    assert next(model.parameters()).dtype == torch.float32
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), True, "O2", verbosity=0)
+    assert model.weight.dtype == torch.float16
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert amp.initialize(model, opt, False, "O2") == (model, opt)  # disabled: untouched, as apex
+    assert model.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="opt_level both by position"):
+        amp.initialize(model, opt, True, "O2", opt_level="O1")
+    apex_order = ["enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+                  "master_weights", "loss_scale", "cast_model_outputs", "num_losses", "verbosity",
+                  "min_loss_scale", "max_loss_scale"]  # apex/amp/frontend.py's signature
+    assert list(amp.APEX_POSITIONAL) == apex_order
+    assert set(apex_order) <= set(inspect.signature(amp.initialize).parameters)
+
+
+def test_what_apex_refused_with_runtime_error_is_a_runtime_error() -> None:
+    """apex raised RuntimeError for an unknown opt level and for a model cast with .half() first."""
+    model = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError, match="letter O, not zero"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="01")
+    model = nn.Linear(4, 2).half()
+    with pytest.raises(RuntimeError, match="you do not need to call .half"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2")
+
+
+class _Calls(nn.Module):
+    """A model whose forward calls ``fn(x_fp32, h_half)`` (h: a linear's output, half under O1)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn, self.lin = fn, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.lin(x))
+
+
+def _dtypes_seen_under_o1(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+
+    def recording(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        seen.extend((x.dtype, h.dtype))
+        return x + h.float()
+
+    model = _Calls(fn(recording) if fn is not None else recording)
+    # bf16: the suite's reference arithmetic runs it natively (fp16 is emulated there, and an emulated half
+    # function receives fp32 tensors holding half values)
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                              dtype=torch.bfloat16, verbosity=0)
+    model(torch.randn(2, 4))
+    amp.reset()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("decorator", "expected"),
+    [
+        (None, [torch.float32, torch.bfloat16]),  # as called: the input fp32, the linear's output half
+        ("half_function", [torch.bfloat16, torch.bfloat16]),
+        ("float_function", [torch.float32, torch.float32]),
+        ("promote_function", [torch.float32, torch.float32]),  # the widest floating input
+    ],
+)
+def test_apexs_function_decorators_are_in_mixprec_amp(
+    decorator: str | None, expected: list[torch.dtype], clean_registry: None
+) -> None:
+    """apex/amp/__init__.py exports half_function, float_function and promote_function (decorators of
+    your own functions); mixprec.amp had none of them."""
+    assert _dtypes_seen_under_o1(None if decorator is None else getattr(amp, decorator)) == expected
+
+
+def test_apexs_register_functions_are_in_mixprec_amp(clean_registry: None) -> None:
+    """apex's ``amp.register_float_function(torch, "sigmoid")`` (apex/amp/__init__.py exports the three
+    register_* functions; mixprec had them only at the top level)."""
+    def sigmoid_of_half(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        out = torch.sigmoid(h)
+        seen.append(out.dtype)
+        return out
+
+    seen: list[torch.dtype] = []
+    for register in (None, amp.register_float_function):
+        if register is not None:
+            register(torch, "sigmoid")
+        model = _Calls(sigmoid_of_half)
+        model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                                  dtype=torch.bfloat16, verbosity=0)
+        model(torch.randn(2, 4))
+        amp.reset()
+    assert seen == [torch.bfloat16, torch.float32]
+    assert all(callable(getattr(amp, f"register_{kind}_function")) for kind in ("half", "float", "promote"))
+
+
+def test_delay_overflow_check_is_taken_and_the_check_kept() -> None:
+    """apex's scale_loss takes ``delay_overflow_check``; with True apex skipped the inf check. mixprec
+    keeps it, says so once, and still skips the overflowing step."""
+    model, opt = _model_and_opt(opt_level="O1")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with pytest.warns(UserWarning, match="mixprec keeps both") as caught:
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt, delay_overflow_check=True) as s:
+            s.backward()
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+    assert caught[0].filename == __file__  # the user's with-line
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
