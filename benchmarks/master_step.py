@@ -24,6 +24,11 @@ Configurations are timed round-robin (one step of each in turn, ``--repeats`` ro
 shared machine hits all of them alike. Medians.
 
     python benchmarks/master_step.py [--params 13e6] [--repeats 15] [--device cpu] [--threads 1]
+    python benchmarks/master_step.py --small-model --threads 1 --repeats 300   # host time per step
+
+``--small-model`` steps the 52 tensors of a 4-layer d-32 GPT (~53K parameters) instead: the
+arithmetic is nothing, so the step time is host time (Python, dispatch, Dynamo's guards, launches), what a
+small model on a GPU pays per step whatever the GPU.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ def _shapes(n_params: float) -> list[tuple[int, ...]]:
     while sum(torch.Size(s).numel() for s in shapes) < n_params:
         shapes += [(1024, 1024), (4096, 1024), (1024, 4096), (1024,), (4096,), (1024,)]
     return shapes
+
+
+def _small_model_shapes() -> list[tuple[int, ...]]:
+    """The parameters of a 4-layer GPT with d 32 (vocab 64, context 16): 52 tensors."""
+    d = 32
+    layer = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),  # norm, attention
+             (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # norm, MLP
+    return [(64, d), (16, d), *layer * 4, (d,), (d,)]  # embeddings, blocks, final norm
 
 
 def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
@@ -138,15 +151,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: torch's); 1 is a control on a shared machine, "
                              "where a neighbour slows multi-threaded kernels far more than one-thread ones")
+    parser.add_argument("--small-model", action="store_true",
+                        help="52 small tensors (a d-32 transformer): time the host's share of a step")
     args = parser.parse_args()
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}: at least 1")
         torch.set_num_threads(args.threads)
-    if args.params < 10e6:
+    if args.params < 10e6 and not args.small_model:
         parser.error(f"--params {args.params:g}: at least 10e6, so that the tensors do not fit in the caches "
                      "and the step is timed against memory, as training a real model is.")
-    shapes = _shapes(args.params)
+    shapes = _small_model_shapes() if args.small_model else _shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes)
     dev = args.device
     steps = {
@@ -173,19 +188,23 @@ def main() -> None:
     fused_scaled = ms["torch AdamW(fused=True), fp32 params + torch GradScaler"]
     # like for like: a step behind a scaler against torch's fused step behind torch's scaler
     alike = {label: t / (fused if _unscaled(label) else fused_scaled) for label, t in ms.items()}
-    table = Table(title=f"One AdamW step over {n / 1e6:.1f}M parameters on {dev} (median of {args.repeats}, "
-                  "round-robin)")
+    size = (f"{len(shapes)} tensors, {n / 1e3:.0f}K parameters" if args.small_model
+            else f"{n / 1e6:.1f}M parameters")
+    table = Table(title=f"One AdamW step over {size} on {dev} (median of {args.repeats}, round-robin)")
     for column in ("step", "ms", "vs fused fp32", "vs fused fp32, same scaling", "vs foreach fp32"):
         table.add_column(column, justify="left" if column == "step" else "right")
     for label, t in ms.items():
-        table.add_row(label, f"{t:.1f}", f"{t / fused:.2f}x", f"{alike[label]:.2f}x", f"{t / foreach:.2f}x")
+        table.add_row(label, f"{t:.2f}", f"{t / fused:.2f}x", f"{alike[label]:.2f}x", f"{t / foreach:.2f}x")
     console = Console(width=160)  # wide enough for the labels when printed to a file
     console.print(hardware_line())
     console.print(load_line())
     console.print(table)
     best = min(t for label, t in ms.items() if label.startswith(("MasterWeights", "split"))) / fused
-    verdict = "meets" if best <= 1.0 else "MISSES"
-    print(f"best master step / torch fused fp32 AdamW = {best:.2f}: {verdict} the target <= 1.0")
+    if args.small_model:  # the issue's target is for a model that streams through memory, not this one
+        print(f"host time: best master step / torch fused fp32 AdamW = {best:.2f}")
+    else:
+        verdict = "meets" if best <= 1.0 else "MISSES"
+        print(f"best master step / torch fused fp32 AdamW = {best:.2f}: {verdict} the target <= 1.0")
     ours = [r for label, r in alike.items() if label.startswith(("MasterWeights", "split"))
             and not _unscaled(label)]
     scaled = min(ours)

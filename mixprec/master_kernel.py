@@ -202,7 +202,10 @@ def _adam_pass(
 
 
 # Compiled once per distinct set of tensors; dynamic=False: the shapes are fixed for a model's life.
-_compiled_pass = torch.compile(_adam_pass, dynamic=False)
+# size_asserts off: Inductor's generated code would check every input's sizes and strides again on each
+# call (~1 us per tensor, 5 tensors per parameter: 0.26 ms of a 1.6 ms step at 52 parameters, measured on
+# one CPU thread), which Dynamo's guards already checked (dynamic=False guards on exact sizes and strides).
+_compiled_pass = torch.compile(_adam_pass, dynamic=False, options={"size_asserts": False})
 
 
 @torch.no_grad()
