@@ -187,7 +187,15 @@ class BufferWatch:
         if self._taken:
             skipped = found_inf > 0
             for buf, snap in self._pairs:
-                buf.copy_(torch.where(skipped.to(buf.device, non_blocking=True), snap, buf))
+                # Written through .data: the buffer's version counter stays. A graph still waiting for its
+                # backward may have saved these buffers (BatchNorm saves its running statistics): another
+                # loss's backward after this update (a GAN's generator loss through a forward made before
+                # the discriminator's update, a second loss of the same forward) would fail autograd's
+                # version check on a write that, unless the step was skipped, changes no value. Where it
+                # was skipped, BatchNorm's training backward does not read them (it uses the batch's
+                # statistics); only an eval-mode forward made after a training one in the same iteration,
+                # its backward still to run, would read the values put back.
+                buf.data.copy_(torch.where(skipped.to(buf.device, non_blocking=True), snap, buf))
         self.arm()
 
     def arm(self) -> None:

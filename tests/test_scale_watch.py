@@ -90,3 +90,32 @@ def test_a_compiled_watched_model_neither_recompiles_nor_loses_its_buffers(fresh
     assert scaler.skipped_steps == 1
     for key, value in reference.items():  # the same compiled kernels: bit-identical again
         torch.testing.assert_close(watched[key], value, rtol=0, atol=0, msg=key)
+
+
+def _gan_step(watch: bool) -> list[torch.Tensor]:
+    """A GAN iteration with BatchNorm in both models and the scaler updated between the two steps: the
+    generator's loss goes back through a forward made before the discriminator's update."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 6))
+    net_d = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net_g, net_d))
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    if watch:
+        scaler.watch(net_g), scaler.watch(net_d)
+    fake = net_g(torch.randn(16, 4))
+    scaler.scale(net_d(fake.detach()).mean() - net_d(torch.randn(16, 6)).mean()).backward()
+    scaler.step(opt_d)
+    scaler.update()  # restores (or not) every watched model's buffers: net_g's forward still awaits backward
+    scaler.scale(-net_d(fake).mean()).backward()
+    scaler.step(opt_g)
+    scaler.update()
+    return [p.detach().clone() for p in (*net_g.parameters(), *net_g.buffers())]
+
+
+def test_an_update_between_two_backwards_of_watched_models_keeps_the_graph() -> None:
+    """The restore wrote every buffer at every update; a forward whose backward had not run yet (net_g's,
+    BatchNorm saving its running statistics) then failed autograd's version check ("modified by an
+    inplace operation"): apex's DCGAN example and two losses of one forward under mixprec.amp did."""
+    watched, unwatched = _gan_step(watch=True), _gan_step(watch=False)
+    for a, b in zip(watched, unwatched, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
