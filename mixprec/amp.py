@@ -47,7 +47,7 @@ from mixprec.master import MasterWeights, check_params_belong
 from mixprec.policy import register_float_function, register_half_function, register_promote_function
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
-from mixprec.skip_step import combined_found_inf, step_unless_inf
+from mixprec.skip_step import BufferWatch, combined_found_inf, step_unless_inf
 from mixprec.split_state_dict import hook_split_state_dict
 
 __all__ = [
@@ -98,6 +98,8 @@ class _AmpState:
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
     warned_unsynced: bool = False  # scale_loss said once that it unscaled a no_sync() backward
+    # by id of an optimizer initialize returned: the buffers of the models it trains (_buffer_watches)
+    watches: dict[int, list[BufferWatch]] = field(default_factory=dict)
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -247,8 +249,6 @@ def initialize(
     for half in halves:
         half.release_originals()
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
-    for scaler, model in ((s, m) for s in scalers for m in model_list):
-        scaler.watch(model)  # a skipped step leaves BatchNorm's running statistics as they were
     if _STATE is not None and opt_list:
         warnings.warn(
             "mixprec.initialize was called again: its optimizers keep their own loss scalers, and "
@@ -260,7 +260,8 @@ def initialize(
         mine.__dict__.pop(_DISABLED_ATTR, None)  # an earlier initialize(..., enabled=False) no longer holds
         if mine is not returned:  # wrapped in fp32 master weights: scale_loss must get the wrapper
             setattr(mine, _REPLACED_ATTR, recipe.name)
-    _STATE = _AmpState(recipe, device_type, scalers, halves, list(opt_list), verbosity=verbosity)
+    _STATE = _AmpState(recipe, device_type, scalers, halves, list(opt_list), verbosity=verbosity,
+                       watches=_buffer_watches(model_list, opt_list))
     for half in halves:
         half.handles.append(half.model.register_forward_pre_hook(_note_grad_sync))
     for opt in opt_list:
@@ -453,6 +454,19 @@ def _device_type(models: list[nn.Module]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ steps
+def _buffer_watches(models: list[nn.Module], opts: list[Any]) -> dict[int, list[BufferWatch]]:
+    """A skipped step of an optimizer puts back the buffers (BatchNorm's running statistics) of the models
+    it trains -- those holding any of its parameters -- as they were after its previous step. Per optimizer,
+    not per loss scaler: with several models and losses (apex's DCGAN: three losses, two optimizers) a
+    generator loss's overflow skips the generator's step only, and leaves the discriminator's statistics."""
+    watches: dict[int, list[BufferWatch]] = {}
+    for opt in opts:
+        held = {id(p) for p in _held_params(_inner(opt))}
+        watches[id(opt)] = [BufferWatch(m) for m in models
+                            if any(True for _ in m.buffers()) and any(id(p) in held for p in m.parameters())]
+    return watches
+
+
 def _patch_step(opt: Any, state: _AmpState) -> None:
     """Route ``opt.step()`` through the inf flags ``scale_loss`` recorded."""
     setattr(opt, _OPT_STATE_ATTR, state)
@@ -488,7 +502,10 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             "end each accumulation with a scale_loss without delay_unscale (the last micro-batch's), then "
             "step.",
         )
+    watches = state.watches.get(id(opt), [])
     if pending is None or not pending.found_infs:
+        for watch in watches:  # a step with nothing to skip: the next training forward snapshots anew
+            watch.arm()
         return plain(*args, **kwargs)
     if pending.stepped:
         raise ScalerStateError(
@@ -499,8 +516,11 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
     pending.stepped = True
     # The scaler's one skip decision: on the device for fused optimizers, else one read (as apex).
     on_skip = (lambda: _say_overflow(state, pending.loss_ids)) if state.verbosity > 0 else None
-    return step_unless_inf(_inner(opt), combined_found_inf(pending.found_infs), plain, *args,
-                           on_skip=on_skip, **kwargs)  # fmt: skip
+    found = combined_found_inf(pending.found_infs)
+    result = step_unless_inf(_inner(opt), found, plain, *args, on_skip=on_skip, **kwargs)
+    for watch in watches:  # on the device where it was skipped there: no sync
+        watch.restore_if(found)
+    return result
 
 
 def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
@@ -813,8 +833,10 @@ def restore(model: nn.Module) -> nn.Module:
     split = {k: v for m in inners if isinstance(m, LowPrecisionOptimizer)
              for k, v in split_master_values(m, mine).items()}
     half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
-    for scaler in state.scalers:
-        scaler.unwatch(model)
+    for watches in state.watches.values():
+        for watch in [w for w in watches if w.module is model]:
+            watch.remove()
+            watches.remove(watch)
     state.models.remove(half)
     model.__dict__.pop("_mixprec_opt_level", None)
     return model

@@ -288,3 +288,43 @@ def test_apexs_dcgan_example_runs_and_o0_matches_fp32_bit_for_bit() -> None:
     for level, tolerance in (("O0", 0.0), ("O1", 2e-3), ("O2", 2e-3)):
         for a, b in zip(_dcgan(level), fp32, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance, msg=level)
+
+
+def _dcgan_iteration(inject_into_generator_loss: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One iteration of the DCGAN loop at a static scale; optionally an overflow in the generator's loss
+    (loss_id 2) only. Returns (discriminator buffers, generator buffers) after it."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 6))
+    net_d = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt_d, opt_g = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (net_d, net_g))
+    [net_d, net_g], [opt_d, opt_g] = amp.initialize([net_d, net_g], [opt_d, opt_g], opt_level="O1",
+                                                    loss_scale=128.0, num_losses=3, verbosity=0)
+    criterion = nn.BCEWithLogitsLoss()
+    real, noise, ones, zeros = torch.randn(16, 6), torch.randn(16, 4), torch.ones(16, 1), torch.zeros(16, 1)
+    with amp.scale_loss(criterion(net_d(real), ones), opt_d, loss_id=0) as scaled:
+        scaled.backward()
+    fake = net_g(noise)
+    with amp.scale_loss(criterion(net_d(fake.detach()), zeros), opt_d, loss_id=1) as scaled:
+        scaled.backward()
+    opt_d.step()
+    with amp.scale_loss(criterion(net_d(fake), ones), opt_g, loss_id=2) as scaled:
+        scaled.backward()
+        if inject_into_generator_loss:
+            next(net_g.parameters()).grad.view(-1)[0] = float("inf")
+    opt_g.step()
+    amp.reset()
+    return [b.clone() for b in net_d.buffers()], [b.clone() for b in net_g.buffers()]
+
+
+def test_a_skipped_step_puts_back_the_buffers_of_the_models_its_optimizer_trains_only() -> None:
+    """Every loss's scaler watched every model: the generator loss's overflow put the discriminator's
+    BatchNorm statistics back to before its real-batch forward, though its step was taken."""
+    clean_d, clean_g = _dcgan_iteration(inject_into_generator_loss=False)
+    skipped_d, skipped_g = _dcgan_iteration(inject_into_generator_loss=True)
+    for a, b in zip(skipped_d, clean_d, strict=True):  # optD stepped: its model's statistics stand
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.manual_seed(0)
+    fresh_g = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 6))
+    for a, b in zip(skipped_g, fresh_g.buffers(), strict=True):  # optG skipped: as before its forward
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not all(torch.equal(a, b) for a, b in zip(clean_g, fresh_g.buffers(), strict=True))
