@@ -475,9 +475,11 @@ class GradScaler:
         """An optimizer with fp32 master gradients (O2) copies the model's half gradients into them first,
         on the CPU unscaling and checking them in the same pass: the ids of the parameters whose gradients
         it did, whether all of those were unscaled by exactly 1, and their inf/NaN flag (a copy of
-        ``found_inf``; None where it did none)."""
+        ``found_inf``; None where it did none). ``check_only`` (an optimizer that unscales in its own
+        step) passes an inverse scale of exactly 1: the same pass is then an exact copy and the check, and
+        the master gradients are not read again to check them."""
         fused = getattr(optimizer, "copy_grads_to_master_unscaled", None)
-        if callable(fused) and not check_only and inv_scale.device.type == "cpu":
+        if callable(fused) and inv_scale.device.type == "cpu":
             found = found_inf.clone()
             done, exact = fused(found, inv_scale)
             return done, exact, (found if done else None)

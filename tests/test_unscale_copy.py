@@ -114,9 +114,11 @@ def test_what_it_cannot_read_is_left_to_the_caller_unwritten() -> None:
 
 
 def _o2_step(dtype: torch.dtype, init_scale: float, flat: bool, inf: bool, fused: bool,
-             monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+             monkeypatch: pytest.MonkeyPatch, unscale: bool = True,
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """One step of a half model through MasterWeights and a GradScaler: the fp32 master gradients after
-    unscale_, the masters after the step, and how many tensors each call of the loop copied."""
+    unscale_ (without ``unscale``: none, the fused AdamW unscales in its step), the masters after the step,
+    and how many tensors each call of the loop copied."""
     calls: list[int] = []
 
     def spied(dst, src, found, inv_scale):  # noqa: ANN001, ANN202
@@ -134,8 +136,9 @@ def _o2_step(dtype: torch.dtype, init_scale: float, flat: bool, inf: bool, fused
         out = model[2](model[1](model[0](x).float()).to(dtype))
         loss = out.float().square().mean() * (float("inf") if inf else 1.0)
         scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        grads = [m.grad.clone() for m in opt.master_params() if m.grad is not None]
+        if unscale:
+            scaler.unscale_(opt)
+        grads = [m.grad.clone() for m in opt.master_params() if m.grad is not None and unscale]
         scaler.step(opt)
         scaler.update()
     return grads, [m.detach().clone() for m in opt.master_params()], calls
@@ -156,6 +159,21 @@ def test_a_scaler_over_master_weights_unscales_in_the_copy_with_the_same_result(
         assert torch.equal(g, r) or (inf and torch.equal(g.isnan(), r.isnan()))
     for m, r in zip(masters, ref_masters, strict=True):
         assert torch.equal(m, r)  # stepped alike, or (inf) both skipped
+
+
+@pytest.mark.parametrize(("dtype", "init_scale"), [(torch.bfloat16, 1.0), (torch.float16, 2.0**16)])
+@pytest.mark.parametrize("inf", [False, True])
+def test_a_step_that_unscales_itself_checks_in_the_copy_too(
+    dtype: torch.dtype, init_scale: float, inf: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scaler.step(opt) without unscale_ (the fused AdamW unscales in its step): the copy into the master
+    gradients checks them in the same pass (it was a plain copy, then a second read of every master
+    gradient to check it), with the same masters and the same skip."""
+    _, masters, calls = _o2_step(dtype, init_scale, False, inf, True, monkeypatch, unscale=False)
+    _, ref_masters, _ = _o2_step(dtype, init_scale, False, inf, False, monkeypatch, unscale=False)
+    assert calls == [4]
+    for m, r in zip(masters, ref_masters, strict=True):
+        assert torch.equal(m, r)
 
 
 def test_without_a_compiler_o2_copies_and_unscales_with_torch_and_info_says_so(
