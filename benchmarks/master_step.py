@@ -5,7 +5,8 @@ What each moves per parameter (bytes, read + written):
   torch fused fp32     weight 4+4, grad 4, two moments 8+8                                   = 28, one pass
   torch foreach fp32   the same data, ~10 passes over memory
   torch fused + scaler torch.amp's fp16 recipe: the fused step, after torch's GradScaler checks the fp32
-                       grads for inf/NaN (writing them back: 4+4)
+                       grads for inf/NaN (writing them back: 4+4); also behind mixprec's GradScaler, the
+                       drop-in (its native check reads them only: 4)
   MasterWeights        bf16 grad -> fp32 master grad (2+4), fused kernel (28), master -> bf16 weight (4+2)
                        = 40, three passes; plus the scaler's inf check of the fp32 grads (4)
   master_grads=False   per 256K-element chunk: bf16 grad read (2), upcast into a 1 MiB scratch,
@@ -81,13 +82,15 @@ def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str) -> l
     return params
 
 
-def _torch_step(shapes: list[tuple[int, ...]], device: str, scaled: bool = False, **impl: bool) -> Step:
+def _torch_step(shapes: list[tuple[int, ...]], device: str, scaled: bool = False,
+                scaler_class: type = torch.amp.GradScaler, **impl: bool) -> Step:
     """torch's AdamW on fp32 parameters; with ``scaled``, stepped by torch.amp's own GradScaler, as in
-    torch.amp's fp16 recipe (the scaler checks the fp32 gradients for inf/NaN, the fused kernel unscales)."""
+    torch.amp's fp16 recipe (the scaler checks the fp32 gradients for inf/NaN, the fused kernel unscales),
+    or by ``scaler_class`` in its place (mixprec's drop-in)."""
     opt = torch.optim.AdamW(_params(shapes, torch.float32, device), lr=1e-3, **impl)
     if not scaled:
         return lambda: opt.step()  # the gradients stay: every step reads the same ones
-    scaler = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
+    scaler = scaler_class(device, init_scale=1.0, growth_interval=10**9)
     dummy = torch.ones((), requires_grad=True, device=device)
 
     def step() -> None:
@@ -168,6 +171,9 @@ def main() -> None:
         "torch AdamW(fused=True), fp32 params": _torch_step(shapes, dev, fused=True),
         "torch AdamW(foreach=True), fp32 params": _torch_step(shapes, dev, foreach=True),
         "torch AdamW(fused=True), fp32 params + torch GradScaler": _torch_step(shapes, dev, True, fused=True),
+        # the drop-in itself: the same optimizer behind mixprec's GradScaler (no master weights)
+        "torch AdamW(fused=True), fp32 params + mixprec GradScaler": _torch_step(
+            shapes, dev, True, GradScaler, fused=True),
         "MasterWeights(AdamW) + GradScaler": _master_step(shapes, dev, False, True),
         "MasterWeights(AdamW, flat=True) + GradScaler": _master_step(shapes, dev, True, True),
         "MasterWeights(AdamW, master_grads=False) + GradScaler": _master_step(shapes, dev, False, False),

@@ -28,6 +28,7 @@ state machine, errors and the private names torch's own tests read), kept whole 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import warnings
@@ -96,6 +97,22 @@ OptState = torch.amp.grad_scaler.OptState
 
 # The entries torch.amp.GradScaler.state_dict() writes: a dict without them is not a scaler's.
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+@functools.lru_cache(maxsize=64)  # per step function: inspect.signature costs ~0.1 ms, every step
+def _takes_grad_scaler_function(step: Callable[..., Any]) -> bool:
+    return "grad_scaler" in inspect.signature(step).parameters
+
+
+def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
+    """Whether an optimizer's ``step`` takes the scaler itself (torch's ``grad_scaler=`` protocol, which
+    torch's GradScaler asks the same way). A bound method is asked through its function (a new bound
+    method object every access)."""
+    function = getattr(step, "__func__", step)
+    try:
+        return _takes_grad_scaler_function(function)
+    except TypeError:  # not hashable: ask directly
+        return "grad_scaler" in inspect.signature(step).parameters
 
 
 @runtime_checkable
@@ -483,8 +500,9 @@ class GradScaler:
             found = found_inf.clone()
             done, exact = fused(found, inv_scale)
             return done, exact, (found if done else None)
-        if isinstance(optimizer, HasMasterGrads):
-            optimizer.copy_grads_to_master()
+        copy = getattr(optimizer, "copy_grads_to_master", None)  # HasMasterGrads, without isinstance's
+        if callable(copy):  # ~15 us protocol check per step
+            copy()
         return set(), True, None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -542,9 +560,7 @@ class GradScaler:
                 "step() has already been called since the last update().",
                 "call scaler.update() once at the end of each iteration, after stepping every optimizer.",
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and (
-            "grad_scaler" in inspect.signature(optimizer.step).parameters
-        ):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and _takes_grad_scaler(optimizer.step):
             return self._step_passing_self(optimizer, state, *args, **kwargs)
         fused = supports_amp_scaling(optimizer)  # unscales in its own kernel: torch's fused optimizers
         # unscaled already (unscale_): the kernel divides only by a scale the user put on the optimizer

@@ -66,6 +66,8 @@ def combined_found_inf(flags: Iterable[torch.Tensor], device: torch.device | Non
     if not flags:
         raise ValueError("combined_found_inf needs at least one flag (record an inf check first).")
     target = flags[0].device if device is None else device
+    if len(flags) == 1:  # the common case (one optimizer, one device): two small ops instead of four
+        return (flags[0].to(device=target, non_blocking=True).reshape(()) > 0).to(torch.float32)
     stacked = torch.stack([f.to(device=target, non_blocking=True).reshape(()) for f in flags])
     return (stacked > 0).any().to(torch.float32)
 
