@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -693,3 +694,35 @@ def test_an_optimizer_that_unscales_itself_gets_found_inf_and_grad_scale_as_in_t
         scaler.step(opt)  # type: ignore[attr-defined]
         seen[name] = opt.seen  # (no update: with no gradient anywhere, both refuse it)
     assert seen["mixprec"] == seen["torch"] == [(0.0, 8.0)]
+
+
+class _AskingSGD(torch.optim.SGD):
+    """A custom optimizer of torch's older protocol: ``step(grad_scaler=...)`` asks the scaler itself."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> str:  # type: ignore[override]
+        return "asked" if grad_scaler is not None else "not asked"
+
+
+def test_the_grad_scaler_protocol_is_asked_as_torch_asks_it_every_step() -> None:
+    """torch passes itself to a step that takes ``grad_scaler`` (with a FutureWarning), every step; the
+    signature is now looked up once per step function: a step replaced by one without the argument is
+    asked anew."""
+    results = {}
+    for name, make in _both():
+        w = nn.Parameter(torch.ones(3))
+        opt = _AskingSGD([w], lr=0.1)
+        runs = []
+        for replaced in (False, False, True):
+            if replaced:
+                opt.step = types.MethodType(lambda self, closure=None: "plain", opt)  # type: ignore
+            scaler = make("cpu", init_scale=8.0)  # a new one each time: the asking step records no check
+            scaler.scale((w * 2).sum()).backward()  # type: ignore[attr-defined]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                stepped = scaler.step(opt)  # type: ignore[attr-defined]
+            runs.append((stepped, any(w.category is FutureWarning for w in caught)))
+        results[name] = runs
+    assert results["mixprec"] == results["torch"]
+    assert results["torch"][:2] == [("asked", True), ("asked", True)]
