@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import inspect
 import types
 import warnings
 from collections import OrderedDict
@@ -136,34 +136,31 @@ APEX_POSITIONAL = ("enabled", "opt_level", "cast_model_type", "patch_torch_funct
                    "min_loss_scale", "max_loss_scale")
 
 
-def _apex_positional(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Let ``initialize`` take apex's positional order, ``initialize(model, opt, True, "O2")``, besides its
-    own ``initialize(model, opt, "O2")``: the third argument's type says which."""
-
-    @functools.wraps(fn)
-    def initialize(models: Any, optimizers: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if not (args and isinstance(args[0], bool)):
-            return fn(models, optimizers, *args, **kwargs)
-        if len(args) > len(APEX_POSITIONAL):
-            raise TypeError(f"initialize() takes at most {len(APEX_POSITIONAL) + 2} positional arguments in "
-                            f"apex's order (models, optimizers, {', '.join(APEX_POSITIONAL)}); got "
-                            f"{len(args) + 2}")
-        named = dict(zip(APEX_POSITIONAL, args, strict=False))
-        twice = sorted(named.keys() & kwargs.keys())
-        if twice:
-            raise TypeError(f"initialize() got {', '.join(twice)} both by position (apex's order: models, "
-                            f"optimizers, enabled, opt_level, ...) and by keyword")
-        return fn(models, optimizers, **named, **kwargs)
-
-    return initialize
+def _apex_order(first: Any, rest: tuple[Any, ...], given: dict[str, Any]) -> tuple[Any, ...]:
+    """The values of APEX_POSITIONAL for a call in apex's positional order (``first``, a bool, is apex's
+    ``enabled``; ``rest`` the positional arguments after it), each other name keeping its ``given`` value.
+    No wrapper around initialize: a frame of ours above it would take its warnings' stacklevel."""
+    if not isinstance(first, bool):
+        raise TypeError(f"initialize() takes 3 positional arguments (models, optimizers, opt_level) but "
+                        f"{3 + len(rest)} were given; in apex's order the third is enabled, a bool: "
+                        "initialize(model, opt, True, 'O2', ...)")
+    if len(rest) > len(APEX_POSITIONAL) - 1:
+        raise TypeError(f"initialize() takes at most {len(APEX_POSITIONAL) + 2} positional arguments in "
+                        f"apex's order (models, optimizers, {', '.join(APEX_POSITIONAL)}); got "
+                        f"{len(rest) + 3}")
+    named = dict(zip(APEX_POSITIONAL, (first, *rest), strict=False))
+    twice = sorted(k for k in named if k != "opt_level" and given[k] != _INITIALIZE_DEFAULTS[k])
+    if twice:
+        raise TypeError(f"initialize() got {', '.join(twice)} both by position (apex's order: models, "
+                        f"optimizers, enabled, opt_level, ...) and by keyword")
+    return tuple(named.get(k, given[k]) if k != "opt_level" else named.get(k, "O1") for k in APEX_POSITIONAL)
 
 
-@_apex_positional
 def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: Any = None,
-    opt_level: str = "O1",
-    *,
+    opt_level: str | bool = "O1",
+    *apex_positional: Any,
     enabled: bool = True,
     dtype: torch.dtype = torch.float16,
     cast_model_type: torch.dtype | bool | None = None,
@@ -198,6 +195,11 @@ def initialize(
     The third positional argument is ``opt_level``; apex's is ``enabled``, and a call in apex's order
     (a bool third, ``initialize(model, opt, True, "O2")``) is read in apex's order."""
     global _STATE
+    if isinstance(opt_level, bool) or apex_positional:  # apex's positional order
+        given = {k: v for k, v in locals().items() if k in APEX_POSITIONAL}
+        (enabled, opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights,
+         loss_scale, cast_model_outputs, num_losses, verbosity, min_loss_scale, max_loss_scale,
+         ) = _apex_order(opt_level, apex_positional, given)
     if not enabled:
         for opt in _as_list(optimizers)[0]:
             setattr(opt, _DISABLED_ATTR, True)  # scale_loss passes its loss through, as apex's does
@@ -270,6 +272,9 @@ def initialize(
     if optimizers is None:
         return out_models
     return out_models, (opt_list if opts_were_list else opt_list[0])
+
+
+_INITIALIZE_DEFAULTS = {k: p.default for k, p in inspect.signature(initialize).parameters.items()}
 
 
 # Whether the latest forward of an initialize's model ran inside DDP's no_sync(): scale_loss must not move

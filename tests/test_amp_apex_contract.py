@@ -142,8 +142,12 @@ def test_apexs_positional_order_is_read_as_apexs() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert amp.initialize(model, opt, False, "O2") == (model, opt)  # disabled: untouched, as apex
     assert model.weight.dtype == torch.float32
-    with pytest.raises(TypeError, match="opt_level both by position"):
+    with pytest.raises(TypeError, match="multiple values for argument 'opt_level'"):
         amp.initialize(model, opt, True, "O2", opt_level="O1")
+    with pytest.raises(TypeError, match="verbosity both by position"):
+        amp.initialize(model, opt, True, "O2", None, None, None, None, None, None, 1, 0, verbosity=2)
+    with pytest.raises(TypeError, match="in apex's order the third is enabled"):
+        amp.initialize(model, opt, "O2", True)
     apex_order = ["enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
                   "master_weights", "loss_scale", "cast_model_outputs", "num_losses", "verbosity",
                   "min_loss_scale", "max_loss_scale"]  # apex/amp/frontend.py's signature
@@ -328,3 +332,24 @@ def test_a_skipped_step_puts_back_the_buffers_of_the_models_its_optimizer_trains
     for a, b in zip(skipped_g, fresh_g.buffers(), strict=True):  # optG skipped: as before its forward
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not all(torch.equal(a, b) for a, b in zip(clean_g, fresh_g.buffers(), strict=True))
+
+
+@pytest.mark.parametrize("apex_order", [False, True])
+def test_initializes_warnings_name_the_callers_line(apex_order: bool) -> None:
+    """A wrapper taking apex's positional order stood between the user and initialize: its warnings
+    named mixprec/amp.py instead of the caller's line."""
+
+    def fresh(**kwargs: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if apex_order:
+            return amp.initialize(model, opt, True, kwargs.pop("opt_level"), verbosity=0, **kwargs)
+        return amp.initialize(model, opt, verbosity=0, **kwargs)
+
+    fresh(opt_level="O1")
+    with pytest.warns(UserWarning, match="called again") as again:
+        fresh(opt_level="O1")
+    amp.reset()
+    with pytest.warns(UserWarning, match="does nothing") as useless:
+        fresh(opt_level="O0", master_weights=True)  # fp32 weights are the masters already
+    assert [w.filename for w in (*again, *useless)] == [__file__] * 2
