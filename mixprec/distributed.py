@@ -226,6 +226,11 @@ def _worker(
     try:
         result = fn(info, *args)
         torch.save(result, Path(results) / f"rank{info.rank}.pt")
+        if info.distributed:
+            # Leave together: a rank that destroys the group while another still talks to it can abort
+            # in gloo's C++ ("terminate called without an active exception", once in a full suite run).
+            # Not on an error path: launch() stops the other ranks when one fails.
+            dist.barrier()
     finally:
         teardown()
 
