@@ -204,11 +204,6 @@ def initialize(
         for opt in _as_list(optimizers)[0]:
             setattr(opt, _DISABLED_ATTR, True)  # scale_loss passes its loss through, as apex's does
         return models if optimizers is None else (models, optimizers)
-    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:  # apex: RuntimeError, as this one
-        raise ApexPropertyError(
-            f"Unknown opt_level {opt_level!r}.",
-            f"use one of {', '.join(OPT_LEVELS)} (letter O, not zero: 'O1', not '01').",
-        )
     recipe = apply_overrides(
         Recipe.from_opt_level(opt_level, dtype),
         min_loss_scale=min_loss_scale,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ApexPropertyError, ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.scale_state import ScaleConfig  # the scaler's own record of its settings: one definition
 from mixprec.scaler import GradScaler
@@ -192,8 +192,8 @@ class Recipe:
     def from_opt_level(cls, opt_level: str, dtype: torch.dtype = torch.float16) -> Recipe:
         """apex's opt level ``O0``-``O3`` with ``dtype`` as its half dtype (fp16 as apex, or bf16).
         apex's property overrides are applied by :func:`mixprec.apex_properties.apply_overrides`."""
-        if opt_level not in _APEX_FP16:
-            raise ConfigError(
+        if not isinstance(opt_level, str) or opt_level not in _APEX_FP16:
+            raise ApexPropertyError(  # a RuntimeError too, as apex's initialize raised
                 f"Unknown opt_level {opt_level!r}.",
                 f"use one of {', '.join(_APEX_FP16)} (letter O, not zero: 'O1', not '01').",
             )

@@ -28,10 +28,10 @@ state machine, errors and the private names torch's own tests read), kept whole 
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
 from typing import Any, Protocol, TypedDict, cast, overload, runtime_checkable
@@ -99,9 +99,9 @@ OptState = torch.amp.grad_scaler.OptState
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-@functools.lru_cache(maxsize=64)  # per step function: inspect.signature costs ~0.1 ms, every step
-def _takes_grad_scaler_function(step: Callable[..., Any]) -> bool:
-    return "grad_scaler" in inspect.signature(step).parameters
+# step function -> whether it takes grad_scaler: inspect.signature costs ~0.1 ms, and step() asks every
+# step. Weak keys: a step function (a wrapper closing over its optimizer) keeps nothing alive from here.
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Callable[..., Any], bool] = weakref.WeakKeyDictionary()
 
 
 def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
@@ -110,9 +110,12 @@ def _takes_grad_scaler(step: Callable[..., Any]) -> bool:
     method object every access)."""
     function = getattr(step, "__func__", step)
     try:
-        return _takes_grad_scaler_function(function)
-    except TypeError:  # not hashable: ask directly
+        known = _TAKES_GRAD_SCALER.get(function)
+    except TypeError:  # not weakly referable: ask directly
         return "grad_scaler" in inspect.signature(step).parameters
+    if known is None:
+        known = _TAKES_GRAD_SCALER[function] = "grad_scaler" in inspect.signature(step).parameters
+    return known
 
 
 @runtime_checkable

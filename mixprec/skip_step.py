@@ -66,10 +66,10 @@ def combined_found_inf(flags: Iterable[torch.Tensor], device: torch.device | Non
     if not flags:
         raise ValueError("combined_found_inf needs at least one flag (record an inf check first).")
     target = flags[0].device if device is None else device
-    if len(flags) == 1:  # the common case (one optimizer, one device): two small ops instead of four
-        return (flags[0].to(device=target, non_blocking=True).reshape(()) > 0).to(torch.float32)
-    stacked = torch.stack([f.to(device=target, non_blocking=True).reshape(()) for f in flags])
-    return (stacked > 0).any().to(torch.float32)
+    moved = [f.to(device=target, non_blocking=True).reshape(()) for f in flags]
+    # one flag (one optimizer, one device: the common case) needs no stack and no any()
+    raised = moved[0] > 0 if len(moved) == 1 else (torch.stack(moved) > 0).any()
+    return raised.to(torch.float32)
 
 
 def step_unless_inf(
