@@ -879,17 +879,24 @@ def reset() -> None:
     _STATE = None
 
 
+# The key of each amp.state_dict() entry that holds the scaler's full state, beside apex's two.
+MIXPREC_KEY = "mixprec"
+
+
 def state_dict(destination: MutableMapping[str, Any] | None = None) -> MutableMapping[str, Any]:
     """Every loss scaler's state in apex's format, ``{"loss_scaler0": {"loss_scale": ..., "unskipped":
-    ...}, ...}`` (an OrderedDict, or written into ``destination`` and returned, as apex's), each entry
-    also carrying the scaler's full state (so apex can read ours, and we resume exactly). ``unskipped``
-    counts the clean iterations since the last overflow, at a static scale too. Reads the scale: one host
-    sync."""
+    ...}, ...}`` (an OrderedDict, or written into ``destination`` and returned, as apex's). Each entry also
+    holds the scaler's full state under ``"mixprec"`` (growth settings, hysteresis, history: what an exact
+    resume needs), one key apex's loader ignores and a printout can skip. ``unskipped`` counts the clean
+    iterations since the last overflow, at a static scale too. Reads the scale: one host sync."""
     out: MutableMapping[str, Any] = OrderedDict() if destination is None else destination
     for i, scaler in enumerate(_state().scalers):
         full = scaler.state_dict()
-        apex = {"loss_scale": scaler.get_scale(), "unskipped": int(full.get("_growth_tracker", 0))}
-        out[f"loss_scaler{i}"] = {**apex, **full}
+        out[f"loss_scaler{i}"] = {
+            "loss_scale": scaler.get_scale(),
+            "unskipped": int(full.get("_growth_tracker", 0)),
+            MIXPREC_KEY: full,
+        }
     return out
 
 
@@ -913,8 +920,9 @@ def load_state_dict(saved: dict[str, Any]) -> None:
 
 
 def _full_scaler_state(scaler: GradScaler, entry: dict[str, Any]) -> dict[str, Any]:
-    apex_only = "scale" not in entry
-    if not apex_only:
+    if isinstance(entry.get(MIXPREC_KEY), dict):
+        return dict(entry[MIXPREC_KEY])
+    if "scale" in entry:  # written by mixprec before the full state moved under MIXPREC_KEY: flat
         return {k: v for k, v in entry.items() if k not in ("loss_scale", "unskipped")}
     if "loss_scale" not in entry:
         raise ConfigError("An apex loss scaler entry needs 'loss_scale'.",

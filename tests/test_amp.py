@@ -121,7 +121,7 @@ def test_overflow_skips_step_and_leaves_weights_and_state(level: str) -> None:
     opt.zero_grad()
     weights = [p.detach().clone() for p in mixprec.master_params(opt)]
     state = copy.deepcopy(opt.state_dict())
-    scale = amp.state_dict()["loss_scaler0"]["scale"]
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
     x, y = next(batches)
     with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
         scaled.backward()
@@ -129,7 +129,7 @@ def test_overflow_skips_step_and_leaves_weights_and_state(level: str) -> None:
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(weights, mixprec.master_params(opt), strict=True))
     assert str(opt.state_dict()) == str(state)
-    assert amp.state_dict()["loss_scaler0"]["scale"] == scale / 2
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == scale / 2
 
 
 def test_two_losses_feeding_one_optimizer_match_fp32() -> None:
@@ -194,11 +194,25 @@ def test_state_dict_round_trip() -> None:
     _train("O2", steps=5)
     saved = amp.state_dict()
     assert set(saved) == {"loss_scaler0"}
-    scale = saved["loss_scaler0"]["scale"]
+    scale = saved["loss_scaler0"]["loss_scale"]
     model = _net()
     mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     amp.load_state_dict(saved)
-    assert amp.state_dict()["loss_scaler0"]["scale"] == scale
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == scale
+    assert amp.state_dict()["loss_scaler0"]["mixprec"] == saved["loss_scaler0"]["mixprec"]
+
+
+def test_state_dict_entries_print_as_apexs_and_the_earlier_flat_form_still_loads() -> None:
+    _train("O2", steps=3)
+    entry = amp.state_dict()["loss_scaler0"]
+    # apex's two keys, and mixprec's full state under one key (a printout of apex's is two numbers).
+    assert list(entry) == ["loss_scale", "unskipped", "mixprec"]
+    assert entry["mixprec"] == amp.loss_scaler().state_dict()
+    flat = {"loss_scale": entry["loss_scale"], "unskipped": entry["unskipped"], **entry["mixprec"]}
+    model = _net()
+    mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.load_state_dict({"loss_scaler0": flat})  # what mixprec wrote before the nesting
+    assert amp.loss_scaler().state_dict() == entry["mixprec"]
 
 
 def test_clipping_master_params_under_o2() -> None:
