@@ -100,6 +100,9 @@ class _AmpState:
     warned_unsynced: bool = False  # scale_loss said once that it unscaled a no_sync() backward
     # by id of an optimizer initialize returned: the buffers of the models it trains (_buffer_watches)
     watches: dict[int, list[BufferWatch]] = field(default_factory=dict)
+    # by id of an optimizer initialize returned: gradients a loss scaled without it wrote on its parameters
+    # (loss_id, and each gradient's mark right after), checked at its step (_check_no_scaled_writes)
+    scaled_writes: dict[int, tuple[int, dict[torch.Tensor, _GradMark]]] = field(default_factory=dict)
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -502,6 +505,8 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             "end each accumulation with a scale_loss without delay_unscale (the last micro-batch's), then "
             "step.",
         )
+    if state.scaled_writes:
+        _check_no_scaled_writes(state, opt)
     watches = state.watches.get(id(opt), [])
     if pending is None or not pending.found_infs:
         for watch in watches:  # a step with nothing to skip: the next training forward snapshots anew
@@ -636,8 +641,11 @@ def scale_loss(
         if pending is not None and pending.carried and all(p.grad is None for p in _held_params(_inner(opt))):
             pending.carried = None
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
+    for opt in opts:  # this loss unscales (or carries) what they hold from here on
+        state.scaled_writes.pop(id(opt), None)
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
+    _record_scaled_writes(state, loss_id, others)
     if delay_unscale:
         for opt in opts:
             pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -692,17 +700,52 @@ def _mark(grad: torch.Tensor | None) -> _GradMark | None:
     return None if grad is None else (id(grad), grad._version)
 
 
-def _marks_of_others(state: _AmpState, opts: list[Any]) -> dict[torch.Tensor, _GradMark | None]:
-    """The gradients, now, of the parameters the initialize's other optimizers hold (none with one
+_Marks = dict[int, dict[torch.Tensor, "_GradMark | None"]]  # by id of an optimizer initialize returned
+
+
+def _marks_of_others(state: _AmpState, opts: list[Any]) -> _Marks:
+    """The gradients, now, of the parameters each of the initialize's other optimizers holds (none with one
     optimizer: nothing to walk)."""
     passed = {id(_inner(opt)) for opt in opts}
-    others = [_inner(o) for o in state.optimizers if id(_inner(o)) not in passed]
-    return {p: _mark(p.grad) for inner in others for p in _held_params(inner)}
+    others = [o for o in state.optimizers if id(_inner(o)) not in passed]
+    return {id(o): {p: _mark(p.grad) for p in _held_params(_inner(o))} for o in others}
 
 
-def _check_gradients_reached(
-    state: _AmpState, opts: list[Any], others: dict[torch.Tensor, _GradMark | None]
-) -> None:
+def _written(marks: dict[torch.Tensor, _GradMark | None]) -> dict[torch.Tensor, _GradMark]:
+    """The gradients among ``marks`` that a backward wrote since they were taken, each with its new mark."""
+    now = {p: _mark(p.grad) for p in marks}
+    return {p: mark for p, mark in now.items() if mark is not None and mark != marks[p]}
+
+
+def _record_scaled_writes(state: _AmpState, loss_id: int, others: _Marks) -> None:
+    """Remember the gradients this loss's backward wrote on optimizers not passed to scale_loss: they hold
+    this loss's scaled values, which nothing unscales. A GAN's generator loss writes the discriminator's
+    this way, harmlessly when its zero_grad comes before its next step."""
+    for opt_id, marks in others.items():
+        written = _written(marks)
+        if written:
+            state.scaled_writes[opt_id] = (loss_id, written)
+
+
+def _check_no_scaled_writes(state: _AmpState, opt: Any) -> None:
+    """Refuse a step on gradients that still hold a scaled loss another scale_loss left there (the marks
+    unchanged since): at 2**16 the update would be 65536x too large, and an overflow would go unnoticed."""
+    loss_id, written = state.scaled_writes.pop(id(opt), (0, {}))
+    kept = [p for p, mark in written.items() if _mark(p.grad) == mark]
+    scale = state.scalers[loss_id].get_scale() if kept else 1.0
+    if scale == 1.0:  # nothing written, or a scale of 1: nothing left scaled
+        return
+    raise ScalerStateError(
+        f"optimizer.step() on {len(kept)} gradient(s) that the backward of scale_loss(..., "
+        f"loss_id={loss_id}) wrote while this optimizer was not passed to it: they are still multiplied by "
+        f"that loss's scale ({scale:g}), and an overflow in them was not checked.",
+        "pass scale_loss every optimizer whose parameters the loss reaches (scale_loss(loss, [opt1, opt2])), "
+        "or zero this optimizer's gradients before its next loss if that loss should not train it (a GAN's "
+        "discriminator under the generator's loss).",
+    )
+
+
+def _check_gradients_reached(state: _AmpState, opts: list[Any], others: _Marks) -> None:
     """None of ``opts`` got a gradient from this loss. A loss that reaches no parameter at all (a constant
     auxiliary loss, a frozen warm-up) passes, as in apex. A gradient this backward wrote on another
     optimizer's parameters (gradients an earlier loss left there are not this one's), or on a model
@@ -711,7 +754,7 @@ def _check_gradients_reached(
     held = {id(p) for opt in state.optimizers for p in _held_params(_inner(opt))}
     params = [p for h in state.models for p in h.model.parameters()]
     orphans = [p for p in params if p.grad is not None and id(p) not in held]
-    written = [p for p, before in others.items() if p.grad is not None and _mark(p.grad) != before]
+    written = [p for marks in others.values() for p in _written(marks)]
     if orphans or written:
         raise ScalerStateError(
             f"scale_loss: no parameter of the {len(opts)} optimizer(s) passed to it received a gradient, "

@@ -878,6 +878,48 @@ def test_a_loss_given_to_the_wrong_optimizer_is_refused() -> None:
             scaled.backward()
 
 
+def _shared_trunk_two_losses(level: str) -> tuple[nn.Module, Any, Any, torch.Tensor]:
+    """A body and a head, one optimizer each; the second loss of the same forward reaches both (trial:
+    a ResNet's auxiliary loss given only to the head's optimizer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    body, head = (torch.optim.SGD(part.parameters(), lr=0.1) for part in (model[0], model[2]))
+    model, [body, head] = mixprec.initialize(model, [body, head], level, num_losses=2, verbosity=0)
+    x, y = next(_batches(1))
+    out = model(x)
+    with mixprec.scale_loss(nn.functional.cross_entropy(out, y), [body, head], loss_id=0) as scaled:
+        scaled.backward(retain_graph=True)
+    return model, body, head, out.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_step_on_gradients_another_optimizers_loss_left_scaled_is_refused(level: str) -> None:
+    """The body's gradients held the auxiliary loss times 65536 (unscaled only for the head), so the
+    body's step was ~30x too large, and an overflow in them went unchecked: NaN weights, no message."""
+    model, body, head, aux = _shared_trunk_two_losses(level)
+    before = model[0].weight.detach().clone()
+    with mixprec.scale_loss(aux, head, loss_id=1) as scaled:
+        scaled.backward()
+    with pytest.raises(mixprec.ScalerStateError, match="loss_id=1.*not passed"):
+        body.step()
+    assert torch.equal(model[0].weight, before)
+    head.step()  # the head's gradients were unscaled: its step goes on
+
+
+def test_scaled_gradients_on_another_optimizer_pass_when_they_are_not_stepped_on() -> None:
+    """A GAN's generator loss writes the discriminator's gradients too; zeroed before the discriminator's
+    next step (or passed to the loss with it), nothing scaled is stepped on."""
+    for level in ("O0", "O2"):
+        model, body, head, aux = _shared_trunk_two_losses(level)
+        with mixprec.scale_loss(aux, head, loss_id=1) as scaled:
+            scaled.backward()
+        head.step()
+        if level != "O0":  # O0's scale is 1: nothing is left scaled
+            body.zero_grad()
+        body.step()
+        amp.reset()
+
+
 def test_a_loss_that_reaches_no_parameter_works_iteration_after_iteration() -> None:
     """Passing it left the scaler's unscale_ recorded: the next iteration raised "unscale_() has already
     been called"."""
