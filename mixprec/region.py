@@ -57,13 +57,16 @@ TRACEABLE_ENTER = torch.__version__ >= (2, 13)  # a TorchVersion: compares with 
 
 
 def _compiled_only_inlined(function: Callable[..., Any]) -> None:
-    """Before torch 2.13: Dynamo compiles ``function`` inside the code it traces (inlined), never as a frame
-    of its own; called from code Dynamo runs eagerly, it runs eagerly, with whatever it calls.
+    """Dynamo compiles ``function`` inside the code it traces (inlined), never as a frame of its own;
+    called from code Dynamo runs eagerly, it runs eagerly, with whatever it calls.
 
-    A mode's ``__torch_function__`` called from a frame Dynamo 2.11 gave up on (a checkpointed block in a
-    loop made it run a GPT's whole forward eagerly) was compiled as a frame per op, and decided wrong
-    there: the loss came out in fp16. Run eagerly, it decides as for an eager region (``is_current`` and
-    the cast cache know a mode that compiled code entered). 2.13 compiles those frames right: left to it.
+    A mode's ``__torch_function__`` is called from eager frames of a compiled model wherever Dynamo gave up
+    on a frame (a graph break in a loop, a side-effecting hook: the forward runs eagerly). Left to Dynamo,
+    each such call was compiled as a frame of its own, once per op signature: torch 2.11 decided wrong there
+    (a GPT's loss came out in fp16); 2.13 decides right but recompiles until ``recompile_limit`` (8) and
+    warns, pointing into mixprec, and a BERT's step took 2.3x torch.autocast's (a user trial). Run
+    eagerly, it decides as for an eager region (``is_current`` and the cast cache know a mode that compiled
+    code entered).
     """
     try:  # Dynamo's frame-level switch (torch 2.6 and later); without it, frames are compiled as before
         from torch._dynamo.eval_frame import set_code_exec_strategy
@@ -78,7 +81,7 @@ class RegionMode(TorchFunctionMode):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "__torch_function__" in cls.__dict__ and not TRACEABLE_ENTER:
+        if "__torch_function__" in cls.__dict__:
             _compiled_only_inlined(cls.__torch_function__)
 
 

@@ -231,6 +231,33 @@ def test_a_frame_dynamo_runs_eagerly_inside_a_compiled_region_keeps_the_policy()
         assert f(a, b).dtype == torch.compile(f, backend="eager")(a, b).dtype == torch.float32
 
 
+class _ForwardDynamoGivesUpOn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            torch._dynamo.graph_break()  # a graph break in a loop: Dynamo runs the whole frame eagerly
+            x = x + F.linear(x, layer.weight, layer.bias)
+        return x
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_modes_method_is_never_compiled_as_a_frame_of_its_own() -> None:
+    """A user trial (a BERT whose forward Dynamo ran eagerly, for a side-effecting hook): each op's call of
+    the mode's __torch_function__ from those eager frames was compiled as a frame, recompiled per op
+    signature up to recompile_limit, and warned pointing into mixprec; the step took 2.3x torch.autocast's."""
+    model = _ForwardDynamoGivesUpOn()
+    compiled = torch.compile(model, backend="eager")
+    with mixprec.autocast("cpu", torch.float16):  # emulated in the suite: the mode has work
+        for rows in (4, 5, 6):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    method = A._PolicyMode.__torch_function__
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(method.__code__) == []
+
+
 class _WritesADict(nn.Module):
     def __init__(self) -> None:
         super().__init__()
