@@ -205,6 +205,18 @@ def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -
     )
 
 
+def _torch_enables(device_type: str, dtype: torch.dtype, cache_enabled: bool) -> bool:
+    """Whether torch.autocast enables such a region here: it disables one, with a warning, where e.g. CUDA
+    is unavailable. Asked when the region is made, as torch asks, so that its warning names the user's line
+    and comes once per region object (a decorator's: once), not from mixprec at every entry."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        region = torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache_enabled)
+    for warning in caught:  # past this function and autocast.__init__: the line that made the region
+        warnings.warn(warning.message, warning.category, stacklevel=3)
+    return bool(getattr(region, "_enabled", True))
+
+
 _Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None", Any]
 
 
@@ -278,6 +290,8 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
             self.fast_dtype, self._enabled = _resolve_dtype(device_type, dtype, enabled)
         except PolicyError as err:
             raise AutocastError(err.problem, err.fix) from None
+        if self._enabled and not torch.compiler.is_compiling():
+            self._enabled = _torch_enables(device_type, self.fast_dtype, self._cache_enabled)
         if policy is not None and not isinstance(policy, Policy):
             raise AutocastError(
                 f"policy must be a mixprec.policy.Policy, got {type(policy).__name__}",

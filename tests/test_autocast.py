@@ -637,3 +637,17 @@ def test_a_region_that_fails_to_enter_leaves_nothing_behind(monkeypatch: pytest.
     assert STATE.regions == [] and STATE.entered_under == []
     assert torch.overrides._get_current_function_mode_stack() == []
     assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: torch enables the region")
+def test_a_cuda_region_without_cuda_warns_where_it_is_made_as_torchs() -> None:
+    """A user trial: torch warns once, at the line that makes the region; mixprec warned from its own file
+    at every entry (a decorated function's every call), so Python's filter folded the user's call sites."""
+    for make in (torch.autocast, autocast):
+        with pytest.warns(UserWarning, match="CUDA is not available") as caught:
+            region = make("cuda", dtype=torch.float16)
+        assert [w.filename for w in caught] == [__file__]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with region:  # disabled, as torch's: no second warning
+                assert not torch.is_autocast_enabled("cuda")
