@@ -651,3 +651,60 @@ def test_a_cuda_region_without_cuda_warns_where_it_is_made_as_torchs() -> None:
             warnings.simplefilter("error")
             with region:  # disabled, as torch's: no second warning
                 assert not torch.is_autocast_enabled("cuda")
+
+
+def _custom_functions() -> dict[str, type[torch.autograd.Function]]:
+    """torch.amp.custom_fwd/custom_bwd as torch's docs use them: inputs cast to fp32 in the region, or left
+    as they are with the region's state kept inside forward and backward."""
+
+    class Fp32Inputs(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(a, b)
+            return a.mm(b)
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)
+
+    class KeepsRegion(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(a, b)
+            return a.mm(b)  # cast by the region, which custom_fwd keeps on
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = ctx.saved_tensors
+            return grad.mm(b.t()), a.t().mm(grad)  # in the forward's region: cast again
+
+    return {"fp32 inputs": Fp32Inputs, "keeps the region": KeepsRegion}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["fp32 inputs", "keeps the region"])
+def test_custom_fwd_and_custom_bwd_run_as_under_torch_autocast(kind: str, dtype: torch.dtype) -> None:
+    function = _custom_functions()[kind]
+    results = []
+    for region in (torch.autocast, autocast):
+        seeds = (torch.Generator().manual_seed(i) for i in (1, 2))
+        a, b = (torch.randn(8, 8, generator=g, requires_grad=True) for g in seeds)
+        with region("cpu", dtype=dtype):
+            out = function.apply(a, b)
+        out.float().sum().backward()
+        assert a.grad is not None and b.grad is not None
+        results.append((out, a.grad, b.grad))
+    (want, *want_grads), (got, *got_grads) = results
+    assert got.dtype == want.dtype
+    # the same dtypes and values: fp16 here is emulated (fp32 accumulation, one rounding) where torch's CPU
+    # kernel rounds on its own schedule, so values agree to the format's rounding
+    tolerance = {"rtol": 2.0**-7, "atol": 2.0**-7} if want.dtype != torch.float32 else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(got, want, **tolerance)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **tolerance)
