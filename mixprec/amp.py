@@ -570,6 +570,13 @@ def _check_from_initialize(opts: list[Any], state: _AmpState) -> None:
                 "loss.backward() and opt.step() directly; for fp16 use a mixprec.GradScaler: "
                 "scaler.scale(loss).backward(), scaler.step(opt), scaler.update().",
             )
+        if not callable(getattr(opt, "step", None)):
+            raise ConfigError(
+                f"scale_loss got {name} where its second argument, the optimizer(s), goes: it is not an "
+                "optimizer.",
+                "pass the optimizer(s) mixprec.initialize returned: scale_loss(loss, opt) or "
+                "scale_loss(loss, [opt1, opt2]).",
+            )
         masters = " and, with the model's weights in half precision, no fp32 masters" if (
             state.recipe.uses_masters) else ""
         raise ConfigError(

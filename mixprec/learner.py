@@ -135,6 +135,37 @@ def _check_prediction(pred: Any) -> None:
     )
 
 
+def _builds_an_optimizer(value: Any) -> bool:
+    """An optimizer class, or a functools.partial of one (fastai's ``opt_func`` form)."""
+    target = value.func if isinstance(value, functools.partial) else value
+    return isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
+
+
+def _check_fastai_v1_order(loss_func: Any) -> None:
+    """fastai v1's Learner(data, model, opt_func, loss_func) put the optimizer third, where this Learner
+    takes the loss: said here, not at the first batch as "cross_entropy() got an unexpected keyword"."""
+    if _builds_an_optimizer(loss_func):
+        raise ConfigError(
+            "Learner's third argument is loss_func, and it got an optimizer (fastai v1's order is "
+            "Learner(data, model, opt_func, loss_func)).",
+            "pass them by keyword: Learner(data, model, opt_func=..., loss_func=...).",
+        )
+
+
+def _check_loss(loss: Any) -> None:
+    """A loss_func's result must carry a graph back to the model: torch's own errors for a number (a
+    ``.item()`` in the loss) name neither the loss_func nor the fix, and differ with the precision."""
+    if isinstance(loss, Tensor) and loss.is_floating_point():
+        return
+    got = f"a {loss.dtype} tensor" if isinstance(loss, Tensor) else type(loss).__name__
+    raise ConfigError(
+        f"the loss_func returned {got}; the Learner backpropagates through it, so it must return a "
+        "floating-point tensor (mean over the batch).",
+        "return the loss tensor itself: no .item(), float() or .tolist() on it (log those in a callback's "
+        "on_batch_end from learn.loss).",
+    )
+
+
 # fastai v2's to_fp16 keywords (torch's GradScaler's), and how this v1-signature to_fp16 says each
 _V2_TO_FP16: dict[str, str] = {
     "init_scale": "loss_scale=...",
@@ -194,16 +225,17 @@ class Learner:
         model: nn.Module,
         loss_func: LossFunc | None = F.cross_entropy,
         opt_func: OptFunc = default_opt_func,
-        metrics: Sequence[Metric] = (),
+        metrics: Sequence[Metric] | Metric = (),
         callbacks: Iterable[Callback] = (),
         silent: bool = False,
         console: Console | None = None,
         *,
         wd: float | None = None,
     ) -> None:
+        _check_fastai_v1_order(loss_func)
         self.data, self.model, self.loss_func, self.opt_func = data, model, loss_func, opt_func
         self.wd = wd
-        self.metrics = list(metrics)
+        self.metrics = [metrics] if callable(metrics) else list(metrics)  # one metric: fastai v1 takes it too
         self.callbacks: list[Callback] = []
         self.recorder = Recorder()
         self.mp_cb: Callback | None = None
@@ -341,6 +373,13 @@ class Learner:
         ``resume``: load such a file and train the epochs after it (up to ``epochs`` in all); the fit must
         be set up as the saved one. A resumed fit keeps saving to ``resume`` unless ``checkpoint`` names
         another file."""
+        if isinstance(callbacks, int | float):
+            raise ConfigError(
+                f"fit's third argument is callbacks, and it got {callbacks!r} (fastai's fit(epochs, lr, wd) "
+                "takes the weight decay there).",
+                "set weight decay on the Learner: Learner(..., wd=1e-4) (matmul weights and embeddings "
+                "only), or in opt_func.",
+            )
         n_epochs, n_steps = self._fit_length(epochs, steps)
         extra = list(callbacks)
         if checkpoint is not None or resume is not None:
@@ -385,7 +424,7 @@ class Learner:
     def fit_one_cycle(
         self,
         epochs: int | None = None,
-        lr_max: float = DEFAULT_LR,
+        lr_max: float | None = None,  # None: DEFAULT_LR (or max_lr)
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
@@ -395,11 +434,23 @@ class Learner:
         *,
         steps: int | None = None,
         callbacks: Iterable[Callback] = (),
+        max_lr: float | None = None,
     ) -> None:
         """Train with the 1cycle schedule (:class:`~mixprec.callbacks.OneCycleScheduler`) over ``epochs``
         or ``steps``; ``checkpoint`` and ``resume`` as in :meth:`fit` (resume with the same length: the
         schedule spans it all); ``callbacks`` for this fit only, beside the schedule (fastai v1's
-        ``fit_one_cycle(..., callbacks=)``: ``GradientClipping``, say)."""
+        ``fit_one_cycle(..., callbacks=)``: ``GradientClipping``, say). ``max_lr`` is fastai v1's name for
+        ``lr_max`` (v2's), taken as it."""
+        if lr_max is not None and max_lr is not None:
+            raise ConfigError(f"fit_one_cycle got lr_max={lr_max!r} and max_lr={max_lr!r}: one rate.",
+                              "pass one of them (max_lr is fastai v1's name for lr_max).")  # fmt: skip
+        lr_max = next((r for r in (lr_max, max_lr) if r is not None), DEFAULT_LR)
+        if not isinstance(div_factor, int | float):
+            raise ConfigError(
+                f"fit_one_cycle's third argument is div_factor, and it got {div_factor!r} (fastai v1's order "
+                "is fit_one_cycle(epochs, max_lr, moms, div_factor, ...)).",
+                "pass moms= and div_factor= by keyword: learn.fit_one_cycle(epochs, lr, moms=(0.95, 0.85)).",
+            )
         sched = OneCycleScheduler(lr_max, div_factor, pct_start, final_div, moms)
         self.fit(epochs, lr_max / div_factor, [sched, *callbacks], checkpoint, resume, steps=steps)
 
@@ -477,6 +528,7 @@ class Learner:
             if self.loss_func is F.cross_entropy or isinstance(self.loss_func, nn.modules.loss._Loss):
                 _check_prediction(self.pred)  # torch's losses take tensors only
             self.loss = self.loss_func(self.pred, self.yb)  # type: ignore[misc]
+            _check_loss(self.loss)
 
     def _step(self) -> None:
         self._cancelled = False

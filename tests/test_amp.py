@@ -577,6 +577,17 @@ def test_scale_loss_refuses_an_optimizer_built_after_initialize(level: str) -> N
             scaled.backward()
 
 
+def test_scale_loss_given_a_model_for_the_optimizer_says_it_is_not_one() -> None:
+    """A user trial: scale_loss(loss, model) said "an optimizer (Sequential) that initialize did not
+    return"."""
+    model = _net()
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", verbosity=0)
+    x, y = next(_batches(1))
+    with pytest.raises(ConfigError, match="got Sequential where .* the optimizer.*is not an optimizer"):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), model) as scaled:
+            scaled.backward()
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_scheduler_built_before_initialize_keeps_working_without_torchs_overridden_warning(
     level: str, recwarn: pytest.WarningsRecorder

@@ -3,6 +3,8 @@ matches the fp32 run on digits."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -304,3 +306,46 @@ def test_an_empty_validation_loader_without_a_length_is_named() -> None:
     learn = _learner(batch_size=256)
     with pytest.raises(ConfigError, match="validation set is empty"):
         learn.validate(torch.utils.data.DataLoader(_Empty(), batch_size=4))
+
+
+# ---- fastai v1 calls (a user trial ported a v1 script): its names taken, its other orders refused ---------
+
+
+def test_fit_one_cycle_takes_fastai_v1s_max_lr_as_lr_max() -> None:
+    runs = []
+    for rate in ({"max_lr": 1e-2}, {"lr_max": 1e-2}):
+        learn = _learner(n_hidden=16)
+        learn.fit_one_cycle(1, **rate)
+        runs.append(learn.recorder.losses)
+    assert runs[0] == runs[1]
+    with pytest.raises(ConfigError, match="one rate"):
+        _learner(n_hidden=16).fit_one_cycle(1, 1e-2, max_lr=1e-3)
+
+
+def test_fastai_v1s_positional_moms_in_fit_one_cycle_is_refused_naming_the_order() -> None:
+    with pytest.raises(ConfigError, match=r"(?s)third argument is div_factor.*moms="):
+        _learner(n_hidden=16).fit_one_cycle(1, 1e-2, (0.95, 0.85))  # type: ignore[arg-type]
+
+
+def test_fastais_weight_decay_in_fits_third_place_is_refused_naming_wd() -> None:
+    with pytest.raises(ConfigError, match=r"(?s)third argument is callbacks.*Learner\(\.\.\., wd="):
+        _learner(n_hidden=16).fit(1, 1e-2, 1e-4)  # type: ignore[arg-type]
+
+
+def test_fastai_v1s_learner_order_is_refused_naming_the_keywords() -> None:
+    data = mixprec.digits(batch_size=64, seed=0)
+    model = mixprec.build_model("mlp", data, n_hidden=16)
+    for opt_func in (torch.optim.AdamW, functools.partial(torch.optim.SGD, momentum=0.9)):
+        with pytest.raises(ConfigError, match=r"(?s)got an optimizer.*opt_func=\.\.\., loss_func=\.\.\."):
+            Learner(data, model, opt_func, F.cross_entropy, silent=True)  # type: ignore[arg-type]
+
+
+def test_one_metric_is_taken_as_fastai_v1_takes_it() -> None:
+    results = []
+    for metrics in ([accuracy], accuracy):
+        data = mixprec.digits(batch_size=64, seed=0)
+        torch.manual_seed(0)
+        learn = Learner(data, mixprec.build_model("mlp", data, n_hidden=16), metrics=metrics, silent=True)
+        learn.fit(1)
+        results.append(learn.valid_metrics)
+    assert results[0] == results[1] and len(results[1]) == 1

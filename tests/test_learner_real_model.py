@@ -316,3 +316,18 @@ def test_a_custom_loss_func_gets_the_model_output_as_it_is() -> None:
 
     Learner(_data(), LossModel(), loss_func=first_of_pair, silent=True).fit(steps=1)
     assert seen and set(seen) == {tuple}  # training and validation batches alike
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_loss_func_returning_a_number_is_refused_naming_it(precision: str) -> None:
+    """A user trial: torch's errors for it differed by precision ("'float' object has no attribute
+    'backward'" in fp32, "outputs must be a Tensor" from inside the scaler in fp16), naming neither."""
+
+    def as_number(out: torch.Tensor, yb: torch.Tensor) -> float:
+        return F.cross_entropy(out[0], yb).item()
+
+    learn = Learner(_data(), LossModel(), loss_func=as_number, silent=True)
+    if precision == "fp16":
+        learn.to_fp16()
+    with pytest.raises(ConfigError, match=r"(?s)loss_func returned float.*no \.item\(\)"):
+        learn.fit(steps=1)

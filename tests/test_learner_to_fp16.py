@@ -60,6 +60,14 @@ def test_loss_scale_none_follows_fastais_rule(dynamic: bool, start: float) -> No
     assert learn.mp_cb.recipe.scale.dynamic is dynamic  # type: ignore[union-attr]
 
 
+def test_apexs_loss_scale_dynamic_is_refused_naming_the_argument_that_says_it() -> None:
+    """A user trial: the hint said "None: no scaling", left from when None meant that (it is fastai's rule
+    for a start now: the test above)."""
+    with pytest.raises(ConfigError, match="loss_scale must be a positive") as refused:
+        _learner().to_fp16(loss_scale="dynamic")
+    assert "dynamic=True" in str(refused.value) and "no scaling" not in str(refused.value)
+
+
 def test_loss_scale_none_starts_no_higher_than_max_scale() -> None:
     learn = _learner().to_fp16(None, max_scale=1024.0)
     assert learn.mp_cb.recipe.scale.init_scale == 1024.0  # type: ignore[union-attr]
@@ -147,6 +155,12 @@ def test_the_callbacks_positional_order_is_fastai_v1s_too() -> None:
     assert (mp.max_noskip, mp.flat_master) == (2000, False)
     with pytest.raises(ConfigError, match="flat_master must be True or False"):
         MixedPrecision(torch.float16, 512.0, 1000, True, None, 2000)  # an argument one place off
+
+
+def test_fastai_v1s_learner_first_call_is_refused_naming_to_fp16() -> None:
+    """A user trial: MixedPrecision(learn) said "dtype=Learner(...) is not one"."""
+    with pytest.raises(ConfigError, match=r"(?s)fastai v1's order.*learn\.to_fp16\(\)"):
+        MixedPrecision(_learner())  # type: ignore[arg-type]
 
 
 def test_to_fp32_removes_a_mixed_precision_callback_passed_in_as_fastai_does() -> None:

@@ -54,7 +54,9 @@ DEFAULT_MAX_SCALE = APEX_MAX_LOSS_SCALE
 # GradScaler's): checked when the callback is built, so a mistake is reported at the call that made it.
 # None always passes (it switches the feature off). name -> (check, what it must be, the fix)
 _ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "loss_scale": (positive_finite, "a positive, finite number", "e.g. loss_scale=512.0; None: no scaling"),
+    "loss_scale": (positive_finite, "a positive, finite number",
+                   "e.g. loss_scale=512.0: where the dynamic scale starts, or the static scale with "
+                   "dynamic=False (apex's loss_scale='dynamic' is dynamic=True here, the default)"),
     "max_noskip": (positive_int, "an int >= 1", "e.g. max_noskip=1000 clean steps before growing"),
     "max_scale": (positive_finite, "a positive, finite number", "e.g. max_scale=2.**24; None: unbounded"),
     "min_scale": (positive_finite, "a positive, finite number", "e.g. min_scale=1.0; None: no floor"),
@@ -129,6 +131,13 @@ class MixedPrecision(Callback):
         recipe: Recipe | None = None,
     ) -> None:
         check_max_norm("clip", clip)
+        if hasattr(dtype, "fit"):  # fastai v1's MixedPrecision(learn, ...): the Learner came first there
+            raise ConfigError(
+                "MixedPrecision got a Learner as its first argument (fastai v1's order: "
+                "MixedPrecision(learn, ...)); mixprec's callback takes the dtype first and is given to a "
+                "Learner.",
+                "call learn.to_fp16() (or learn.to_bf16()), or learn.add_cb(MixedPrecision(torch.float16)).",
+            )
         if recipe is None:
             recipe = fastai_recipe(dtype, loss_scale, max_noskip, dynamic, flat_master, max_scale, loss_fp32,
                                    min_scale=min_scale, skip_limit=skip_limit)
