@@ -715,7 +715,12 @@ def _marks_of_others(state: _AmpState, opts: list[Any]) -> _Marks:
     optimizer: nothing to walk)."""
     passed = {id(_inner(opt)) for opt in opts}
     others = [o for o in state.optimizers if id(_inner(o)) not in passed]
-    return {id(o): {p: _mark(p.grad) for p in _held_params(_inner(o))} for o in others}
+    if not others:
+        return {}
+    # a parameter a passed optimizer holds too is unscaled with it: its gradient is not left scaled
+    unscaled = {id(p) for opt in opts for p in _held_params(_inner(opt))}
+    held = {id(o): [p for p in _held_params(_inner(o)) if id(p) not in unscaled] for o in others}
+    return {opt_id: {p: _mark(p.grad) for p in params} for opt_id, params in held.items()}
 
 
 def _written(marks: dict[torch.Tensor, _GradMark | None]) -> dict[torch.Tensor, _GradMark]:

@@ -931,6 +931,18 @@ def test_scaled_gradients_on_another_optimizer_pass_when_they_are_not_stepped_on
         amp.reset()
 
 
+def test_a_parameter_two_optimizers_hold_is_unscaled_with_the_one_passed() -> None:
+    model = _net()
+    parts = (model.parameters(), model[3].parameters())
+    everything, head = (torch.optim.SGD(params, lr=0.1) for params in parts)
+    model, [everything, head] = mixprec.initialize(model, [everything, head], "O1", verbosity=0)
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), everything) as scaled:
+        scaled.backward()
+    everything.step()
+    head.step()  # its gradients are the ones `everything` unscaled: nothing left scaled
+
+
 def test_a_loss_that_reaches_no_parameter_works_iteration_after_iteration() -> None:
     """Passing it left the scaler's unscale_ recorded: the next iteration raised "unscale_() has already
     been called"."""
