@@ -453,3 +453,17 @@ def test_an_adamw_instance_and_split_masters_are_counted_as_training_holds_them(
     opt.step()
     assert held == footprint(opt).total
     mixprec.amp.reset()
+
+
+def test_cli_memory_titles_the_unit_its_numbers_are_in(capsys: pytest.CaptureFixture[str]) -> None:
+    """A user trial: the title said (MiB) whatever unit the table chose (vgg16's 0.52 "MiB" of parameters
+    were GiB)."""
+    assert _cli(["--model", "cnn", "--input", "1x16x16", "--batch-size", "4", "--precision", "fp32",
+                 "--no-png"]) == 0
+    out = capsys.readouterr().out
+    title = next(line for line in out.splitlines() if "Memory of one training step" in line)
+    total = next(line for line in out.splitlines() if line.strip("│ ").startswith("total"))
+    value = float(total.split("│")[2])
+    unit = title.rstrip().rsplit("(", 1)[1].rstrip(")")
+    # 7,738 parameters and a 4x1x16x16 batch: well under a MiB, so the table is in KiB
+    assert unit == "KiB" and 1 <= value < 1024

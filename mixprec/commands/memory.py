@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     n_params = breakdowns[0].n_params
     what = (f"{args.model} ({n_params:,} parameters), batch {args.batch_size} x "
             f"{'x'.join(map(str, shape))}, {args.optimizer}")
-    console.print(memory_table(breakdowns, title=f"Memory of one training step: {what} (MiB)"))
+    console.print(memory_table(breakdowns, title=f"Memory of one training step: {what}"))
     how = "measured on real tensors" if args.measure else "estimated with FakeTensorMode (nothing computed)"
     console.print(f"{how} in {seconds:.1f} s. Total = sum of components, an upper bound on one step's "
                   "live tensors: activations are freed as backward runs.")
