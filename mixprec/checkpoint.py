@@ -253,6 +253,19 @@ def _as_list(value: T | Sequence[T] | None) -> list[T]:
     return [value]  # type: ignore[list-item]
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile wrapped (same parameters): its state dict's keys carry no ``_orig_mod.``
+    prefix, so a checkpoint of a compiled model loads into the plain one and the other way round."""
+    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    return model._orig_mod if compiled else model  # type: ignore[return-value]
+
+
+def _objects(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> dict[str, list[Any]]:
+    objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    objects["model"] = [_uncompiled(m) for m in objects["model"]]
+    return objects
+
+
 def _states(objects: Sequence[Any]) -> list[dict[str, Any]]:
     return [obj.state_dict() for obj in objects]
 
@@ -287,7 +300,7 @@ def save_checkpoint(
             f"Cannot write checkpoint {target}: directory {target.parent} does not exist.",
             f"create it first: Path({str(target.parent)!r}).mkdir(parents=True, exist_ok=True).",
         )
-    objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    objects = _objects(model, optimizer, scaler, scheduler)
     if scaler is None:  # an apex-style run's scale lives with its optimizers: keep it without being asked
         objects["scaler"] = loss_scalers_of(objects["optimizer"])
     check_can_save(objects["model"], objects["optimizer"], objects["scaler"])
@@ -379,7 +392,7 @@ def load_checkpoint(
     All or nothing: the checksum, and every object's class, tensor names, shapes, dtypes and param groups
     are checked first; a ``CheckpointError`` naming the difference leaves every object as it was."""
     payload = _read(Path(path), map_location)
-    objects = dict(zip(KINDS, map(_as_list, (model, optimizer, scaler, scheduler)), strict=True))
+    objects = _objects(model, optimizer, scaler, scheduler)
     if scaler is None:
         objects["scaler"] = _amp_scalers_to_load(objects["optimizer"], payload["scalers"], Path(path))
     _validate(payload, objects, loader)

@@ -164,3 +164,15 @@ def check_scaler(index: int, scaler: Any, saved: Mapping[str, Any]) -> None:
             "(another precision).",
             "resume at the precision the run was saved at (fp16 scales the loss; fp32 and bf16 do not).",
         )
+    dynamic = getattr(scaler, "is_dynamic", None)
+    if enabled and isinstance(dynamic, bool) and "dynamic" in saved and bool(saved["dynamic"]) != dynamic:
+        # initialize's scalers are always enabled: an fp16 O2 run (dynamic) and a bf16 one (a static 1)
+        # differ only here, and loading one into the other replaced its scaling silently
+        kinds = {True: "dynamic", False: "static"}
+        raise CheckpointError(
+            f"scaler {index}: the checkpoint's loss scale is {kinds[bool(saved['dynamic'])]} (at "
+            f"{saved.get('scale')}), this run's is {kinds[dynamic]}: loading it would replace this run's "
+            "loss scaling (another precision, or another loss_scale=).",
+            "resume at the precision and loss scaling the run was saved with (initialize's dtype= and "
+            "loss_scale=, GradScaler's dynamic=).",
+        )

@@ -370,12 +370,12 @@ def test_a_split_masters_checkpoint_records_the_optimizer_it_wraps(tmp_path: Pat
 class ApexRun:
     """An O2 run through mixprec.initialize / scale_loss: its loss scale lives with the optimizer."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
         mixprec.amp.reset()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        self.model, self.opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+        self.model, self.opt = mixprec.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
 
@@ -419,3 +419,38 @@ def test_an_initialize_checkpoint_saved_without_its_scale_loads_and_says_so(tmp_
     with pytest.warns(UserWarning, match="holds no loss scale.*restarts at 65536"):
         load_checkpoint(path, model=b.model, optimizer=b.opt)
     assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+@pytest.mark.parametrize(("saved", "loaded"), [(torch.bfloat16, torch.float16),
+                                               (torch.float16, torch.bfloat16)])
+def test_an_initialize_checkpoint_of_the_other_half_precision_is_refused(
+    saved: torch.dtype, loaded: torch.dtype, tmp_path: Path
+) -> None:
+    """A user trial: a bf16 O2 checkpoint loaded into an fp16 O2 run silently gave it bf16's static scale
+    of 1 (fp16 gradients then underflow); an O2 model's state dict is fp32 at either precision, so only the
+    scaler tells them apart."""
+    a = ApexRun(saved)
+    a.step()
+    save_checkpoint(tmp_path / "ck.pt", model=a.model, optimizer=a.opt, step=1)
+    b = ApexRun(loaded)
+    before = [t.clone() for t in b.state()]
+    with pytest.raises(CheckpointError, match=r"(?s)scaler 0: the checkpoint's loss scale is .*resume at "):
+        load_checkpoint(tmp_path / "ck.pt", model=b.model, optimizer=b.opt)
+    assert all(torch.equal(x, y) for x, y in zip(before, b.state(), strict=True))  # all or nothing
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+def test_a_compiled_models_checkpoint_loads_into_the_plain_model_and_back(tmp_path: Path) -> None:
+    """A user trial: save_checkpoint(model=torch.compile(m)) wrote '_orig_mod.'-prefixed names, which the
+    plain model (a resume that compiles after loading) refused as an architecture mismatch."""
+    a = ApexRun()
+    a.step()
+    save_checkpoint(tmp_path / "compiled.pt", model=torch.compile(a.model), optimizer=a.opt, step=1)
+    b = ApexRun()
+    load_checkpoint(tmp_path / "compiled.pt", model=b.model, optimizer=b.opt)
+    assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
+    save_checkpoint(tmp_path / "plain.pt", model=a.model, optimizer=a.opt, step=1)
+    c = ApexRun()
+    load_checkpoint(tmp_path / "plain.pt", model=torch.compile(c.model), optimizer=c.opt)
+    assert all(torch.equal(x, y) for x, y in zip(a.state(), c.state(), strict=True))
