@@ -26,8 +26,9 @@ that changes.)
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,7 +206,11 @@ def _adam_pass(
 # size_asserts off: Inductor's generated code would check every input's sizes and strides again on each
 # call (~1 us per tensor, 5 tensors per parameter: 0.26 ms of a 1.6 ms step at 52 parameters, measured on
 # one CPU thread), which Dynamo's guards already checked (dynamic=False guards on exact sizes and strides).
-_compiled_pass = torch.compile(_adam_pass, dynamic=False, options={"size_asserts": False})
+# Made at the first step, not at import: torch.compile with options imports Inductor (~1.5 s of every
+# `import mixprec`, for users who never take this path).
+@functools.cache
+def _compiled_pass() -> Callable[..., None]:
+    return torch.compile(_adam_pass, dynamic=False, options={"size_asserts": False})
 
 
 @torch.no_grad()
@@ -222,7 +227,7 @@ def adam_pass(
     eagerly: correct, but several passes over memory instead of one."""
     if not units:
         return
-    _compiled_pass(
+    _compiled_pass()(
         [(u.param, u.grad, u.exp_avg, u.exp_avg_sq) for u in units],
         [u.model for u in units],
         tuple(u.group for u in units),
@@ -242,7 +247,9 @@ def _record_non_finite(grads: Sequence[torch.Tensor], found: torch.Tensor) -> No
     found.copy_(torch.maximum(found, flags.any().to(found.dtype)))  # 1.0 once any is inf/NaN, never more
 
 
-_compiled_record_non_finite = torch.compile(_record_non_finite, dynamic=False)
+@functools.cache
+def _compiled_record_non_finite() -> Callable[..., None]:
+    return torch.compile(_record_non_finite, dynamic=False)  # at first use, as _compiled_pass
 
 
 @torch.no_grad()
@@ -255,4 +262,4 @@ def record_non_finite_(grads: Sequence[torch.Tensor], found: torch.Tensor) -> No
     (benchmarks/master_step.py). Here one compiled reduction reads each half gradient once. Compiled once
     per distinct set of gradients, like the step itself (see adam_pass on recompiles).
     """
-    _compiled_record_non_finite(list(grads), found)
+    _compiled_record_non_finite()(list(grads), found)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
 
+import mixprec
 from mixprec import master_fused
 from mixprec.errors import ConfigError
 from mixprec.master import MasterWeights
@@ -383,3 +387,12 @@ def test_a_step_pickled_before_the_kept_slots_still_steps() -> None:
     ours.step()
     for want, got in zip(reference.param_groups[0]["params"], ours.master_views(), strict=True):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=TOL)
+
+
+def test_importing_mixprec_leaves_inductor_unloaded_and_passes_deprecations_as_errors() -> None:
+    """A user trial: `import mixprec` compiled the pass at import, which loaded Inductor (~1 s of every
+    import) and, through it, a torch module whose DeprecationWarning failed `python -W error`."""
+    code = "import sys, mixprec; assert 'torch._inductor.lowering' not in sys.modules, 'Inductor loaded'"
+    run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+                         capture_output=True, text=True, cwd=Path(mixprec.__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
