@@ -687,13 +687,25 @@ class GradScaler:
         if self._skip_limit is None or int(dev.consecutive.item()) < self._skip_limit:
             return
         dev.consecutive.zero_()  # the scaler stays usable: fix the data, then train on with it
+        scale = float(dev.scale.item())
+        if self.is_dynamic and scale > self.scale_floor:
+            # still backing off: the limit may have come before the scale reached a level without overflow
+            cause = (f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
+                     "gradients may just overflow at the scales tried so far, or the inf/NaN comes from "
+                     "elsewhere (below).")
+            more = f"raise skip_limit (now {self._skip_limit}) or start lower (init_scale=); "
+        else:
+            cause = (f"At {'its floor' if self.is_dynamic else 'a static scale'} ({scale:g}) backing off "
+                     "cannot help, so the inf/NaN does not come from gradient overflow.")
+            more = ""
         raise PersistentOverflowError(
-            f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients (scale now "
-            f"{dev.scale.item():g}). Backing off the scale did not help, so the inf/NaN does not come "
-            "from overflow: look for NaN in the data or the loss (log(0), 0/0, a bad label).",
-            "find the first non-finite layer with mixprec.diagnostics (overflow tracing), or the "
-            "parameters with non-finite gradients; fix the data or the loss. The scaler is ready for the "
-            "next iteration (update(new_scale=...) resets the scale).",
+            f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients. {cause} Other "
+            "causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 overflow in the forward "
+            "(an activation or logit above 65504, e.g. logits scaled up or a sum over a large batch: the "
+            "loss is inf whatever the scale); a learning rate that makes the weights diverge.",
+            f"{more}find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the "
+            "parameters with non-finite gradients; fix the data, the loss or the learning rate. The scaler "
+            "is ready for the next iteration (update(new_scale=...) resets the scale).",
         )
 
     # ------------------------------------------------------------------ buffers on skipped steps

@@ -394,6 +394,20 @@ def test_skip_limit_reports_persistent_nan_instead_of_skipping_forever() -> None
     _run(GradScaler("cpu", init_scale=2.0**10, skip_limit=5), "cpu", 20, OPTIMIZERS["sgd"])
 
 
+def test_skip_limit_says_overflow_is_ruled_out_only_at_the_floor() -> None:
+    """A user trial: logits times 1e4 tripped the limit at scale 64 with "the inf/NaN does not come from
+    overflow", though the run found a clean step once the scale reached 4."""
+    early = GradScaler("cpu", init_scale=2.0**10, skip_limit=5)  # 5 halvings: 32, far above the floor
+    with pytest.raises(PersistentOverflowError, match=r"(?s)still backing off \(now 32, floor 1\).*raise "
+                                                      "skip_limit"):
+        _run(early, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
+    floored = GradScaler("cpu", init_scale=4.0, skip_limit=5)  # 4, 2, 1, 1, 1
+    floor_said = r"At its floor \(1\) backing off cannot help"
+    with pytest.raises(PersistentOverflowError, match=floor_said) as raised:
+        _run(floored, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
+    assert "raise skip_limit" not in str(raised.value)
+
+
 def test_fused_sgd_momentum_survives_a_skipped_first_step() -> None:
     """torch 2.13's fused SGD leaves its momentum buffer uninitialized when found_inf skips the first step;
     the scaler must not hand that step to the device-side skip."""
