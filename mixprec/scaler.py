@@ -28,6 +28,7 @@ state machine, errors and the private names torch's own tests read), kept whole 
 from __future__ import annotations
 
 import copy
+import ctypes
 import inspect
 import math
 import warnings
@@ -96,6 +97,10 @@ __all__ = [
 OptState = torch.amp.grad_scaler.OptState
 
 # The entries torch.amp.GradScaler.state_dict() writes: a dict without them is not a scaler's.
+# Consecutive skipped steps at a scale that cannot back off further before _warn_if_stuck says the run is
+# not training: a transient bad batch or two passes quietly, as it always has.
+STUCK_AFTER = 5
+
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -292,6 +297,7 @@ class GradScaler:
         self._config = ScaleConfig()
         self._state = ScaleState(scale=1.0)
         self._watches: list[BufferWatch] = []
+        self._warned_stuck = False  # _warn_if_stuck said it once
         self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(
             _refresh_per_optimizer_state
         )
@@ -636,6 +642,7 @@ class GradScaler:
             count_clean(dev, found)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._check_skip_limit()
+        self._warn_if_stuck()
 
     def _checked_new_scale(self, new_scale: Any) -> Any:
         """torch accepts a float or a 1-element float tensor on the scaler's device; so do we (numpy floats
@@ -681,6 +688,31 @@ class GradScaler:
                 "call scaler.step(optimizer) (or unscale_) for at least one optimizer before update().",
             )
         return combined_found_inf(flags, dev.scale.device)
+
+    def _warn_if_stuck(self) -> None:
+        """Once per scaler, on the CPU (where reading the counters costs nothing; elsewhere skip_limit is
+        the check): every step skipped at a scale that cannot back off further, so nothing trains, and
+        without skip_limit nothing else would say so (a user trial: 67 of 69 steps skipped, silently)."""
+        if self._warned_stuck or self._skip_limit is not None or self._device != "cpu":
+            return
+        dev = cast(DeviceCounters, self._state.device)
+        # read in place: host memory, nothing queued to wait for (no .item(): the path stays sync-free)
+        if ctypes.c_int64.from_address(dev.consecutive.data_ptr()).value < STUCK_AFTER:
+            return
+        scale = ctypes.c_float.from_address(dev.scale.data_ptr()).value
+        if self._config.dynamic and scale > self.scale_floor:
+            return  # still backing off: overflow may yet clear
+        self._warned_stuck = True
+        warnings.warn(
+            f"GradScaler: the last {STUCK_AFTER} steps were all skipped for inf/NaN gradients at "
+            f"{'the scale floor' if self._config.dynamic else 'a static scale'} ({scale:g}): nothing is "
+            "training. Backing off cannot help here: look for NaN in the data or the loss, an fp16 overflow "
+            "in the forward (an activation or logit above 65504), or a diverging learning rate. Find the "
+            "first non-finite layer with mixprec.diagnostics.trace_nonfinite; pass skip_limit=N to stop "
+            "with an error instead of skipping on.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _check_skip_limit(self) -> None:
         dev = cast(DeviceCounters, self._state.device)
@@ -843,6 +875,7 @@ class GradScaler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_warned_stuck", False)  # pickled by a mixprec without it
         self.__dict__.update(state)
 
     # ------------------------------------------------------------------ torch-internal hooks kept for parity

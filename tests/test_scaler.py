@@ -740,3 +740,19 @@ def test_the_grad_scaler_protocol_is_asked_as_torch_asks_it_every_step() -> None
         results[name] = runs
     assert results["mixprec"] == results["torch"]
     assert results["torch"][:2] == [("asked", True), ("asked", True)]
+
+
+def test_a_run_that_skips_every_step_at_the_floor_says_so_once() -> None:
+    """A user trial: NaN data, lr=50 or logits times 1e4 skipped 67 of 69 steps at scale 1, silently;
+    skip_limit (the only stop) is opt-in."""
+    stuck = r"(?s)steps were all skipped .* at the scale floor \(1\).*skip_limit"
+    with pytest.warns(RuntimeWarning, match=stuck) as said:
+        _run(GradScaler("cpu", init_scale=4.0), "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
+    assert len([w for w in said if "all skipped" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # still backing off, isolated overflows, or an explicit skip_limit
+        _run(GradScaler("cpu", init_scale=2.0**16), "cpu", 12, OPTIMIZERS["sgd"], inf_at=set(range(12)))
+        _run(GradScaler("cpu", init_scale=4.0), "cpu", 20, OPTIMIZERS["sgd"], inf_at={3, 9, 15})
+        with pytest.raises(PersistentOverflowError):
+            limited = GradScaler("cpu", init_scale=1.0, skip_limit=8)
+            _run(limited, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set(range(20)))
