@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,28 @@ def test_train_user_errors_exit_2_with_the_fix(
 ) -> None:
     assert cli.main(["train", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [  # a user trial: both ended with exit 0 and only "skipped steps N" to go by
+        (["--precision", "fp16", "--loss-scale", "1e9"], r"(?s)of 12 steps were skipped.*loss-scale dynamic"),
+        (["--precision", "fp32", "--opt", "sgd", "--lr", "1e6"], r"(?s)loss became (nan|inf).*lower --lr"),
+    ],
+)
+def test_train_says_when_a_run_did_not_train(
+    argv: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["train", "--model", "mlp", "--size", "8", "--epochs", "1", "--batch-size", "128",
+                     "--out", str(tmp_path), *argv])
+    assert code == 0  # the run finished and wrote its metrics: the warning says what they mean
+    assert re.search(said, capsys.readouterr().out.replace("\n", " "))
+
+
+def test_a_healthy_run_gets_no_warning() -> None:
+    from mixprec.commands.train import run_problem
+
+    assert run_problem([2.3, 1.9, 1.4], [True, False, False], None) is None
 
 
 def test_train_at_an_opt_level(tmp_path: Path) -> None:

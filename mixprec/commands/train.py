@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from mixprec.data import DataBunch
     from mixprec.learner import Learner
+    from mixprec.scaler import GradScaler
 
 CHECKPOINT_NAME = "checkpoint.pt"  # under --out, rewritten atomically at every epoch end
 
@@ -320,10 +321,35 @@ def run(args: argparse.Namespace) -> int:
     if scaler is not None and scaler.is_enabled():
         skipped = learn.recorder.skipped_steps
         console.print(f"skipped steps {skipped}, final loss scale {scaler.get_scale():g}")
+    problem = run_problem(learn.recorder.losses, learn.recorder.skipped, scaler)
+    if problem is not None:
+        console.print(f"[yellow]warning:[/] {problem}")
     checkpoint = ckpt["checkpoint"]  # the last epoch's, what --resume continues from
     paths += [checkpoint] if checkpoint.exists() else []
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+# A run that skipped at least this share of its steps is reported as one that barely trained.
+MOSTLY_SKIPPED = 0.5
+
+
+def run_problem(losses: list[float], skipped: list[bool], scaler: GradScaler | None) -> str | None:
+    """What went wrong in a finished run, in words with the fix, or None: the loss went inf/NaN, or most
+    steps were skipped for inf/NaN gradients (a user trial: both ended with exit 0 and no word)."""
+    bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        return (f"the training loss became {losses[bad]} at step {bad + 1} of {len(losses)}: the run "
+                "diverged or the data holds NaN. Try a lower --lr; mixprec.diagnostics.trace_nonfinite "
+                "names the first layer with a non-finite output.")
+    n = sum(skipped)
+    if skipped and n >= MOSTLY_SKIPPED * len(skipped):
+        static = scaler is not None and not scaler.is_dynamic
+        fix = ("a lower --loss-scale, or --loss-scale dynamic" if static else "a lower --lr, or look for a "
+               "forward overflow with mixprec.diagnostics.trace_nonfinite")
+        return (f"{n} of {len(skipped)} steps were skipped for inf/NaN gradients: the run barely trained. "
+                f"Try {fix}.")
+    return None
 
 
 def _checkpoint_args(args: argparse.Namespace, resume: bool) -> dict[str, Path]:
