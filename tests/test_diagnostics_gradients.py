@@ -79,6 +79,23 @@ def test_gradient_dtype_does_not_change_the_report(dtype: torch.dtype) -> None:
     assert got.overall.counts == ref.overall.counts and got.overall.outcomes == ref.overall.outcomes
 
 
+def test_half_gradients_zeros_are_said_to_hide_underflow() -> None:
+    """A user trial: an fp16 model's gradients, 89% of them zeros lost in its backward, were reported as
+    "0% underflow to 0" with no word that the zeros were excluded values of a half format."""
+    values = torch.tensor([2.0**-10, 0.0, 0.0, 0.0])
+    half = analyze_grads({"w": values.to(torch.float16)}).summary()
+    assert "float16: 75% of them are zero" in half and "fp32 copy" in half
+    assert "fp32 copy" not in analyze_grads({"w": values}).summary()
+
+
+def test_a_report_prints_in_a_line_and_names_its_views() -> None:
+    """A user trial: print(report) dumped every histogram bin of every parameter."""
+    report = analyze_grads({"w": _planted(), "b": torch.zeros(3)})
+    text = repr(report)
+    assert len(text) < 200 and "2 parameters" in text and ".summary()" in text
+    assert "non-zero gradients," in repr(analyze_grads({"w": torch.zeros(3)}))  # no range of nothing
+
+
 def test_overall_is_the_sum_of_layers() -> None:
     a, b = _planted(), torch.tensor([2.0**-40, 1.0, 0.0])
     report = analyze_grads([("a", a), ("b", b)], scales=(8.0,))

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from mixprec import formats
 from mixprec.diagnostics.memory import default_loss, split_batch
 from mixprec.errors import ConfigError
+from mixprec.hardware import HALF_DTYPES
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -180,6 +181,14 @@ class GradientReport:
     scales: tuple[float, ...]
     suggested_scale: float | None
     margin: float
+    # the half dtypes the gradients came in (empty: fp32): their zeros may be values lost in backward
+    half_dtypes: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:  # the dataclass's own dumps every histogram bin of every parameter
+        o = self.overall
+        span = f", |g| in [{o.min_abs:.3g}, {o.max_abs:.3g}]" if o.nonzero else ""
+        return (f"GradientReport({len(self.layers)} parameters, {o.nonzero:,} non-zero gradients{span}, "
+                f"suggested scale {self.suggested_scale}; .summary(), .table(), .plot(path) show it)")
 
     def outcome(self, name: str, scale: float, format: str = "fp16") -> CastOutcome | None:
         """The outcome of parameter ``name`` (or ``"all"``) at ``scale``, if it was evaluated."""
@@ -338,7 +347,8 @@ def analyze_grads(
                                       *((suggested,) if suggested is not None else ()))))
     layers = tuple(_stats(layer, all_scales) for layer in read)
     overall = dataclasses.replace(functools.reduce(operator.add, layers), name="all")
-    return GradientReport(layers, overall, all_scales, suggested, margin)
+    halves = tuple(sorted({str(g.dtype).removeprefix("torch.") for _, g in items if g.dtype in HALF_DTYPES}))
+    return GradientReport(layers, overall, all_scales, suggested, margin, halves)
 
 
 def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callable[..., Tensor] | None = None,
@@ -498,6 +508,13 @@ def _summary(report: GradientReport, scale: float | None) -> str:
     o = report.overall
     counts = (f"{o.nonzero:,} non-zero finite gradients; {o.zeros:,} exact zeros and {o.nonfinite:,} inf/NaN "
               "excluded from the fractions.")
+    if report.half_dtypes and o.zeros:
+        # a zero of a half gradient may be a value that underflowed in backward: not countable here
+        zero_share = _pct(o.zeros / (o.zeros + o.nonzero))
+        counts += (f" The gradients are {'/'.join(report.half_dtypes)}: {zero_share} of them are zero, and a "
+                   "zero may be a value that already underflowed in backward, which these fractions cannot "
+                   "count. Analyse an fp32 copy (copy.deepcopy(model).float()) to see what the half format "
+                   "loses.")
     if not o.nonzero:  # no range and no fractions to give: say what there is instead of sentinel values
         return "\n".join([counts, _nothing_finite(o)])
     lines = [
