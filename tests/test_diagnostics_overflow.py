@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 
 import pytest
@@ -300,3 +301,32 @@ def test_a_finite_backward_reports_what_it_checked() -> None:
     tracer = _traced_backward(model, _input(), 1.0)
     assert tracer.backward_event is None and tracer.grads_checked == len(list(model.children()))
     assert tracer.report().endswith(f"nor gradient w.r.t. one ({tracer.grads_checked} checked).")
+
+
+def test_an_overflow_with_large_weights_says_the_run_may_be_diverging() -> None:
+    """A user trial: at lr=50 (diverging in fp32 too: weights 3.6e6) the advice was only "keep this module in
+    fp32"; an input scaled up, with ordinary weights, keeps that advice alone."""
+    model = _model()
+    _plant_overflow(model)  # layer3's weights up to ~7.5e3
+    half = model.half()
+    with trace_nonfinite(half) as tracer:
+        half(_input().half())
+    assert tracer.event is not None and tracer.event.weight_max is not None
+    weight_max = half.layer3.weight.abs().max().item()
+    assert f"max |w| {weight_max:.3g}" in tracer.event.explain() and "diverging" in tracer.event.explain()
+    plain = _model()
+    with torch.no_grad():
+        plain.layer1.weight.mul_(50.0)  # up to ~18: large for an initialisation, ordinary for trained weights
+    plain = plain.half()
+    with trace_nonfinite(plain) as tracer:
+        plain(_input().half() * 3e3)  # an input scaled up: layer1's output reaches ~2e5
+    assert tracer.event is not None and "overflowed in float16" in tracer.event.explain()
+    assert "diverging" not in tracer.event.explain()
+
+
+def test_a_non_finite_loss_after_a_finite_forward_is_said_to_come_from_after_the_model() -> None:
+    """A user trial: model(x) * 1e5 made the loss NaN; the report only hedged "or the loss is inf/NaN"."""
+    model, x = _model().half(), _input().half()
+    tracer = _traced_backward(model, x, 1e6)
+    assert tracer.event is None
+    assert re.search(r"Every module output of the forward was finite \(\d+ checked\)", tracer.report())

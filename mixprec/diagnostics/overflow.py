@@ -209,6 +209,7 @@ class NonfiniteEvent:
     nonfinite_state: tuple[str, ...] = ()  # the module's own parameters/buffers that already held inf/NaN
     after: str | None = None  # label of the last module (forward order) whose output was finite
     parent: str | None = None  # label of the module whose forward calls this one
+    weight_max: float | None = None  # max |w| over the module's own floating parameters (None: it has none)
 
     @property
     def inputs_finite(self) -> bool:
@@ -252,9 +253,14 @@ class NonfiniteEvent:
         if limit is not None and ref_max > limit:
             # ref_max is the fp32 re-run's: the half output holds inf where it overflowed, so it has no max.
             name = _dtype_name(out.dtype)
-            return (f"{self.label} output overflowed in {name} ({_counts(out)}): its fp32 re-run is finite "
+            text = (f"{self.label} output overflowed in {name} ({_counts(out)}): its fp32 re-run is finite "
                     f"with max |x| {ref_max:.3g}, above {name}'s max {limit:.6g}. Keep this module in fp32, "
                     "or scale its input down.")
+            if self.weight_max is not None and self.weight_max > LARGE_WEIGHT:
+                text += (f" But its weights are large too (max |w| {self.weight_max:.3g}; ~1 or less at "
+                         "initialisation): if they grew in training, the run is diverging (a learning rate "
+                         "too high), and fp32 only postpones the overflow. Check the loss curve first.")
+            return text
         return (f"{self.label} output {what} in {_dtype_name(out.dtype)} although its fp32 output fits "
                 f"(max |x| {ref_max:.3g}): an intermediate value inside the module overflowed. Run the "
                 "module in fp32, or rewrite it to keep intermediates small (e.g. subtract the max before "
@@ -318,6 +324,17 @@ def _kind(r: TensorRange) -> str:
 
 def _max_of(dtype: torch.dtype) -> float | None:
     return torch.finfo(dtype).max if dtype.is_floating_point else None
+
+
+# max |w| above which an overflowing module's weights are said to look diverged: initialisations keep weights
+# near or below 1 (Kaiming/Xavier: ~1/sqrt(fan_in)), and trained ones rarely pass a few tens
+LARGE_WEIGHT = 100.0
+
+
+def _weight_max(module: nn.Module) -> float | None:
+    """max |w| over the module's own floating parameters (read only for the event: one sync)."""
+    own = [p.detach() for p in module.parameters(recurse=False) if p.is_floating_point() and p.numel()]
+    return max(float(p.abs().max()) for p in own) if own else None
 
 
 def _nonfinite_state(module: nn.Module) -> tuple[str, ...]:
@@ -397,7 +414,8 @@ class NonfiniteTracer:
             outer = name.rpartition(".")[0]
             parent = _label(outer, self._types[outer]) if name else None
             self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state,
-                                        after=self._last_finite, parent=parent)
+                                        after=self._last_finite, parent=parent,
+                                        weight_max=_weight_max(module))
 
         return hook
 
@@ -447,7 +465,14 @@ class NonfiniteTracer:
         if self.event is not None:
             return self.event.report()
         if self.backward_event is not None:
-            return self.backward_event.report()
+            text = self.backward_event.report()
+            if self.backward_event.after is None and self.checked:
+                # the loss's own gradient was the first non-finite one, and no module made an inf/NaN
+                text += (f"\n  Every module output of the forward was finite ({self.checked} checked): if "
+                         "the loss is inf/NaN, code after the model made it (logits scaled up, log(0), a sum "
+                         "over a large batch in fp16). Check torch.isfinite(loss) and the code between the "
+                         "model's output and the loss.")
+            return text
         text = f"No non-finite module output ({self.checked} outputs checked)"
         if not self.grads_checked:
             return text + "."
