@@ -289,11 +289,18 @@ RECIPES: dict[str, Recipe] = _presets()
 OPT_LEVELS: dict[str, Recipe] = {k: v for k, v in RECIPES.items() if k in ("O0", "O1", "O2", "O3")}
 
 
+# Other names of presets: the experiment ladder's rung for pure fp16 (`mixprec compare --rungs`) is
+# "fp16-naive"; `mixprec memory --precision` takes that name too.
+ALIASES: dict[str, str] = {"fp16-naive": "pure-fp16"}
+
+
 def get_recipe(name: str | Recipe) -> Recipe:
-    """The preset named ``name`` (case-insensitive for opt levels), or ``name`` itself if a Recipe."""
+    """The preset named ``name`` (case-insensitive for opt levels; :data:`ALIASES` too), or ``name`` itself
+    if a Recipe."""
     if isinstance(name, Recipe):
         return name
     key = name.upper() if name.upper() in OPT_LEVELS else name.lower()
+    key = ALIASES.get(key, key)
     if key not in RECIPES:
         hint = " (letter O, not zero)" if name.startswith("0") else ""
         raise ConfigError(f"unknown precision recipe {name!r}{hint}.", f"use one of: {', '.join(RECIPES)}.")

@@ -46,6 +46,11 @@ def test_every_preset_makes_a_scaler_that_matches_its_config(name: str) -> None:
 
 def test_get_recipe_names_and_the_letter_o() -> None:
     assert get_recipe("o2") is RECIPES["O2"]
+    # the experiment ladder's rung name (a user trial: `mixprec memory --precision fp16-naive` was unknown)
+    from mixprec.ladder import LADDER
+
+    naive = next(r for r in LADDER if r.key == "fp16-naive")
+    assert get_recipe("fp16-naive") is naive.recipe is RECIPES["pure-fp16"]
     with pytest.raises(ConfigError, match="letter O"):
         get_recipe("02")
 
