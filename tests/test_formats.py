@@ -414,6 +414,15 @@ def test_cli_values_on_both_sides_of_an_option(argv: list[str], second: float,
     assert _torch_bit_string(second, FORMATS["fp16"]) in rows[1]
 
 
+def test_cli_takes_negative_numbers_in_exponent_form_and_infinity(capsys: pytest.CaptureFixture[str]) -> None:
+    """A user trial: -1e-5 and -inf were read as unknown options (argparse's negative-number pattern knows
+    only integers and plain decimals), and the top-level usage was printed."""
+    assert main(["formats", "-d", "fp16", "-1e-5", "-inf", "-.5"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("fp16")]
+    assert [_torch_bit_string(v, FORMATS["fp16"]) in row for v, row in zip((-1e-5, -math.inf, -0.5), rows,
+                                                                            strict=True)] == [True] * 3
+
+
 @pytest.mark.parametrize("dtype", ["", ",", " , "])
 def test_cli_dtype_that_names_no_format_is_refused(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The default formats were shown as if -d had not been given."""

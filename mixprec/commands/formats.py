@@ -221,14 +221,22 @@ def _formats_arg(text: str) -> list[formats.FloatFormat]:
 _DTYPE_FLAGS = ("--dtype", "-d")  # declared once: the hint below moves these with their values
 
 
+# argparse reads a token that starts with "-" as an option unless it matches its negative-number pattern
+# (integers and plain decimals only): -1e-5 and -inf, which a user counts as plain numbers, would be refused
+# as unknown options. This command has no option that looks like a number, so those are VALUEs too.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser._negative_number_matcher = _NEGATIVE_NUMBER  # see _NEGATIVE_NUMBER
     parser.add_argument(
         "values",
         nargs="*",
         type=_value_arg,
         metavar="VALUE",
         help="numbers or small expressions: 3.14159, 1e-4, 65504, 2**-25, 1/3, pi, inf, nan. "
-        "Put -- before one that starts with a minus and is not a plain number: -- -2**-24",
+        "Put -- before one that starts with a minus and is not a plain number (-1e-5 and -inf are): "
+        "-- -2**-24",
     )
     parser.add_argument(
         *_DTYPE_FLAGS,
@@ -470,7 +478,7 @@ def _print_value(console: Console, value: Value, fmts: list[formats.FloatFormat]
 
 def as_read(value: Value) -> str | None:
     """What reading a typed decimal as a float64 did to it, when that is not nothing: every row's errors
-    are against the float64, and the fp64 row's "exact" is about the float64, not the decimal."""
+    are against the float64 (an fp64 row's "exact" is about the float64, not the decimal)."""
     try:
         typed = decimal.Decimal(value.text.strip())
     except decimal.InvalidOperation:
@@ -486,7 +494,7 @@ def as_read(value: Value) -> str | None:
     digits = str(decimal.Decimal(value.value))
     shown = digits if len(digits) <= _READ_DIGITS else digits[:_READ_DIGITS] + "..."
     return (f"not a binary float: read as the nearest float64, {shown}; errors are against that float64 "
-            "(the fp64 row is 'exact' for it).")
+            "(which fp64 stores exactly).")
 
 
 _READ_DIGITS = 60  # a float64's exact decimal runs to ~750 digits for subnormals: enough to see it differ
