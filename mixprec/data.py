@@ -276,11 +276,16 @@ def _read_bytes(path: Path) -> bytes:
         ) from None
 
 
-def read_idx(path: str | Path) -> np.ndarray:
+# What each IDX dimension count holds in MNIST: read_idx names it when a file has another than expected.
+_IDX_KINDS = {1: "a labels file (idx1)", 3: "an images file (idx3)"}
+
+
+def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
     """Read an IDX file (raw or gzipped) into a native-endian numpy array.
 
     Layout: a 4-byte magic number ``00 00 <type code> <ndim>``, then ``ndim`` big-endian uint32 dimension
-    sizes, then the data, big-endian, in C order. Raises :class:`IDXFormatError` when the file is not that.
+    sizes, then the data, big-endian, in C order. Raises :class:`IDXFormatError` when the file is not that,
+    or (``ndim`` given) when its magic number declares another number of dimensions.
     """
     path = Path(path)
     buf = _read_bytes(path)
@@ -289,7 +294,14 @@ def read_idx(path: str | Path) -> np.ndarray:
             f"{path} is not an IDX file: its magic number starts {buf[:4].hex(' ') or '(empty)'}, expected "
             "00 00 <type> <ndim>. Check that it is an MNIST-style IDX file (raw or .gz), not a web page."
         )
-    code, ndim = buf[2], buf[3]
+    code, declared = buf[2], buf[3]
+    if ndim is not None and declared != ndim:
+        raise IDXFormatError(
+            f"{path} is {_IDX_KINDS.get(declared, f'an IDX file of {declared} dimensions')} (its magic "
+            f"number says {declared} dimensions), where {_IDX_KINDS.get(ndim, f'{ndim} dimensions')} is "
+            "expected: check that the images and labels files are not swapped or renamed."
+        )
+    ndim = declared
     if code not in _IDX_DTYPES:
         known = ", ".join(f"0x{c:02X}" for c in _IDX_DTYPES)
         raise IDXFormatError(f"{path}: unknown IDX type code 0x{code:02X}; known codes are {known}.")
@@ -345,7 +357,7 @@ def _check_labels(path: Path, labels: np.ndarray, n_classes: int) -> None:
 
 
 def _mnist_split(images_path: Path, labels_path: Path, limit: int | None) -> tuple[Tensor, Tensor]:
-    images, labels = read_idx(images_path), read_idx(labels_path)
+    images, labels = read_idx(images_path, ndim=3), read_idx(labels_path, ndim=1)
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise IDXFormatError(
             f"{images_path.name} / {labels_path.name}: expected images (N, H, W) and labels (N,), got "

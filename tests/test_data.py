@@ -254,6 +254,15 @@ def test_mnist_mismatched_counts(tmp_path: Path) -> None:
         D.mnist(tmp_path)
 
 
+def test_mnist_swapped_files_are_named_as_swapped(tmp_path: Path) -> None:
+    """A user trial: an images file under the labels name gave "header says shape (600, 134612226, ...)"."""
+    arrays = fake_mnist(tmp_path)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", arrays["train-images-idx3-ubyte"])
+    with pytest.raises(D.IDXFormatError, match=r"(?s)train-labels-idx1-ubyte is an images file \(idx3\).*"
+                                               r"a labels file \(idx1\) is expected.*swapped"):
+        D.mnist(tmp_path)
+
+
 @pytest.mark.parametrize("bad", [10, 250])
 def test_mnist_labels_outside_the_ten_digits_name_the_file_and_value(tmp_path: Path, bad: int) -> None:
     """They reached cross_entropy, which raised "Target 250 is out of bounds" in the middle of training."""
