@@ -4,6 +4,7 @@ overflow skipping; AutocastMixedPrecision; the Recorder and the progress table."
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,20 @@ def test_recorder_keeps_one_entry_per_step_and_plots(tmp_path: Path) -> None:
     assert rec.epochs[0].train_loss == pytest.approx(sum(rec.losses[: n // 2]) / (n // 2))
     path = rec.plot_losses(tmp_path / "losses.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_plot_marks_what_it_cannot_draw() -> None:
+    """A user trial: after the loss went NaN the curve just stopped, and skipped steps were not shown."""
+    from mixprec.callbacks import Recorder
+
+    rec = Recorder()
+    rec.losses, rec.skipped = [2.3, 1.9, math.nan, math.inf, math.nan], [True, False, True, True, True]
+    rec.loss_scales, rec.epochs = [512.0, 256.0, 128.0, 64.0, 32.0], []
+    labels = [t.get_text() for t in rec.loss_figure().axes[0].get_legend().get_texts()]
+    assert "loss inf/NaN (3 steps, not drawn)" in labels and "step skipped (4)" in labels
+    rec.losses, rec.skipped = [2.3, 1.9], [False, False]
+    labels = [t.get_text() for t in rec.loss_figure().axes[0].get_legend().get_texts()]
+    assert not any("NaN" in label or "skipped" in label for label in labels)
 
 
 def test_progress_prints_fastais_results_table() -> None:

@@ -7,14 +7,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec.callbacks.core import Callback, scaler_saw_step
 
-__all__ = ["EpochResult", "Recorder", "StepTimer"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
+__all__ = ["EpochResult", "Recorder", "StepTimer"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,12 @@ class Recorder(Callback):
 
     def plot_losses(self, path: str | Path, title: str | None = None) -> Path:
         """Write a PNG of the batch losses and, when scaled, the loss scale per step (matplotlib, Agg)."""
+        path = Path(path)
+        self.loss_figure(title).savefig(path, dpi=110)
+        return path
+
+    def loss_figure(self, title: str | None = None) -> Figure:
+        """The figure :meth:`plot_losses` writes."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -140,14 +148,21 @@ class Recorder(Callback):
         steps = [len(self.losses) * (r.epoch + 1) / len(self.epochs) for r in self.epochs]
         ax.plot(steps, [r.valid_loss for r in self.epochs], "o-", label="valid loss (per epoch)")
         ax.set(xlabel="step", ylabel="loss", yscale="log", title=title or "")
+        # matplotlib leaves inf/NaN points out without a word: mark them, and the skipped steps, on the axis
+        bad = [i for i, loss in enumerate(self.losses) if not math.isfinite(loss)]
+        if bad:
+            ax.plot(bad, [0.0] * len(bad), "rx", transform=ax.get_xaxis_transform(), clip_on=False,
+                    label=f"loss inf/NaN ({len(bad)} steps, not drawn)")
+        skipped = [i for i, s in enumerate(self.skipped) if s]
+        if skipped:
+            ax.plot(skipped, [0.02] * len(skipped), "|", color="orange", transform=ax.get_xaxis_transform(),
+                    label=f"step skipped ({len(skipped)})")
         ax.legend(loc="upper right")
         if any(s != 1.0 for s in self.loss_scales):
             scale_ax = ax.twinx()
             scale_ax.plot(self.loss_scales, color="grey", lw=1, ls="--")
             scale_ax.set(ylabel="loss scale (dashed)", yscale="log")
-        path = Path(path)
-        fig.savefig(path, dpi=110)
-        return path
+        return fig
 
 
 class StepTimer(Callback):
