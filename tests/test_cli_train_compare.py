@@ -91,6 +91,9 @@ def test_compare_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0
     printed = capsys.readouterr().out
     assert "fp16 naive" in printed and "wall time" in printed
+    # every word of every name whole at the 160-column console (a user trial saw "arithmet…", "O1 (autocas…")
+    table = printed.split("what each rung changed")[0]
+    assert "…" not in table and "arithmetic" in table and "(O2)" in table
     with (out / "compare.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["rung"] for r in rows] == ["fp32", "fp16 naive", "+ dynamic scale (O2)", "bf16 + master"]

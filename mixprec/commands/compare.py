@@ -67,8 +67,10 @@ def _rungs_arg(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)")
-    parser.add_argument("--epochs", type=int, default=6, metavar="N")
-    parser.add_argument("--lr", type=float, default=0.01, metavar="X", help="SGD learning rate (constant)")
+    parser.add_argument("--epochs", type=int, default=6, metavar="N",
+                        help="epochs per rung (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.01, metavar="X",
+                        help="SGD learning rate, constant (default: %(default)s)")
     parser.add_argument("--momentum", type=float, default=0.0,
                         help="SGD momentum (default 0: the update is lr*grad)")
     parser.add_argument("--rungs", type=_rungs_arg, default=None, metavar="KEYS",
@@ -170,15 +172,22 @@ def _write_report(runs: list[_Run], batch: Any, out: Path) -> dict[str, Path]:
 
 
 def _table(results: list[RungResult], settings: CompareSettings) -> Table:
+    from rich import box
     from rich.table import Table
 
     from mixprec.ladder_output import COLUMNS, results_table
 
-    table = Table(title=f"mixed precision ladder: {settings.title}")
+    # no vertical rules: 14 columns fit the console's 160 with every name whole
+    table = Table(title=f"mixed precision ladder: {settings.title}", box=box.SIMPLE_HEAD)
+    rows = [list(row.values()) for row in results_table(results)]
     for i, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if i in (0, 1) else "right")
-    for row in results_table(results):
-        table.add_row(*row.values())
+        # the name columns at least as wide as their longest word: squeezed into 160 columns, rich cut
+        # them ("O1 (autocas…", "arithmet…"); the numeric columns wrap their headers at spaces instead
+        words = [w for text in (name, *(str(row[i]) for row in rows)) for w in text.split()]
+        widest = max(map(len, words), default=0) if i in (0, 1) else None
+        table.add_column(name, justify="left" if i in (0, 1) else "right", min_width=widest)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

@@ -53,11 +53,13 @@ class UsageError(MixprecError, ValueError):
 
 
 def add_data_arguments(parser: argparse.ArgumentParser, model_default: str, size_help: str) -> None:
-    parser.add_argument("--model", choices=MODELS, default=model_default, help="reference model")
+    parser.add_argument("--model", choices=MODELS, default=model_default,
+                        help="reference model (default: %(default)s)")
     parser.add_argument("--data", default="digits", metavar="SOURCE", help=DATA_HELP)
     parser.add_argument("--size", type=int, default=None, help=size_help)
-    parser.add_argument("--batch-size", type=int, default=64, metavar="B")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="data split/order and model init")
+    parser.add_argument("--batch-size", type=int, default=64, metavar="B", help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="data split/order and model init (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp16 only: 'dynamic' (start at 512, back off on overflow; the default) or a "
                         "fixed scale such as 512")
     parser.add_argument("--flat-master", action="store_true", help="one flat fp32 master buffer (fp16/bf16)")
-    parser.add_argument("--epochs", type=int, default=3, metavar="N")
-    parser.add_argument("--lr", type=float, default=3e-3, metavar="X", help="peak learning rate")
+    parser.add_argument("--epochs", type=int, default=3, metavar="N", help="(default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-3, metavar="X",
+                        help="peak learning rate (default: %(default)s)")
     parser.add_argument("--opt", choices=("adamw", "sgd"), default="adamw",
                         help="AdamW(betas 0.9/0.99, wd 0.01) as fastai, or SGD with momentum 0.9")
     parser.add_argument("--schedule", choices=("one-cycle", "constant"), default="one-cycle")
