@@ -205,16 +205,18 @@ def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -
     )
 
 
-def _torch_enables(device_type: str, dtype: torch.dtype, cache_enabled: bool) -> bool:
-    """Whether torch.autocast enables such a region here: it disables one, with a warning, where e.g. CUDA
-    is unavailable. Asked when the region is made, as torch asks, so that its warning names the user's line
-    and comes once per region object (a decorator's: once), not from mixprec at every entry."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        region = torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache_enabled)
-    for warning in caught:  # past this function and autocast.__init__: the line that made the region
-        warnings.warn(warning.message, warning.category, stacklevel=3)
-    return bool(getattr(region, "_enabled", True))
+def _torch_enables(device_type: str) -> bool:
+    """Whether torch.autocast enables a region on ``device_type`` here: it disables a "cuda" one, with a
+    warning, where CUDA is unavailable (the one device mixprec takes that torch can turn off). Asked when the
+    region is made, as torch asks, so the warning names the user's line and comes once per region object
+    (a decorator's: once), not from mixprec at every entry. No ``warnings.catch_warnings`` here: it would
+    reset Python's once-per-line registry at every region made (an O1 model makes one per forward)."""
+    if device_type != "cuda" or torch.cuda.is_available():
+        return True
+    warnings.warn(  # torch.autocast's own words
+        "User provided device_type of 'cuda', but CUDA is not available. Disabling", UserWarning, stacklevel=3
+    )
+    return False
 
 
 _Frame = tuple[Any, Region, "_PolicyMode | None", "ModuleRules | None", Any]
@@ -291,7 +293,7 @@ class autocast:  # noqa: N801 - lower case like torch.autocast, which it replace
         except PolicyError as err:
             raise AutocastError(err.problem, err.fix) from None
         if self._enabled and not torch.compiler.is_compiling():
-            self._enabled = _torch_enables(device_type, self.fast_dtype, self._cache_enabled)
+            self._enabled = _torch_enables(device_type)
         if policy is not None and not isinstance(policy, Policy):
             raise AutocastError(
                 f"policy must be a mixprec.policy.Policy, got {type(policy).__name__}",

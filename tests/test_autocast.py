@@ -708,3 +708,19 @@ def test_custom_fwd_and_custom_bwd_run_as_under_torch_autocast(kind: str, dtype:
     for g, w in zip(got_grads, want_grads, strict=True):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, **tolerance)
+
+
+def _warns_here() -> None:
+    warnings.warn("a user's warning, once per line", UserWarning, stacklevel=1)
+
+
+def test_making_regions_leaves_once_per_line_warnings_once_as_torchs() -> None:
+    """A review: a region made with warnings.catch_warnings inside (to re-point torch's CUDA warning) reset
+    Python's registry, so a warning under "default" repeated at every region an O1 forward made."""
+    for region in (torch.autocast, autocast):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            for _ in range(3):
+                with region("cpu", dtype=torch.bfloat16):
+                    _warns_here()
+        assert len(seen) == 1, region
