@@ -100,9 +100,9 @@ class _AmpState:
     warned_unsynced: bool = False  # scale_loss said once that it unscaled a no_sync() backward
     # by id of an optimizer initialize returned: the buffers of the models it trains (_buffer_watches)
     watches: dict[int, list[BufferWatch]] = field(default_factory=dict)
-    # by id of an optimizer initialize returned: gradients a loss scaled without it wrote on its parameters
-    # (loss_id, and each gradient's mark right after), checked at its step (_check_no_scaled_writes)
-    scaled_writes: dict[int, tuple[int, dict[torch.Tensor, _GradMark]]] = field(default_factory=dict)
+    # by id of an optimizer initialize returned: gradients a loss scaled without it wrote on its parameters,
+    # each with (loss_id, its mark right after), checked at its step and its next scale_loss
+    scaled_writes: dict[int, dict[torch.Tensor, tuple[int, _GradMark]]] = field(default_factory=dict)
 
 
 _STATE: _AmpState | None = None  # the latest initialize's: what loss_scaler() and state_dict() read
@@ -506,7 +506,7 @@ def _amp_step(opt: Any, *args: Any, **kwargs: Any) -> Any:
             "step.",
         )
     if state.scaled_writes:
-        _check_no_scaled_writes(state, opt)
+        _check_no_scaled_writes(state, opt, "optimizer.step()")
     watches = state.watches.get(id(opt), [])
     if pending is None or not pending.found_infs:
         for watch in watches:  # a step with nothing to skip: the next training forward snapshots anew
@@ -647,9 +647,9 @@ def scale_loss(
         pending = state.pending.get(id(opt))
         if pending is not None and pending.carried and all(p.grad is None for p in _held_params(_inner(opt))):
             pending.carried = None
+    for opt in opts:  # what another loss left scaled would be unscaled (or set aside) as this loss's
+        _check_no_scaled_writes(state, opt, f"scale_loss(..., loss_id={loss_id})")
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
-    for opt in opts:  # this loss unscales (or carries) what they hold from here on
-        state.scaled_writes.pop(id(opt), None)
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
     _record_scaled_writes(state, loss_id, others)
@@ -732,28 +732,37 @@ def _written(marks: dict[torch.Tensor, _GradMark | None]) -> dict[torch.Tensor, 
 def _record_scaled_writes(state: _AmpState, loss_id: int, others: _Marks) -> None:
     """Remember the gradients this loss's backward wrote on optimizers not passed to scale_loss: they hold
     this loss's scaled values, which nothing unscales. A GAN's generator loss writes the discriminator's
-    this way, harmlessly when its zero_grad comes before its next step."""
+    this way, harmlessly when its zero_grad comes before its next loss and step."""
     for opt_id, marks in others.items():
         written = _written(marks)
         if written:
-            state.scaled_writes[opt_id] = (loss_id, written)
+            state.scaled_writes.setdefault(opt_id, {}).update({p: (loss_id, m) for p, m in written.items()})
 
 
-def _check_no_scaled_writes(state: _AmpState, opt: Any) -> None:
-    """Refuse a step on gradients that still hold a scaled loss another scale_loss left there (the marks
-    unchanged since): at 2**16 the update would be 65536x too large, and an overflow would go unnoticed."""
-    loss_id, written = state.scaled_writes.pop(id(opt), (0, {}))
-    kept = [p for p, mark in written.items() if _mark(p.grad) == mark]
-    scale = state.scalers[loss_id].get_scale() if kept else 1.0
-    if scale == 1.0:  # nothing written, or a scale of 1: nothing left scaled
+def _check_no_scaled_writes(state: _AmpState, opt: Any, what: str) -> None:
+    """Refuse ``what`` (a step, or a scale_loss that would unscale them as its own) on gradients that still
+    hold a scaled loss another scale_loss left there: their marks unchanged since, so neither zeroed nor
+    written again. At 2**16 the update would be 65536x too large, and an overflow would go unnoticed. The
+    record stays while it holds, so a second try is refused too. Known gap: an in-place edit (a clip of
+    these gradients) changes the mark as a zero_grad(set_to_none=False) does, and passes."""
+    written = state.scaled_writes.get(id(opt))
+    if written is None:
         return
+    kept = {p: loss_id for p, (loss_id, mark) in written.items() if _mark(p.grad) == mark}
+    # a scale of 1 leaves nothing scaled; read only where a record holds (one sync, off the usual path)
+    scaled = {i for i in set(kept.values()) if state.scalers[i].get_scale() != 1.0}
+    if not scaled:
+        del state.scaled_writes[id(opt)]
+        return
+    loss_id = min(scaled)
+    n, scale = sum(i in scaled for i in kept.values()), state.scalers[loss_id].get_scale()
     raise ScalerStateError(
-        f"optimizer.step() on {len(kept)} gradient(s) that the backward of scale_loss(..., "
-        f"loss_id={loss_id}) wrote while this optimizer was not passed to it: they are still multiplied by "
-        f"that loss's scale ({scale:g}), and an overflow in them was not checked.",
+        f"{what} on {n} gradient(s) that the backward of scale_loss(..., loss_id={loss_id}) wrote while this "
+        f"optimizer was not passed to it: they are still multiplied by that loss's scale ({scale:g}), and an "
+        "overflow in them was not checked.",
         "pass scale_loss every optimizer whose parameters the loss reaches (scale_loss(loss, [opt1, opt2])), "
-        "or zero this optimizer's gradients before its next loss if that loss should not train it (a GAN's "
-        "discriminator under the generator's loss).",
+        "or zero this optimizer's gradients (opt.zero_grad()) before its next loss if that loss should not "
+        "train it (a GAN's discriminator under the generator's loss).",
     )
 
 
