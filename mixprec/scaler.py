@@ -691,7 +691,7 @@ class GradScaler:
 
     def _warn_if_stuck(self) -> None:
         """Once per scaler, on the CPU (where reading the counters costs nothing; elsewhere skip_limit is
-        the check): every step skipped at a scale that cannot back off further, so nothing trains, and
+        the check): every step skipped at a scale that will not back off further, so nothing trains, and
         without skip_limit nothing else would say so (a user trial: 67 of 69 steps skipped, silently)."""
         if self._warned_stuck or self._skip_limit is not None or self._device != "cpu":
             return
@@ -700,44 +700,45 @@ class GradScaler:
         if ctypes.c_int64.from_address(dev.consecutive.data_ptr()).value < STUCK_AFTER:
             return
         scale = ctypes.c_float.from_address(dev.scale.data_ptr()).value
-        if self._config.dynamic and scale > self.scale_floor:
+        if self._config.dynamic and scale > ctypes.c_float(self.scale_floor).value:
             return  # still backing off: overflow may yet clear
+        cause, fix = self._why_stuck(scale)
         self._warned_stuck = True
         warnings.warn(
-            f"GradScaler: the last {STUCK_AFTER} steps were all skipped for inf/NaN gradients at "
-            f"{'the scale floor' if self._config.dynamic else 'a static scale'} ({scale:g}): nothing is "
-            "training. Backing off cannot help here: look for NaN in the data or the loss, an fp16 overflow "
-            "in the forward (an activation or logit above 65504), or a diverging learning rate. Find the "
-            "first non-finite layer with mixprec.diagnostics.trace_nonfinite; pass skip_limit=N to stop "
-            "with an error instead of skipping on.",
+            f"GradScaler: the last {STUCK_AFTER} steps were all skipped for inf/NaN gradients: nothing is "
+            f"training. {cause} Fix: {fix}; pass skip_limit=N to stop with an error instead of skipping on.",
             RuntimeWarning,
             stacklevel=3,
         )
+
+    def _why_stuck(self, scale: float) -> tuple[str, str]:
+        """(what the scale says about steps skipped in a row, the fix) at ``scale``."""
+        others = ("Other causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 "
+                  "overflow in the forward (an activation or logit above 65504, e.g. logits scaled up or a "
+                  "sum over a large batch: the loss is inf whatever the scale); a learning rate that makes "
+                  "the weights diverge.")
+        find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
+                "with non-finite gradients; fix the data, the loss or the learning rate")
+        floor = ctypes.c_float(self.scale_floor).value  # the scale is an fp32 tensor clamped to fp32(floor)
+        if scale > floor and self._config.dynamic:
+            return (f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
+                    f"gradients may just overflow at the scales tried so far. {others}",
+                    f"raise skip_limit (now {self._skip_limit}) or start lower (init_scale=); or {find}")
+        if scale > floor:
+            return (f"A static scale of {scale:g} may itself overflow the gradients. {others}",
+                    f"lower the static scale (loss_scale=, init_scale=) or use a dynamic one; or {find}")
+        return (f"At {'its floor' if self._config.dynamic else 'a static scale'} ({scale:g}) a lower scale "
+                f"cannot help, so the inf/NaN does not come from gradient overflow. {others}", find)
 
     def _check_skip_limit(self) -> None:
         dev = cast(DeviceCounters, self._state.device)
         if self._skip_limit is None or int(dev.consecutive.item()) < self._skip_limit:
             return
         dev.consecutive.zero_()  # the scaler stays usable: fix the data, then train on with it
-        scale = float(dev.scale.item())
-        if self.is_dynamic and scale > self.scale_floor:
-            # still backing off: the limit may have come before the scale reached a level without overflow
-            cause = (f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
-                     "gradients may just overflow at the scales tried so far, or the inf/NaN comes from "
-                     "elsewhere (below).")
-            more = f"raise skip_limit (now {self._skip_limit}) or start lower (init_scale=); "
-        else:
-            cause = (f"At {'its floor' if self.is_dynamic else 'a static scale'} ({scale:g}) backing off "
-                     "cannot help, so the inf/NaN does not come from gradient overflow.")
-            more = ""
+        cause, fix = self._why_stuck(float(dev.scale.item()))
         raise PersistentOverflowError(
-            f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients. {cause} Other "
-            "causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 overflow in the forward "
-            "(an activation or logit above 65504, e.g. logits scaled up or a sum over a large batch: the "
-            "loss is inf whatever the scale); a learning rate that makes the weights diverge.",
-            f"{more}find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the "
-            "parameters with non-finite gradients; fix the data, the loss or the learning rate. The scaler "
-            "is ready for the next iteration (update(new_scale=...) resets the scale).",
+            f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients. {cause}",
+            f"{fix}. The scaler is ready for the next iteration (update(new_scale=...) resets the scale).",
         )
 
     # ------------------------------------------------------------------ buffers on skipped steps

@@ -402,10 +402,22 @@ def test_skip_limit_says_overflow_is_ruled_out_only_at_the_floor() -> None:
                                                       "skip_limit"):
         _run(early, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     floored = GradScaler("cpu", init_scale=4.0, skip_limit=5)  # 4, 2, 1, 1, 1
-    floor_said = r"At its floor \(1\) backing off cannot help"
+    floor_said = r"At its floor \(1\) a lower scale cannot help"
     with pytest.raises(PersistentOverflowError, match=floor_said) as raised:
         _run(floored, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     assert "raise skip_limit" not in str(raised.value)
+
+
+def test_a_static_scale_above_the_floor_is_named_as_a_cause_and_fp32_floors_are_reached() -> None:
+    """A review: at a static 512 the error said the inf/NaN "does not come from gradient overflow", the
+    likeliest cause there; and a floor of 0.001 (not an fp32 value) was never "reached" by the fp32 scale."""
+    static = GradScaler("cpu", init_scale=512.0, dynamic=False, skip_limit=5)
+    with pytest.raises(PersistentOverflowError, match=r"(?s)A static scale of 512 may itself overflow.*lower "
+                                                      "the static scale"):
+        _run(static, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set(range(20)))
+    odd_floor = GradScaler("cpu", init_scale=0.004, min_scale=0.001, skip_limit=5)  # 0.002, 0.001, ...
+    with pytest.raises(PersistentOverflowError, match=r"At its floor \(0\.001\) a lower scale cannot help"):
+        _run(odd_floor, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set(range(20)))
 
 
 def test_fused_sgd_momentum_survives_a_skipped_first_step() -> None:
@@ -745,7 +757,7 @@ def test_the_grad_scaler_protocol_is_asked_as_torch_asks_it_every_step() -> None
 def test_a_run_that_skips_every_step_at_the_floor_says_so_once() -> None:
     """A user trial: NaN data, lr=50 or logits times 1e4 skipped 67 of 69 steps at scale 1, silently;
     skip_limit (the only stop) is opt-in."""
-    stuck = r"(?s)steps were all skipped .* at the scale floor \(1\).*skip_limit"
+    stuck = r"(?s)steps were all skipped .*At its floor \(1\).*skip_limit"
     with pytest.warns(RuntimeWarning, match=stuck) as said:
         _run(GradScaler("cpu", init_scale=4.0), "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     assert len([w for w in said if "all skipped" in str(w.message)]) == 1
