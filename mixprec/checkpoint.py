@@ -30,6 +30,7 @@ import contextlib
 import glob
 import os
 import random
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -256,8 +257,23 @@ def _as_list(value: T | Sequence[T] | None) -> list[T]:
 def _uncompiled(model: nn.Module) -> nn.Module:
     """The module torch.compile wrapped (same parameters): its state dict's keys carry no ``_orig_mod.``
     prefix, so a checkpoint of a compiled model loads into the plain one and the other way round."""
-    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing was compiled (and no import)
+    compiled = frames is not None and isinstance(model, frames.OptimizedModule)
     return model._orig_mod if compiled else model  # type: ignore[return-value]
+
+
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _from_compiled_saves(payload: dict[str, Any], models: Sequence[nn.Module]) -> None:
+    """A checkpoint of a compiled model written before models were saved unwrapped: its names carry
+    ``_orig_mod.`` and its class is OptimizedModule. Read it as the model it wraps (in place)."""
+    for i, (state, model) in enumerate(zip(payload["models"], models, strict=False)):
+        if state and all(k.startswith(_COMPILED_PREFIX) for k in state):
+            payload["models"][i] = {k.removeprefix(_COMPILED_PREFIX): v for k, v in state.items()}
+            classes = payload.get("classes", {}).get("model")
+            if classes is not None and i < len(classes):
+                classes[i] = describe(model)
 
 
 def _objects(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> dict[str, list[Any]]:
@@ -395,6 +411,7 @@ def load_checkpoint(
     objects = _objects(model, optimizer, scaler, scheduler)
     if scaler is None:
         objects["scaler"] = _amp_scalers_to_load(objects["optimizer"], payload["scalers"], Path(path))
+    _from_compiled_saves(payload, objects["model"])
     _validate(payload, objects, loader)
     # Optimizers after models: MasterWeights.load_state_dict copies the masters into the model weights.
     for kind, objs in objects.items():

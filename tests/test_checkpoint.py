@@ -454,3 +454,24 @@ def test_a_compiled_models_checkpoint_loads_into_the_plain_model_and_back(tmp_pa
     c = ApexRun()
     load_checkpoint(tmp_path / "plain.pt", model=torch.compile(c.model), optimizer=c.opt)
     assert all(torch.equal(x, y) for x, y in zip(a.state(), c.state(), strict=True))
+
+
+@pytest.mark.usefixtures("fresh_amp_state")
+def test_a_compiled_models_checkpoint_from_before_the_unwrapping_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: files written with the wrapper (class OptimizedModule, '_orig_mod.' names) loaded into a
+    compiled model before; unwrapping at load refused them."""
+    import mixprec.checkpoint as checkpoint_module
+
+    a = ApexRun()
+    a.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module, "_uncompiled", lambda model: model)  # what mixprec wrote before
+        save_checkpoint(tmp_path / "old.pt", model=torch.compile(a.model), optimizer=a.opt, step=1)
+    saved = torch.load(tmp_path / "old.pt", weights_only=False)["models"][0]
+    assert all(k.startswith("_orig_mod.") for k in saved)
+    for model_of in (lambda run: torch.compile(run.model), lambda run: run.model):
+        b = ApexRun()
+        load_checkpoint(tmp_path / "old.pt", model=model_of(b), optimizer=b.opt)
+        assert all(torch.equal(x, y) for x, y in zip(a.state(), b.state(), strict=True))
