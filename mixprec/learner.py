@@ -445,7 +445,7 @@ class Learner:
             raise ConfigError(f"fit_one_cycle got lr_max={lr_max!r} and max_lr={max_lr!r}: one rate.",
                               "pass one of them (max_lr is fastai v1's name for lr_max).")  # fmt: skip
         lr_max = next((r for r in (lr_max, max_lr) if r is not None), DEFAULT_LR)
-        if not isinstance(div_factor, int | float):
+        if isinstance(div_factor, tuple | list):  # v1's moms, a pair
             raise ConfigError(
                 f"fit_one_cycle's third argument is div_factor, and it got {div_factor!r} (fastai v1's order "
                 "is fit_one_cycle(epochs, max_lr, moms, div_factor, ...)).",

@@ -71,7 +71,8 @@ def _compiled_only_inlined(function: Callable[..., Any]) -> None:
     # Dynamo's frame-level switch (torch 2.6 and later; without it, frames are compiled as before), from
     # torch's C extension: importing torch._dynamo itself would add ~1.5 s to `import mixprec`.
     frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    if frames is None or not hasattr(frames, "set_code_exec_strategy"):
+    names = ("set_code_exec_strategy", "_FrameAction", "_FrameExecStrategy")  # private: any may be renamed
+    if frames is None or not all(hasattr(frames, name) for name in names):
         return
     skip = frames._FrameAction.SKIP
     frames.set_code_exec_strategy(function.__code__, frames._FrameExecStrategy(skip, skip))

@@ -128,8 +128,8 @@ class _Block(nn.Module):
 def test_a_forward_dynamo_gives_up_on_still_computes_its_loss_in_fp32() -> None:
     """Checkpointed blocks in a loop: torch 2.11's Dynamo gave up on the whole function and ran it eagerly,
     and compiled the region's __torch_function__ as a frame of its own for each op, which let the loss
-    through in fp16. Before torch 2.13 that method is now only compiled inlined, and eager code runs in
-    the region, entered eagerly (region.TRACEABLE_ENTER)."""
+    through in fp16. That method is now only compiled inlined (on every torch: 2.13 recompiled it per op),
+    and eager code runs in the region, entered eagerly before 2.13 (region.TRACEABLE_ENTER)."""
     blocks = nn.ModuleList(_Block() for _ in range(2)).half()
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)  # type: ignore[method-assign]

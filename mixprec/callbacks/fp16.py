@@ -52,14 +52,15 @@ DEFAULT_MAX_SCALE = APEX_MAX_LOSS_SCALE
 
 # The scaling arguments in the user's words (to_fp16's names; the Recipe's ScaleConfig would name
 # GradScaler's): checked when the callback is built, so a mistake is reported at the call that made it.
-# None always passes (it switches the feature off). name -> (check, what it must be, the fix)
+# None always passes (loss_scale: fastai's start; the others: the feature off, or min_scale's default floor
+# of 1). name -> (check, what it must be, the fix)
 _ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "loss_scale": (positive_finite, "a positive, finite number",
                    "e.g. loss_scale=512.0: where the dynamic scale starts, or the static scale with "
                    "dynamic=False (apex's loss_scale='dynamic' is dynamic=True here, the default)"),
     "max_noskip": (positive_int, "an int >= 1", "e.g. max_noskip=1000 clean steps before growing"),
     "max_scale": (positive_finite, "a positive, finite number", "e.g. max_scale=2.**24; None: unbounded"),
-    "min_scale": (positive_finite, "a positive, finite number", "e.g. min_scale=1.0; None: no floor"),
+    "min_scale": (positive_finite, "a positive, finite number", "e.g. min_scale=2.**-4; None: the floor 1.0"),
     "skip_limit": (positive_int, "an int >= 1", "e.g. skip_limit=50 skipped steps in a row"),
 }
 
