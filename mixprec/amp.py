@@ -47,7 +47,7 @@ from mixprec.master import MasterWeights, check_params_belong
 from mixprec.policy import register_float_function, register_half_function, register_promote_function
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
-from mixprec.skip_step import BufferWatch, combined_found_inf, step_unless_inf
+from mixprec.skip_step import BufferWatch, combined_found_inf, remove_watches, step_unless_inf
 from mixprec.split_state_dict import hook_split_state_dict
 
 __all__ = [
@@ -898,9 +898,7 @@ def restore(model: nn.Module) -> nn.Module:
              for k, v in split_master_values(m, mine).items()}
     half.restore(*(m for m in inners if isinstance(m, MasterWeights)), values=split)
     for watches in state.watches.values():
-        for watch in [w for w in watches if w.module is model]:
-            watch.remove()
-            watches.remove(watch)
+        remove_watches(watches, model)
     state.models.remove(half)
     model.__dict__.pop("_mixprec_opt_level", None)
     return model

@@ -357,11 +357,11 @@ def _check_labels(path: Path, labels: np.ndarray, n_classes: int) -> None:
 
 
 def _mnist_split(images_path: Path, labels_path: Path, limit: int | None) -> tuple[Tensor, Tensor]:
-    images, labels = read_idx(images_path, ndim=3), read_idx(labels_path, ndim=1)
-    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+    images, labels = read_idx(images_path, ndim=3), read_idx(labels_path, ndim=1)  # (N, H, W), (N,)
+    if len(images) != len(labels):
         raise IDXFormatError(
-            f"{images_path.name} / {labels_path.name}: expected images (N, H, W) and labels (N,), got "
-            f"{images.shape} and {labels.shape}. Check that the image and label files belong together."
+            f"{images_path.name} / {labels_path.name}: {len(images)} images and {len(labels)} labels (shapes "
+            f"{images.shape} and {labels.shape}). Check that the image and label files belong together."
         )
     _check_labels(labels_path, labels, MNIST_CLASSES)
     images, labels = images[:limit], labels[:limit]

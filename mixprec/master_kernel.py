@@ -206,8 +206,8 @@ def _adam_pass(
 # size_asserts off: Inductor's generated code would check every input's sizes and strides again on each
 # call (~1 us per tensor, 5 tensors per parameter: 0.26 ms of a 1.6 ms step at 52 parameters, measured on
 # one CPU thread), which Dynamo's guards already checked (dynamic=False guards on exact sizes and strides).
-# Made at the first step, not at import: torch.compile with options imports Inductor (~1.5 s of every
-# `import mixprec`, for users who never take this path).
+# Made at the first step, not at import: torch.compile with options can import Inductor (measured: 1.5-2 s
+# of `import mixprec`, for users who never take this path; tests/test_master_kernel.py keeps it out).
 @functools.cache
 def _compiled_pass() -> Callable[..., None]:
     return torch.compile(_adam_pass, dynamic=False, options={"size_asserts": False})

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["library", "library_error", "library_threads", "dense", "pointers", "readable", "sizes"]
+__all__ = ["cpu_scalar", "library", "library_error", "library_threads", "dense", "pointers", "readable",
+           "sizes"]
 
 # The loops, one concept per file, linked into one library (one build, one cache entry per machine).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("split_adam.c", "non_finite.c", "unscale_copy.c"))
@@ -216,6 +217,19 @@ def readable(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a loop may read (or write) ``t`` as ``t.numel()`` elements of ``dtype`` from its data pointer:
     a plain tensor (not a DTensor's or another subclass's wrapper), on the CPU, of that dtype, dense."""
     return type(t) is torch.Tensor and t.is_cpu and t.dtype is dtype and dense(t)
+
+
+# dtype of a one-element CPU tensor -> the C type cpu_scalar reads it as
+_C_SCALARS: dict[torch.dtype, type[ctypes.c_float] | type[ctypes.c_int32] | type[ctypes.c_int64]] = {
+    torch.float32: ctypes.c_float, torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64,
+}
+
+
+def cpu_scalar(t: torch.Tensor) -> float | int:
+    """The value of a one-element CPU tensor (fp32, int32 or int64), read from its memory in place: no torch
+    call, so nothing a sync watch counts (CPU tensors have no queue to wait for; ``.item()`` would be a
+    dispatcher call and, on a GPU, a sync)."""
+    return _C_SCALARS[t.dtype].from_address(t.data_ptr()).value
 
 
 def dense(t: torch.Tensor) -> bool:

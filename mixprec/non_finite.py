@@ -14,12 +14,11 @@ fp32 (and bf16, which has fp32's exponent range) subnormal gradients to 0; this 
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import torch
 
-from mixprec.native import library, pointers, readable, sizes
+from mixprec.native import cpu_scalar, library, pointers, readable, sizes
 
 __all__ = ["EXPONENT_MASK", "check_grads_"]
 
@@ -46,9 +45,8 @@ def check_grads_(grads: Sequence[torch.Tensor], found: torch.Tensor, inv_scale: 
     if not grads or grads[0].dtype not in EXPONENT_MASK or not cpu or inv_scale.dtype is not torch.float32:
         return False
     # Declined before the per-tensor tables are built (~5 us a gradient): fp16's dynamic scale is never 1.
-    # A load from the CPU tensor's memory, as the loop's own read (not .item(): no torch call, nothing a
-    # sync watch counts); the loop reads the scale again itself.
-    if inv_scale.numel() != 1 or ctypes.c_float.from_address(inv_scale.data_ptr()).value != 1.0:
+    # The loop reads the scale again itself.
+    if inv_scale.numel() != 1 or cpu_scalar(inv_scale) != 1.0:
         return False
     lib = library()
     if lib is None or not all(readable(g, grads[0].dtype) for g in grads):

@@ -68,14 +68,12 @@ def _compiled_only_inlined(function: Callable[..., Any]) -> None:
     eagerly, it decides as for an eager region (``is_current`` and the cast cache know a mode that compiled
     code entered).
     """
-    # Dynamo's frame-level switch (torch 2.6 and later; without it, frames are compiled as before), from
-    # torch's C extension: importing torch._dynamo itself would add ~1.5 s to `import mixprec`.
-    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    names = ("set_code_exec_strategy", "_FrameAction", "_FrameExecStrategy")  # private: any may be renamed
-    if frames is None or not all(hasattr(frames, name) for name in names):
+    try:  # Dynamo's frame-level switch (torch 2.6 and later); without it, frames are compiled as before
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
         return
-    skip = frames._FrameAction.SKIP
-    frames.set_code_exec_strategy(function.__code__, frames._FrameExecStrategy(skip, skip))
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class RegionMode(TorchFunctionMode):

@@ -28,7 +28,6 @@ state machine, errors and the private names torch's own tests read), kept whole 
 from __future__ import annotations
 
 import copy
-import ctypes
 import inspect
 import math
 import warnings
@@ -49,6 +48,7 @@ from mixprec.errors import (
     ScalerStateError,
 )
 from mixprec.hardware import HALF_DTYPES
+from mixprec.native import cpu_scalar
 from mixprec.non_finite import check_grads_
 from mixprec.scale_state import (
     DEFAULT_BACKOFF_FACTOR,
@@ -70,6 +70,7 @@ from mixprec.skip_step import (
     BufferWatch,
     combined_found_inf,
     device_skip_is_safe,
+    remove_watches,
     skips_on_device,
     step_unless_inf,
     step_with_flags,
@@ -96,11 +97,11 @@ __all__ = [
 # torch's own enum, not a copy: code written against torch.amp compares stages with `is`.
 OptState = torch.amp.grad_scaler.OptState
 
-# The entries torch.amp.GradScaler.state_dict() writes: a dict without them is not a scaler's.
 # Consecutive skipped steps at a scale that cannot back off further before _warn_if_stuck says the run is
 # not training: a transient bad batch or two passes quietly, as it always has.
 STUCK_AFTER = 5
 
+# The entries torch.amp.GradScaler.state_dict() writes: a dict without them is not a scaler's.
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -696,13 +697,11 @@ class GradScaler:
         if self._warned_stuck or self._skip_limit is not None or self._device != "cpu":
             return
         dev = cast(DeviceCounters, self._state.device)
-        # read in place: host memory, nothing queued to wait for (no .item(): the path stays sync-free)
-        if ctypes.c_int64.from_address(dev.consecutive.data_ptr()).value < STUCK_AFTER:
+        if cpu_scalar(dev.consecutive) < STUCK_AFTER:  # read in place: update() stays sync-free
             return
-        scale = ctypes.c_float.from_address(dev.scale.data_ptr()).value
-        if self._config.dynamic and scale > ctypes.c_float(self.scale_floor).value:
-            return  # still backing off: overflow may yet clear
-        cause, fix = self._why_stuck(scale)
+        backing_off, cause, fix = self._why_stuck(float(cpu_scalar(dev.scale)))
+        if backing_off:
+            return  # overflow may yet clear
         self._warned_stuck = True
         warnings.warn(
             f"GradScaler: the last {STUCK_AFTER} steps were all skipped for inf/NaN gradients: nothing is "
@@ -711,31 +710,33 @@ class GradScaler:
             stacklevel=3,
         )
 
-    def _why_stuck(self, scale: float) -> tuple[str, str]:
-        """(what the scale says about steps skipped in a row, the fix) at ``scale``."""
+    def _why_stuck(self, scale: float) -> tuple[bool, str, str]:
+        """(whether the scale is still backing off, what it says about steps skipped in a row, the fix) at
+        ``scale``."""
         others = ("Other causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 "
                   "overflow in the forward (an activation or logit above 65504, e.g. logits scaled up or a "
                   "sum over a large batch: the loss is inf whatever the scale); a learning rate that makes "
                   "the weights diverge.")
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
                 "with non-finite gradients; fix the data, the loss or the learning rate")
-        floor = ctypes.c_float(self.scale_floor).value  # the scale is an fp32 tensor clamped to fp32(floor)
+        floor = float(torch.tensor(self.scale_floor, dtype=torch.float32))  # the scale: fp32, clamped there
         if scale > floor and self._config.dynamic:
-            return (f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
+            return (True, f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
                     f"gradients may just overflow at the scales tried so far. {others}",
                     f"raise skip_limit (now {self._skip_limit}) or start lower (init_scale=); or {find}")
         if scale > floor:
-            return (f"A static scale of {scale:g} may itself overflow the gradients. {others}",
+            return (False, f"A static scale of {scale:g} may itself overflow the gradients. {others}",
                     f"lower the static scale (loss_scale=, init_scale=) or use a dynamic one; or {find}")
-        return (f"At {'its floor' if self._config.dynamic else 'a static scale'} ({scale:g}) a lower scale "
-                f"cannot help, so the inf/NaN does not come from gradient overflow. {others}", find)
+        at = "its floor" if self._config.dynamic else "a static scale"
+        return (False, f"At {at} ({scale:g}) a lower scale cannot help, so the inf/NaN does not come from "
+                f"gradient overflow. {others}", find)
 
     def _check_skip_limit(self) -> None:
         dev = cast(DeviceCounters, self._state.device)
         if self._skip_limit is None or int(dev.consecutive.item()) < self._skip_limit:
             return
         dev.consecutive.zero_()  # the scaler stays usable: fix the data, then train on with it
-        cause, fix = self._why_stuck(float(dev.scale.item()))
+        _, cause, fix = self._why_stuck(float(dev.scale.item()))
         raise PersistentOverflowError(
             f"{self._skip_limit} consecutive steps were skipped for inf/NaN gradients. {cause}",
             f"{fix}. The scaler is ready for the next iteration (update(new_scale=...) resets the scale).",
@@ -754,9 +755,7 @@ class GradScaler:
 
     def unwatch(self, module: nn.Module) -> None:
         """Stop the watches :meth:`watch` put on ``module``."""
-        for watch in [w for w in self._watches if w.module is module]:
-            watch.remove()
-            self._watches.remove(watch)
+        remove_watches(self._watches, module)
 
     # ------------------------------------------------------------------ getters and setters (torch API)
     def _get_scale_async(self) -> torch.Tensor | None:

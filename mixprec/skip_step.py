@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 __all__ = ["step_unless_inf", "step_with_flags", "record_step_called", "combined_found_inf",
-           "supports_amp_scaling", "skips_on_device", "device_skip_is_safe", "BufferWatch"]
+           "supports_amp_scaling", "skips_on_device", "device_skip_is_safe", "BufferWatch", "remove_watches"]
 
 T = TypeVar("T")
 
@@ -208,3 +208,10 @@ class BufferWatch:
         """Stop watching: remove the hook and drop the snapshot."""
         self._handle.remove()
         self._pairs = []
+
+
+def remove_watches(watches: list[BufferWatch], module: nn.Module) -> None:
+    """Stop and drop the watches in ``watches`` that are on ``module``."""
+    for watch in [w for w in watches if w.module is module]:
+        watch.remove()
+        watches.remove(watch)
