@@ -80,6 +80,7 @@ from mixprec.region import (
     pop_region,
     push_region,
 )
+from mixprec.warn_site import user_stacklevel
 
 __all__ = [
     "autocast",
@@ -149,7 +150,7 @@ def _warn_eager_region() -> None:
         f"mixprec.autocast inside torch.compile needs torch 2.13 or newer to be traced; with torch "
         f"{torch.__version__} the region is entered eagerly (a graph break) and the code inside it is "
         "compiled on its own. Fix: upgrade torch, or enter mixprec.autocast outside the compiled function.",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -190,7 +191,7 @@ def _resolve_dtype(device_type: str, dtype: torch.dtype | None, enabled: bool) -
             "autocast disabled, as torch.autocast does. Write enabled=False to say so, or use "
             f"dtype={supported}.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return dtype, False
     if not dtype.is_floating_point:
@@ -214,7 +215,8 @@ def _torch_enables(device_type: str) -> bool:
     if device_type != "cuda" or torch.cuda.is_available():
         return True
     warnings.warn(  # torch.autocast's own words
-        "User provided device_type of 'cuda', but CUDA is not available. Disabling", UserWarning, stacklevel=3
+        "User provided device_type of 'cuda', but CUDA is not available. Disabling", UserWarning,
+        stacklevel=user_stacklevel(),  # the user's region, or their call of a prepared model
     )
     return False
 

@@ -50,15 +50,12 @@ the why-comments on the bit-level numerics.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +68,7 @@ from mixprec.outside_region import RegionWatch
 from mixprec.skip_step import record_step_called
 from mixprec.split_adam import SUPPORTED as SPLIT_ADAM_OPTIMIZERS
 from mixprec.split_adam import NativeSplitAdam
+from mixprec.warn_site import user_stacklevel
 
 __all__ = ["LowPrecisionOptimizer", "UpdateMode", "Footprint", "footprint", "stochastic_round"]
 
@@ -276,17 +274,6 @@ def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """An optimizer state tensor shaped like its parameter (momentum, Adam's moments), not a step count."""
     moment = isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape
     return moment and key != "step"
-
-
-def _callers_level() -> int:
-    """The stacklevel of the first frame outside mixprec and torch (scaler.step, LR schedulers' step
-    wrappers and no_grad decorators sit between the user's line and the warning)."""
-    # with the separator: torchvision's files start with torch's folder name, a user's mixprec_x/ with ours
-    inside = (str(Path(__file__).parent) + os.sep, str(Path(torch.__file__).parent) + os.sep)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 # ----------------------------------------------------------------------------------- the wrapper
@@ -505,7 +492,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                           f"its native Adam step, because {reason}. Pass kernel='generic' to choose that "
                           "step without this warning (where initialize or the Learner builds the wrapper: "
                           "warnings.filterwarnings('ignore', 'LowPrecisionOptimizer.mode=.split.. steps "
-                          "generically')).", UserWarning, stacklevel=_callers_level())
+                          "generically')).", UserWarning, stacklevel=user_stacklevel())
         return reason is None
 
     def _chunks(self) -> list[list[list[Tensor]]]:

@@ -16,8 +16,6 @@ region, compiled or not (a compiled region enters nothing this module could coun
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from collections.abc import Iterable
 
@@ -27,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec.formats import dtype_label
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.region import STATE
+from mixprec.warn_site import user_stacklevel
 
 __all__ = ["RegionWatch", "mark_prepared"]
 
@@ -57,19 +56,7 @@ class RegionWatch:
             return  # a region was entered on this thread since the optimizer was built
         slow = _slow_half_kinds(params)
         if slow:
-            warnings.warn(_message(self.who, *slow[0]), UserWarning, stacklevel=_user_stacklevel())
-
-
-# Frames of these packages stand between the user's opt.step() and the check (torch's step hooks wrap it).
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
-
-
-def _user_stacklevel() -> int:
-    """warnings.warn's stacklevel that names the first caller outside torch and mixprec."""
-    frame, level = sys._getframe(2), 2  # 1: warnings.warn's caller (check), 2: its caller
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
+            warnings.warn(_message(self.who, *slow[0]), UserWarning, stacklevel=user_stacklevel())
 
 
 def _slow_half_kinds(params: Iterable[torch.Tensor]) -> list[tuple[str, torch.dtype, str]]:

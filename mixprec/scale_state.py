@@ -181,8 +181,10 @@ class ScaleConfig:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict[str, Any]:
-        """The rule's settings as state_dict carries them (not the run's ``init_scale``/``skip_limit``)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_SETTINGS}
+        """The rule's settings as state_dict carries them (not the run's ``init_scale``/``skip_limit``).
+        ``min_scale`` is the floor in force: None there read as "no floor" to a user printing the dict."""
+        saved = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_SETTINGS}
+        return saved | {"min_scale": self.floor}
 
     def from_dict(self, saved: dict[str, Any]) -> ScaleConfig:
         """This config with the entries ``saved`` has (torch's dict lacks mixprec's extras)."""

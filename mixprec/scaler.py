@@ -76,6 +76,7 @@ from mixprec.skip_step import (
     step_with_flags,
     supports_amp_scaling,
 )
+from mixprec.warn_site import user_stacklevel
 
 __all__ = [
     "GradScaler",
@@ -707,7 +708,7 @@ class GradScaler:
             f"GradScaler: the last {STUCK_AFTER} steps were all skipped for inf/NaN gradients: nothing is "
             f"training. {cause} Fix: {fix}; pass skip_limit=N to stop with an error instead of skipping on.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the user's update() or `with scale_loss(...)` line
         )
 
     def _why_stuck(self, scale: float) -> tuple[bool, str, str]:

@@ -235,6 +235,10 @@ def test_a_corrupt_gzip_mnist_file_is_a_user_error(tmp_path: Path,
         (["memory", "--classes", "-4", "--no-png"], "--classes must be >= 2, got -4"),  # negative dimension
         (["memory", "--classes", "0", "--no-png"], "--classes must be >= 2, got 0"),  # it printed a table
         (["memory", "--classes", "1", "--no-png"], "--classes must be >= 2, got 1"),
+        # the fix named build()'s arguments (flatten=, input_shape=), not the command line's
+        (["memory", "--model", "cnn", "--input", "28x28", "--no-png"],
+         "2 dimension(s): e.g. --input 1x28x28"),
+        (["memory", "--model", "vgg16", "--input", "3x4x4x4", "--no-png"], "e.g. --input 3x224x224"),
         (["compare", "--momentum", "-1"], "momentum must be a finite number >= 0, got -1.0"),  # SGD raised
         (["compare", "--momentum", "nan"], "momentum must be a finite number >= 0, got nan"),  # NaN, rc 0
         (["compare", "--lr", "inf"], "lr must be a finite number > 0, got inf"),

@@ -107,6 +107,17 @@ def test_report_is_plain_text_with_both_tables() -> None:
     assert str(trace) == text
 
 
+def test_cast_bytes_are_shown_in_the_memory_tables_binary_units() -> None:
+    """The casts table said decimal kB/MB beside `mixprec memory`'s KiB/MiB (a user trial)."""
+    model, x = nn.Linear(64, 64), torch.randn(16, 64)  # a 64x64 weight: 8 KiB in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16), CastTrace() as trace:
+        model(x)
+    down = max((c for c in trace.casts if c.target == "bf16"), key=lambda c: c.bytes)
+    unit, size = next((u, s) for u, s in (("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if down.bytes >= s)
+    shown = f"{down.bytes} B" if size == 1 else f"{down.bytes / size:.2f} {unit}"
+    assert size > 1 and shown in trace.report()
+
+
 def test_emulated_fp16_gemms_are_reported_as_emulated_fp16() -> None:
     # issue 15: mixprec computes CPU fp16 GEMMs with fp32 kernels on fp16-rounded inputs; the trace must
     # say fp16 arithmetic ran (emulated), where torch.autocast's own fp16 kernels say plain fp16.

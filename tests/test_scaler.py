@@ -194,6 +194,16 @@ def test_loads_torch_state_dict_and_torch_loads_ours() -> None:
     assert back.get_scale() == 128.0
 
 
+@pytest.mark.parametrize(("min_scale", "floor"), [(None, 1.0), (2.0**-8, 2.0**-8)])
+def test_state_dict_names_the_floor_in_force(min_scale: float | None, floor: float) -> None:
+    """The default floor was saved as min_scale None, which a reader takes for "no floor"."""
+    state = GradScaler("cpu", min_scale=min_scale).state_dict()
+    assert state["min_scale"] == floor
+    loaded = GradScaler("cpu")
+    loaded.load_state_dict(state)
+    assert loaded.scale_floor == floor and loaded.state_dict() == state
+
+
 def test_pickle_only_between_iterations() -> None:
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     _run(scaler, "cpu", 12, OPTIMIZERS["sgd"])

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reference model from mixprec.models (default: mlp, 784-8192-10)")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
     parser.add_argument("--input", type=parse_shape, default=None, metavar="CxHxW",
-                        help="shape of one sample (default: 1x28x28; vgg16: 3x224x224)")
+                        help="shape of one sample: CxHxW (the mlp flattens any shape; default: 1x28x28, "
+                        "vgg16: 3x224x224)")
     parser.add_argument("--classes", type=int, default=None,
                         help="number of classes (default: 10; vgg16: 1000 as in torchvision)")
     parser.add_argument("--precision", default=DEFAULT_PRECISIONS, metavar="NAMES",
@@ -107,6 +108,10 @@ def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
         return f"--batch-size must be >= 1, got {args.batch_size}."
     if args.classes is not None and args.classes < 2:  # as DataBunch: one class leaves nothing to learn
         return f"--classes must be >= 2, got {args.classes}: e.g. --classes 10."
+    if args.model != "mlp" and len(shape) != 3:  # the MLP flattens any sample; the others convolve images
+        example = "x".join(map(str, DEFAULT_INPUT[args.model]))
+        return (f"--model {args.model} takes image samples, CxHxW; --input {'x'.join(map(str, shape))} has "
+                f"{len(shape)} dimension(s): e.g. --input {example}.")
     return None
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mixprec.diagnostics.memory import bytes_text
 from mixprec.formats import dtype_label
 from mixprec.region import EMULATED_NODE_KEY, STATE
 
@@ -184,7 +185,7 @@ class CastTrace(TorchDispatchMode):
                                 ("bytes written", "right")):
             table.add_column(header, justify=justify)  # type: ignore[arg-type]
         for c in self.casts:
-            table.add_row(c.phase, c.source, c.target, str(c.count), _bytes_text(c.bytes))
+            table.add_row(c.phase, c.source, c.target, str(c.count), bytes_text(c.bytes))
         return table
 
     def report(self, width: int = 100) -> str:
@@ -204,9 +205,3 @@ class CastTrace(TorchDispatchMode):
     def __str__(self) -> str:
         return self.report()
 
-
-def _bytes_text(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"

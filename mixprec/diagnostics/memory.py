@@ -91,6 +91,12 @@ def memory_unit(breakdowns: Sequence[MemoryBreakdown]) -> tuple[str, int]:
     return next(((n, b) for n, b in reversed(_UNITS) if top >= b), _UNITS[0])
 
 
+def bytes_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches, as the memory tables count: ``"1.50 KiB"``."""
+    name, size = next(((name, size) for name, size in reversed(_UNITS) if n >= size), ("B", 1))
+    return f"{n} B" if size == 1 else f"{n / size:.2f} {name}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # precision recipes: mixprec.recipe's, plus a LowPrecisionOptimizer mode for pure half ones
 # ---------------------------------------------------------------------------------------------------------
