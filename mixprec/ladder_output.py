@@ -16,14 +16,19 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.hardware import half_arithmetic
 from mixprec.ladder import ALL_RUNGS, CompareSettings, RungResult
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = ["COLUMNS", "CHANGE", "NOTES", "MEASURES", "explain", "explained_rows", "measured_notes",
-           "notes_for", "results_table", "plot_ladder", "write_outputs"]
+           "ladder_figure", "notes_for", "results_table", "plot_ladder",
+           "write_outputs"]
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -213,9 +218,22 @@ def _ema(values: Sequence[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def plot_ladder(results: Sequence[RungResult], path: Path, title: str) -> Path:
-    """One PNG: every rung's train loss per step (smoothed), its gap to the fp32 rung on the same batches
-    (when fp32 ran), and valid accuracy per epoch."""
+# Rungs whose curves coincide (fp16 + master, + static scale and + dynamic scale often train alike) would
+# hide each other: each later rung is drawn thinner, on top, and in the next dash pattern, so a curve under
+# another still shows at its edges and between its dashes.
+_LINESTYLES = ("-", "--", "-.", ":")
+_WIDEST, _NARROWEST = 3.0, 1.0
+
+
+def _line_styles(n: int) -> list[tuple[str, float]]:
+    """(linestyle, linewidth) of each of ``n`` rungs, in drawing order."""
+    step = (_WIDEST - _NARROWEST) / max(n - 1, 1)
+    return [(_LINESTYLES[i % len(_LINESTYLES)], _WIDEST - i * step) for i in range(n)]
+
+
+def ladder_figure(results: Sequence[RungResult], title: str) -> Figure:
+    """Every rung's train loss per step (smoothed), its gap to the fp32 rung on the same batches (when fp32
+    ran), and valid accuracy per epoch, side by side."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -224,22 +242,28 @@ def plot_ladder(results: Sequence[RungResult], path: Path, title: str) -> Path:
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, gap_ax, acc_ax = fig.subplots(1, 3, width_ratios=(3, 3, 2))
-    for r in ran:
-        (line,) = loss_ax.plot(_ema(r.losses), lw=1.3, label=r.label)
+    for r, (style, width) in zip(ran, _line_styles(len(ran)), strict=True):
+        (line,) = loss_ax.plot(_ema(r.losses), ls=style, lw=width, label=r.label)
         if reference is not None:
             gap = [a - b for a, b in zip(r.losses, reference.losses, strict=False)]
-            gap_ax.plot(_ema(gap), lw=1.3, color=line.get_color())
+            gap_ax.plot(_ema(gap), ls=style, lw=width, color=line.get_color())
         epochs = range(1, len(r.valid_accuracies) + 1)
-        acc_ax.plot(epochs, [100 * a for a in r.valid_accuracies], "o-", lw=1.3, color=line.get_color())
+        acc_ax.plot(epochs, [100 * a for a in r.valid_accuracies], marker="o", ls=style, lw=width,
+                    color=line.get_color())
     loss_ax.set(xlabel="training step", ylabel="train loss (EMA 0.9, bias-corrected)", yscale="log")
     gap_ax.set(xlabel="training step", ylabel="train loss minus fp32's, same batches (EMA 0.9)")
     gap_ax.axhline(0.0, color="black", lw=0.6)
     if reference is None:
         gap_ax.set_title("(no fp32 rung to compare with)", fontsize=9)
     acc_ax.set(xlabel="epoch", ylabel="valid accuracy %")
-    loss_ax.legend(fontsize=8)
+    loss_ax.legend(fontsize=8, title="later rungs thinner, on top", title_fontsize=8)
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_ladder(results: Sequence[RungResult], path: Path, title: str) -> Path:
+    """:func:`ladder_figure` written to ``path`` (PNG)."""
+    ladder_figure(results, title).savefig(path, dpi=110)
     return path
 
 

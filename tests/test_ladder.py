@@ -4,6 +4,7 @@ memory counted from first principles, outputs."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -123,3 +124,16 @@ def test_write_outputs(results: dict[str, ladder.RungResult], tmp_path: Path) ->
     assert len(payload["results"]) == 7 and payload["results"][0]["losses"] == list(results["fp32"].losses)
     assert "| rung |" in paths["md"].read_text()
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_coinciding_curves_stay_visible(results: dict[str, ladder.RungResult]) -> None:
+    """fp16 + master, + static and + dynamic scale trained alike and the later curve hid the earlier ones (a
+    user trial): every rung's line differs from every other's in dash pattern or width, later ones thinner."""
+    from mixprec.ladder_output import ladder_figure
+
+    same = [dataclasses.replace(r, losses=results["fp32"].losses) for r in results.values()]
+    loss_ax = ladder_figure(same, "t").axes[0]
+    styles = [(line.get_linestyle(), line.get_linewidth()) for line in loss_ax.get_lines()]
+    assert len(styles) == len(same) and len(set(styles)) == len(styles)
+    widths = [w for _, w in styles]
+    assert widths == sorted(widths, reverse=True) and widths[-1] < widths[0]
