@@ -67,6 +67,8 @@ from mixprec.policy.devices import device_spec
 from mixprec.policy.names import PY_ALIASES
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
+from mixprec.policy.rules import Action
+from mixprec.policy.tables import RECURRENT_OPS
 from mixprec.region import (
     STATE,
     TRACEABLE_ENTER,
@@ -97,6 +99,7 @@ __all__ = [
 # A plain dict for the mode to read: Dynamo breaks the graph at a mappingproxy read once the traced frame
 # has written any dict (a forward filling an output dict: "mapping proxy affected by dictionary mutation").
 _PY_ALIASES: dict[str, str] = dict(PY_ALIASES)
+_RECURRENT = frozenset(RECURRENT_OPS)
 
 
 class _PolicyMode(RegionMode):
@@ -113,10 +116,15 @@ class _PolicyMode(RegionMode):
         kwargs = kwargs or {}
         name = func_name(func)
         action = self.actions.get(name) if name is not None else None
-        # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py.
+        # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py, and its
+        # recurrent layers run in fp32 (RECURRENT_OPS: why).
+        if action is None and self.region.emulate and name in _RECURRENT:
+            action = Action.FP32
         half_relu = action is None and self.region.emulate and name in RELU_NAMES
-        if (action is None and not half_relu) or not is_current(self.region):  # most ops: one dict lookup
+        if not is_current(self.region):
             return func(*args, **kwargs)
+        if action is None and not half_relu:  # most ops: one dict lookup
+            return self.pass_on(func, args, kwargs)
         region = self.region
         cover_segment(self)  # in a checkpointed segment, its recompute must change this op the same way
         if half_relu:

@@ -36,7 +36,7 @@ from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
 from mixprec.policy.rules import Action
-from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES
+from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES, RECURRENT_OPS
 from mixprec.region import (
     STATE,
     EntryMark,
@@ -57,6 +57,9 @@ _FP32_OPS: Mapping[str, bool] = {
 }
 
 
+_RECURRENT = frozenset(RECURRENT_OPS)
+
+
 class _HalfComputeMode(RegionMode):
     """Emulates the GEMM family for half operands and runs the sensitive ops in fp32 (module docstring)."""
 
@@ -72,7 +75,7 @@ class _HalfComputeMode(RegionMode):
         name = func_name(func)
         handler = self._handler(name, args, kwargs) if name is not None else None
         if handler is None:
-            return func(*args, **kwargs)
+            return self.pass_on(func, args, kwargs)
         cover_segment(self)  # in a checkpointed segment, its recompute must change this op the same way
         return handler(func, args, kwargs)
 
@@ -84,6 +87,8 @@ class _HalfComputeMode(RegionMode):
         if name in RELU_NAMES:  # emulated GEMMs only: see half_relu.py
             return self._relu if self.gemms and not torch.is_autocast_enabled(region.device_type) else None
         loss = _FP32_OPS.get(name)
+        if loss is None and self.gemms and name in _RECURRENT:  # emulated regions only (RECURRENT_OPS: why)
+            loss = False  # fp32 arithmetic, the result rounded to the model's dtype
         if (loss is None and name not in self.gemms) or torch.is_autocast_enabled(region.device_type):
             return None
         half = any(t.dtype is region.dtype and eligible(t, region.device_type) for t in iter_tensors(args))

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.cast_cache import CastCache
+from mixprec.composite_ops import COMPOSITES
 
 if TYPE_CHECKING:
     from mixprec.policy.cast_policy import Policy
@@ -83,6 +84,15 @@ class RegionMode(TorchFunctionMode):
         super().__init_subclass__(**kwargs)
         if "__torch_function__" in cls.__dict__:
             _compiled_only_inlined(cls.__torch_function__)
+
+    def pass_on(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func`` as the mode passes it on: as it is, but a composite of GEMMs (composite_ops.py) with
+        this mode on, so its inner ops are handled too (eager code: compiled code traces torch's own)."""
+        composite = COMPOSITES.get(func)
+        if composite is None or torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        with self:
+            return composite(*args, **kwargs)
 
 
 # Modes of regions entered inside compiled code, by a string key. Dynamo reads this dict as a global, so

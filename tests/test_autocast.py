@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import load_torch_autocast_lists
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import mixprec.errors
 from mixprec import hardware
@@ -724,3 +725,21 @@ def test_making_regions_leaves_once_per_line_warnings_once_as_torchs() -> None:
                 with region("cpu", dtype=torch.bfloat16):
                     _warns_here()
         assert len(seen) == 1, region
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell"])
+def test_recurrent_layers_run_in_fp32_where_half_is_emulated(layer: str) -> None:
+    """A user trial (pytorch/examples' word_language_model): an LSTM under mixprec.autocast fp16 failed in
+    oneDNN ("could not create a primitive descriptor", as under torch.autocast) where mixprec emulates fp16
+    (the suite does, conftest); fp32 there, as the fp32 model computes, and its gradients alike."""
+    torch.manual_seed(0)
+    module = getattr(nn, layer)(8, 8)
+    x = torch.randn(5, 3, 8) if not layer.endswith("Cell") else torch.randn(3, 8)
+    ref = module(x)
+    with autocast("cpu", dtype=torch.float16):
+        out = module(x)
+    flat, refs = tree_leaves(out), tree_leaves(ref)
+    assert all(a.dtype is torch.float32 and torch.equal(a, b) for a, b in zip(flat, refs, strict=True))
+    grads = torch.autograd.grad(flat[0].sum(), list(module.parameters()))
+    ref_grads = torch.autograd.grad(refs[0].sum(), list(module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -186,3 +187,19 @@ def test_a_half_model_inside_autocast_of_its_dtype_follows_autocast(kind: str, d
         with half_compute("cpu", dtype):  # autocast's rules decide inside it (module docstring)
             got = model(x)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_half_models_lstm_runs_in_fp32_and_returns_half() -> None:
+    """A half model's LSTM ran torch's half kernel, 6-11x fp32's time on a CPU without half units (a user
+    trial): where the region emulates (fp16 in the suite), fp32 arithmetic on the exact upcasts, each
+    result rounded once to the model's dtype."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, 2)
+    x = torch.randn(5, 3, 8)
+    half = copy.deepcopy(lstm).half()
+    ref_lstm = copy.deepcopy(half).float()  # the half weights, exactly, in fp32
+    with half_compute("cpu", torch.float16):
+        out, (h, c) = half(x.half())
+    ref_out, (ref_h, ref_c) = ref_lstm(x.half().float())
+    for got, ref in ((out, ref_out), (h, ref_h), (c, ref_c)):
+        assert got.dtype is torch.float16 and torch.equal(got, ref.half())

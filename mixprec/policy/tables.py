@@ -22,6 +22,7 @@ __all__ = [
     "HALF_MODEL_FP32_ACTIVATIONS",
     "HALF_MODEL_FP32_LOSSES",
     "MIXPREC_CPU_DEVIATIONS",
+    "RECURRENT_OPS",
     "TORCH_CPU",
     "TORCH_CUDA",
     "TORCH_TABLES",
@@ -207,4 +208,14 @@ HALF_MODEL_FP32_LOSSES: tuple[str, ...] = (
     # a loss reduces over the batch and its gradient seeds backward: fp32, and returned as fp32
     "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
     "binary_cross_entropy_with_logits",
+)  # fmt: skip
+
+# Recurrent layers (nn.LSTM/GRU/RNN and their cells, as torch functions). Where a region emulates its half
+# dtype they run in fp32: there is no GEMM to emulate inside torch's fused kernels, and torch's own half
+# ones failed (CPU autocast lowers LSTM's mkldnn_rnn_layer: "could not create a primitive descriptor" for
+# fp16, and for bf16 without AVX-512 BF16) or ran 6-11x slower than fp32 (a half model's LSTM). fp32 is
+# more precise than the half kernel would be; an fp32 model's region returns fp32, a half model's the
+# result rounded to its dtype. A policy rule for one of these names wins.
+RECURRENT_OPS: tuple[str, ...] = (
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
 )  # fmt: skip

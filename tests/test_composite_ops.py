@@ -1,0 +1,72 @@
+"""nn.MultiheadAttention's inner GEMMs are handled by the region like any other (mixprec/composite_ops.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.composite_ops import COMPOSITES
+from mixprec.diagnostics import CastTrace
+
+GEMMS = ("addmm", "mm", "bmm", "baddbmm", "linear", "matmul")
+
+
+def _attention() -> tuple[nn.MultiheadAttention, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(32, 4), torch.randn(6, 3, 32)  # (T, B, E): the module's default layout
+
+
+def _gemm_dtypes(trace: CastTrace, phase: str) -> set[str]:
+    return {d for op in GEMMS for d in trace.dtypes_of(op, phase=phase)}
+
+
+def test_attentions_gemms_are_emulated_where_its_linears_are() -> None:
+    """A user trial: MultiheadAttention's projections ran in torch's own fp16/bf16 kernels (5-10x fp32's
+    time on a CPU without half units) beside nn.Linear layers emulated at fp32's speed. The suite emulates
+    fp16 (conftest)."""
+    mha, x = _attention()
+    with CastTrace() as trace:
+        with mixprec.autocast("cpu", torch.float16):
+            out, _ = mha(x, x, x, need_weights=False)
+        out.float().sum().backward()
+    assert out.dtype is torch.float16
+    assert _gemm_dtypes(trace, "forward") == {"fp16 (emulated)"}
+    assert _gemm_dtypes(trace, "backward") == {"fp16 (emulated)"}
+
+
+def test_attention_in_an_o2_region_is_emulated_too() -> None:
+    mha, x = _attention()
+    half = mha.half()
+    with CastTrace() as trace, mixprec.half_compute("cpu", torch.float16):
+        out, _ = half(x.half(), x.half(), x.half(), need_weights=False)
+    assert _gemm_dtypes(trace, "forward") == {"fp16 (emulated)"}
+
+
+def test_attention_matches_torch_autocast() -> None:
+    """The same casts as torch.autocast's (GEMM inputs and outputs in fp16, fp32 accumulation): equal to
+    torch's fp16 kernels up to summation order, forward and backward."""
+    results = []
+    for region in (torch.autocast, mixprec.autocast):
+        mha, x = _attention()
+        x.requires_grad_(True)
+        with region("cpu", dtype=torch.float16):
+            out, weights = mha(x, x, x)  # need_weights: the bmm/softmax path, not SDPA
+        (out.float() ** 2).sum().backward()
+        results.append((out, weights, x.grad, mha.in_proj_weight.grad))
+    for ours, torchs in zip(results[1], results[0], strict=True):
+        assert ours.dtype is torchs.dtype
+        torch.testing.assert_close(ours.float(), torchs.float(), rtol=4e-3, atol=2e-3)
+
+
+def test_the_copy_computes_what_the_function_computes() -> None:
+    mha, x = _attention()
+    args = (x, x, x, 32, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0, mha.out_proj.weight,
+            mha.out_proj.bias)
+    for func, copy in COMPOSITES.items():
+        assert copy.__code__ is func.__code__ and copy.__defaults__ == func.__defaults__
+        torch.manual_seed(1)
+        ours = copy(*args, training=True, need_weights=True)
+        torch.manual_seed(1)
+        assert all(torch.equal(a, b) for a, b in zip(ours, func(*args, training=True, need_weights=True),
+                                                         strict=True))
