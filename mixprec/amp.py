@@ -539,7 +539,12 @@ def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
         if not scaler.last_step_skipped:
             continue  # another loss of this optimizer overflowed
         scale = scaler.get_scale()
-        change = f"reducing loss scale to {scale}" if scaler.is_dynamic else f"keeping its static {scale}"
+        if not scaler.is_dynamic:
+            change = f"keeping its static {scale}"
+        elif scaler.scale_history()[-1:] == [scale]:  # not reduced: at the floor (amp's scalers back off
+            change = f"keeping loss scale at its floor {scale}"  # on every overflow); apex says "reducing"
+        else:
+            change = f"reducing loss scale to {scale}"
         print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} {change}")
 
 

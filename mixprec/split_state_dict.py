@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from mixprec.half_model import share_tied_entries
 from mixprec.low_precision import LowPrecisionOptimizer, split_fp32
 
 __all__ = ["hook_split_state_dict"]
@@ -45,6 +46,7 @@ def hook_split_state_dict(model: nn.Module, opt: LowPrecisionOptimizer) -> list[
             save, load = partial(_save_masters, own=own, opt=opt), partial(_load_masters, own=own, opt=opt)
             handles.append(module._register_state_dict_hook(save))
             handles.append(module._register_load_state_dict_pre_hook(load))
+    handles.append(share_tied_entries(model))  # after the hooks above: a tied master saved once
     return handles
 
 

@@ -758,6 +758,24 @@ def test_a_skipped_step_says_so_as_apex_does(capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().out == ""
 
 
+def test_an_overflow_at_the_floor_says_the_scale_stays(capsys: pytest.CaptureFixture[str]) -> None:
+    """At the dynamic scale's floor every skipped step said "reducing loss scale to 1.0" (a user trial)."""
+    model = _net()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                    max_loss_scale=4.0, verbosity=1)  # apex: starts at min(max, 2**16)
+    x, y = next(_batches(1))
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(model(x), y) * float("inf")
+        with mixprec.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    tails = [line.split("loss scaler 0 ")[1] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("Gradient overflow")]
+    assert tails == ["reducing loss scale to 2.0", "reducing loss scale to 1.0",
+                     "keeping loss scale at its floor 1.0", "keeping loss scale at its floor 1.0"]
+
+
 def _moved(after: Iterator[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor:
     """The norm of the update from ``before`` to ``after``, in fp32."""
     steps = [(a.float() - b).flatten() for a, b in zip(after, before, strict=True)]

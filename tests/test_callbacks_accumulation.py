@@ -95,7 +95,9 @@ def test_a_partial_accumulation_carries_over_the_epoch_end_and_the_fit_end_drops
     # Epoch 2: 8 + 16 = 24, + 16 = 40 >= 32: step B on 40 samples, each loss still divided by n_acc (the
     # gradient is 40/32 of the mean: fastai's overshoot). The last 8 are pending when the fit ends: dropped.
     learn = _learner(40, 16, GradientAccumulation(n_acc=32))
-    learn.fit(2, lr=LR)
+    with pytest.warns(UserWarning, match="counted 40 samples") as said:
+        learn.fit(2, lr=LR)
+    assert said[0].filename == __file__  # the fit's line, not the callback's (a user trial)
     want = _reference([[(0, 16), (16, 32)], [(32, 40), (0, 16), (16, 32)]], 32)
     torch.testing.assert_close(_flat(learn.model), want, rtol=1e-6, atol=1e-6)
     assert learn.recorder.skipped == [False, False]

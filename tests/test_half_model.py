@@ -571,3 +571,33 @@ def test_a_half_model_lets_go_of_the_fp32_weights_it_was_cast_from(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     assert run(model, [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]) == 0
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied, as GPT-2's and Llama's embeddings
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx))
+
+
+@pytest.mark.parametrize("split_masters", [False, True])
+def test_a_tied_weight_is_saved_once(split_masters: bool) -> None:
+    """A user trial: an O2 model's state dict held the tied embedding twice (each name upcast on its own),
+    where fp32's holds it once."""
+    torch.manual_seed(0)
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0,
+                                    split_masters=split_masters)
+    state = model.state_dict()
+    assert state["head.weight"] is state["embed.weight"] and state["embed.weight"].dtype is torch.float32
+    fresh = _Tied()
+    fresh.load_state_dict(state)
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, state["embed.weight"])
+    outer = nn.ModuleDict({"lm": model})  # a prepared model inside a larger one: its prefix
+    nested = outer.state_dict()
+    assert nested["lm.head.weight"] is nested["lm.embed.weight"]

@@ -11,6 +11,7 @@ import torch
 from mixprec.callbacks.core import Callback, CancelBatchException, positive_int
 from mixprec.callbacks.fp16 import MixedPrecision
 from mixprec.errors import ConfigError
+from mixprec.warn_site import user_stacklevel
 
 __all__ = ["GradientAccumulation"]
 
@@ -91,7 +92,7 @@ class GradientAccumulation(Callback):
                 f"GradientAccumulation(n_acc={self.n_acc}) counted {self.count} samples at this step "
                 f"(batches of {len(self.yb)}): its gradient is {self.count}/{self.n_acc} times the mean over "
                 "them, fastai's rule. An n_acc that is a multiple of the batch size gives the mean itself.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),  # the user's fit line, past the Learner's event loop
             )
         self.count = 0
 
