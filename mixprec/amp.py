@@ -634,7 +634,15 @@ def scale_loss(
     if delay_overflow_check:
         _warn_overflow_check_kept()
     opts, _ = _as_list(optimizers)
-    if opts and all(getattr(opt, _DISABLED_ATTR, False) for opt in opts):
+    if not opts:  # the checks below would blame the parameters "no optimizer holds"
+        raise ConfigError(
+            f"scale_loss got no optimizer ({optimizers!r}): it unscales the gradients into the optimizers "
+            "passed and skips their steps on inf/NaN.",
+            "pass initialize an optimizer over the model's parameters and pass it here too; a training loop "
+            "that updates by hand (p -= lr * p.grad) is torch.optim.SGD(model.parameters(), lr=lr), its lr "
+            "set through optimizer.param_groups.",
+        )
+    if all(getattr(opt, _DISABLED_ATTR, False) for opt in opts):
         yield loss  # initialize(..., enabled=False): apex's scale_loss passes the loss through
         return
     state = _state_of(opts)
@@ -887,15 +895,17 @@ def restore(model: nn.Module) -> nn.Module:
     parameters become fp32 again, holding their masters' values (not their half rounding). For exporting
     or evaluating the trained model in fp32: ``model.float()`` alone leaves the input hook that casts to
     half. Training goes on with a new optimizer over the restored parameters. Returns ``model``."""
-    state = _state()
-    half = next((h for h in state.models if h.model is model), None)
+    half = None if _STATE is None else next((h for h in _STATE.models if h.model is model), None)
     if half is None:
+        # A model torch.load gave back (another process: no initialize at all) lands here too.
         raise ConfigError(
-            f"{type(model).__name__} is not a model the last mixprec.initialize prepared (or it was restored "
-            "already).",
-            "pass the model initialize returned, before initializing other models; a model loaded with "
-            "torch.load holds no optimizer state to restore from: restore before saving.",
+            f"{type(model).__name__} is not a model the last mixprec.initialize of this process prepared (or "
+            "it was restored already, or loaded with torch.load: its masters are not in it).",
+            "pass the model initialize returned, before initializing other models, and restore before "
+            "saving; for an fp32 copy of a saved O2/O3 model, build the fp32 model and call "
+            "fp32_model.load_state_dict(saved_model.state_dict()) (its state dict is fp32).",
         )
+    state = _state()
     # a LARC-style wrapper holds the MasterWeights as its .optim
     inners = [_inner(opt) for opt in state.optimizers]
     mine = {getattr(c.module, c.name) for c in half.converted if c.is_param}  # this model's half parameters

@@ -300,6 +300,7 @@ class GradScaler:
         self._state = ScaleState(scale=1.0)
         self._watches: list[BufferWatch] = []
         self._warned_stuck = False  # _warn_if_stuck said it once
+        self._last_loss: torch.Tensor | None = None  # the last one-element tensor scale() multiplied
         self._per_optimizer_states: defaultdict[int, _PerOptimizer] = defaultdict(
             _refresh_per_optimizer_state
         )
@@ -408,6 +409,8 @@ class GradScaler:
             dev = self._state.device
             if dev is None or outputs.device.type != self._device:
                 dev = self._lazy_init(outputs.device)  # raises DeviceMismatchError on a foreign device type
+            if outputs.numel() == 1:  # a loss: kept (no copy, no read) for _why_stuck to look at
+                self._last_loss = outputs.detach()
             return outputs * dev.scale.to(device=outputs.device, non_blocking=True)
         if isinstance(outputs, Mapping):
             scaled = copy.copy(outputs) if isinstance(outputs, MutableMapping) else dict(outputs)
@@ -716,8 +719,14 @@ class GradScaler:
         ``scale``."""
         others = ("Other causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 "
                   "overflow in the forward (an activation or logit above 65504, e.g. logits scaled up or a "
-                  "sum over a large batch: the loss is inf whatever the scale); a learning rate that makes "
-                  "the weights diverge.")
+                  "sum over a large batch: the loss is inf whatever the scale); in fp16 or bf16, a float "
+                  "attention mask filled with torch.finfo(torch.float32).min, which becomes -inf when cast "
+                  "(a fully masked row's softmax is then NaN; use the mask dtype's own finfo.min or a bool "
+                  "mask); a learning rate that makes the weights diverge.")
+        last = getattr(self, "_last_loss", None)  # a scaler pickled before it existed has none
+        if last is not None and not bool(torch.isfinite(last).all()):  # read once, here: no per-step sync
+            others = (f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "
+                      f"loss, before backward. {others}")
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
                 "with non-finite gradients; fix the data, the loss or the learning rate")
         floor = float(torch.tensor(self.scale_floor, dtype=torch.float32))  # the scale: fp32, clamped there
@@ -864,6 +873,7 @@ class GradScaler:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_watches"] = []  # hooks on someone's modules are not the scaler's state
+        state["_last_loss"] = None  # a diagnostic of the running process, not state
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise ScalerStateError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -1258,3 +1259,30 @@ def test_a_saved_or_copied_model_carries_no_optimizer_state() -> None:
     assert saved_bytes(model) < 1.5 * weights
     assert saved_bytes(copy.deepcopy(model)) < 1.5 * weights
     amp.reset()
+
+
+def test_scale_loss_without_an_optimizer_says_so() -> None:
+    """A user trial (pytorch/examples' word_language_model updates by hand, no optimizer): initialize(model)
+    then scale_loss(loss, None) blamed parameters "that no optimizer holds" and sharding."""
+    model = mixprec.initialize(_net(), opt_level="O2", verbosity=0)
+    x, y = next(_batches(1))
+    loss = nn.functional.cross_entropy(model(x), y)
+    for nothing in (None, []):
+        with pytest.raises(ConfigError, match=r"(?s)scale_loss got no optimizer.*torch.optim.SGD"):
+            with mixprec.scale_loss(loss, nothing):
+                pass
+
+
+def test_restore_of_a_model_loaded_elsewhere_names_the_fp32_way() -> None:
+    """torch.load'ed in a new process (generate.py's way), restore said "initialize has not been called:
+    call initialize first"; the fp32 copy comes from the saved model's fp32 state dict."""
+    saved = mixprec.initialize(_net(), opt_level="O2", verbosity=0)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with pytest.raises(ConfigError, match=r"(?s)loaded with torch.load.*load_state_dict\(saved_model"):
+        mixprec.amp.restore(loaded)
+    fp32 = _net()
+    fp32.load_state_dict(loaded.state_dict())
+    assert all(p.dtype is torch.float32 for p in fp32.parameters())

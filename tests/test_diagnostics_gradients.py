@@ -248,3 +248,13 @@ def test_summary_states_the_fp16_thresholds_torch_casts_by() -> None:
     assert cast[3] == torch.finfo(torch.float16).smallest_normal  # rounds up: the subnormal range ends below
     assert cast[4].isinf() and cast[5].isfinite()
     assert f"<= {torch.finfo(torch.float16).max:g}" in text
+
+
+@pytest.mark.parametrize("returned", [None, "vector"])
+def test_a_loss_fn_that_returns_no_loss_is_named(returned: str | None) -> None:
+    """A user trial (an HF-style model returning (logits, None) without labels): `None * 1.0` TypeError."""
+    model = nn.Linear(4, 3)
+    batch = (torch.randn(5, 4), torch.zeros(5, dtype=torch.long))
+    loss_fn = (lambda out, y: None) if returned is None else (lambda out, y: out.sum(1))
+    with pytest.raises(ConfigError, match="loss_fn returned .*one-element tensor"):
+        grad_exponent_histogram(model, batch, loss_fn=loss_fn)

@@ -778,3 +778,26 @@ def test_a_run_that_skips_every_step_at_the_floor_says_so_once() -> None:
         with pytest.raises(PersistentOverflowError):
             limited = GradScaler("cpu", init_scale=1.0, skip_limit=8)
             _run(limited, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set(range(20)))
+
+
+def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
+    """A user trial (a float mask of fp32's finfo.min cast to bf16: -inf, a fully masked softmax row NaN):
+    the message listed gradient causes only, and not the mask; the loss itself was NaN."""
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=1.0, skip_limit=3)
+    with pytest.raises(PersistentOverflowError, match=r"(?s)last loss scaled was nan.*before backward.*mask"):
+        for _ in range(3):
+            scaler.scale((w * float("nan")).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finite_loss = GradScaler("cpu", init_scale=1.0, skip_limit=3)  # inf only in the gradients
+    with pytest.raises(PersistentOverflowError) as raised:
+        for _ in range(3):
+            finite_loss.scale((w * 2).sum()).backward()
+            w.grad[0] = float("inf")
+            finite_loss.step(opt)
+            finite_loss.update()
+            opt.zero_grad()
+    assert "last loss scaled" not in str(raised.value)

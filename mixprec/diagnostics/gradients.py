@@ -362,6 +362,15 @@ def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callab
     x, y = split_batch(batch)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     loss = (loss_fn or default_loss)(model(x), y)
+    if not (isinstance(loss, Tensor) and loss.is_floating_point() and loss.numel() == 1):
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else repr(loss)
+        raise ConfigError(
+            f"loss_fn returned {got}; it must return the loss, a floating one-element tensor.",
+            "pass loss_fn=lambda out, y: ... returning the loss from the model's output (e.g. out[1] or "
+            "out.loss for a model that computes it); a model whose forward needs more than x (labels, a "
+            "mask, a hidden state): run your own backward and call grad_exponent_histogram(model) on the "
+            "gradients it left.",
+        )
     grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
     return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
 
