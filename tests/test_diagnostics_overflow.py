@@ -330,3 +330,35 @@ def test_a_non_finite_loss_after_a_finite_forward_is_said_to_come_from_after_the
     tracer = _traced_backward(model, x, 1e6)
     assert tracer.event is None
     assert re.search(r"Every module output of the forward was finite \(\d+ checked\)", tracer.report())
+
+
+class _MaskedAttention(nn.Module):
+    """Attention scores plus an additive causal mask (-inf above the diagonal), as nn.Transformer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        scores = (q @ q.transpose(-2, -1)).float() + mask  # the sum overflows fp16, the mask is -inf
+        return (scores.softmax(-1).to(x.dtype) @ x) * q.pow(2).sum(-1, keepdim=True)
+
+
+def test_an_additive_mask_is_not_taken_for_the_overflow() -> None:
+    """A user trial (a causal nn.Transformer): the mask's intentional -inf was reported as the non-finite
+    input that explained the output, and the fp32 re-run that finds the real overflow was skipped."""
+    model = _MaskedAttention().half()
+    with torch.no_grad():
+        model.proj.weight.mul_(400)
+    x = torch.randn(5, 8).half()
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    with trace_nonfinite(model) as tracer:
+        model(x, mask)
+    event = tracer.event
+    assert event is not None and event.module == ""
+    assert event.inputs[1].mask_like and "-inf (a mask?)" in str(event.inputs[1])
+    assert event.fp32_outputs is not None and "received non-finite input" not in event.explain()
+    with trace_nonfinite(model) as tracer:
+        model(x, torch.full((5, 5), float("nan")))  # NaN is no mask: still said to come from outside
+    assert tracer.event is not None and "received non-finite input" in tracer.event.explain()

@@ -137,6 +137,18 @@ class TensorRange:
     max: float | None
     n_inf: int
     n_nan: int
+    n_neg_inf: int = 0  # of n_inf
+
+    @property
+    def mask_like(self) -> bool:
+        """Non-finite only by -inf: taken for an additive mask (a causal or padding attention mask holds
+        -inf on purpose), not for a value that overflowed."""
+        return self.n_nan == 0 and 0 < self.n_inf == self.n_neg_inf
+
+    @property
+    def usable(self) -> bool:
+        """Finite, or a mask: an input that does not itself explain a non-finite output."""
+        return self.finite or self.mask_like
 
     @property
     def finite(self) -> bool:
@@ -152,6 +164,8 @@ class TensorRange:
         shape = "x".join(map(str, self.shape)) or "scalar"
         span = f"finite range [{self.min:.3g}, {self.max:.3g}]" if self.min is not None else "no finite value"
         bad = f", {self.n_inf:,} inf, {self.n_nan:,} NaN" if not self.finite else ""
+        if self.mask_like:
+            bad = f", {self.n_inf:,} -inf (a mask?)"
         return f"{_dtype_name(self.dtype)} {shape}: {span}{bad}"
 
 
@@ -167,15 +181,17 @@ def tensor_range(t: Tensor) -> TensorRange:
     if x.numel() == 0:
         return TensorRange(t.dtype, tuple(t.shape), None, None, 0, 0)
     finite = x.isfinite()
-    n_inf, n_nan, lo, hi = torch.stack([
+    n_inf, n_nan, n_neg_inf, lo, hi = torch.stack([
         x.isinf().sum().double(),
         x.isnan().sum().double(),
+        x.isneginf().sum().double(),
         torch.where(finite, x, math.inf).min().double(),  # +inf when no value is finite
         torch.where(finite, x, -math.inf).max().double(),
     ]).tolist()
+    counts = (int(n_inf), int(n_nan), int(n_neg_inf))
     if not math.isfinite(lo):
-        return TensorRange(t.dtype, tuple(t.shape), None, None, int(n_inf), int(n_nan))
-    return TensorRange(t.dtype, tuple(t.shape), lo, hi, int(n_inf), int(n_nan))
+        return TensorRange(t.dtype, tuple(t.shape), None, None, *counts)
+    return TensorRange(t.dtype, tuple(t.shape), lo, hi, *counts)
 
 
 def _floating(value: Any) -> list[Tensor]:
@@ -213,7 +229,7 @@ class NonfiniteEvent:
 
     @property
     def inputs_finite(self) -> bool:
-        return all(r.finite for r in self.inputs)
+        return all(r.usable for r in self.inputs)  # a -inf mask does not explain the output (mask_like)
 
     @property
     def label(self) -> str:
@@ -408,7 +424,7 @@ class NonfiniteTracer:
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
             # A non-finite input was made before the module: rerunning it in fp32 would only repeat that.
-            rerun = self.compare_fp32 and all(r.finite for r in inputs)
+            rerun = self.compare_fp32 and all(r.usable for r in inputs)
             fp32, error = self._rerun_fp32(module, args, kwargs) if rerun else (None, None)
             state = _nonfinite_state(module)
             outer = name.rpartition(".")[0]
