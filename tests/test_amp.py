@@ -1286,3 +1286,25 @@ def test_restore_of_a_model_loaded_elsewhere_names_the_fp32_way() -> None:
     fp32 = _net()
     fp32.load_state_dict(loaded.state_dict())
     assert all(p.dtype is torch.float32 for p in fp32.parameters())
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_restore_gives_back_frozen_parameters_and_buffers_exactly(level: str) -> None:
+    """A user trial: restore() left a frozen norm weight and RoPE's inv_freq (a float buffer) rounded to
+    bf16 for good, where the Learner's fit end gives them back (its kept originals)."""
+    torch.manual_seed(0)
+    model = _net()
+    model.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+    frozen = model[0].bias
+    frozen.requires_grad_(False)
+    before = {"bias": frozen.detach().clone(), "inv_freq": model.inv_freq.clone()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = mixprec.initialize(model, opt, level, dtype=torch.bfloat16, verbosity=0)
+    assert model.inv_freq.dtype is torch.bfloat16 and not torch.equal(model.inv_freq.float(),
+                                                                       before["inv_freq"])
+    x, y = next(_batches(1))
+    with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    mixprec.amp.restore(model)
+    assert torch.equal(model[0].bias, before["bias"]) and torch.equal(model.inv_freq, before["inv_freq"])
