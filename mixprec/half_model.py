@@ -16,6 +16,7 @@ import copy
 import functools
 import inspect
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
 from mixprec.tree import cast_floating
+from mixprec.warn_site import user_stacklevel
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe
@@ -68,6 +70,7 @@ class Converted:
     # model_to_float gives back `before` where the tensor still holds its rounding (nothing changed it):
     # set for what HalfModel.release_originals keeps; else the tensor goes back as its half value
     restore_before: bool = False
+    qualname: str = ""  # its name in the model's state dict ("" where not known)
 
 
 def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
@@ -80,17 +83,19 @@ def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = Tru
     """
     converted = []
     with torch.no_grad():
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             if keep_bn_fp32 and isinstance(module, BATCHNORM):
                 continue
+            dotted = prefix + "." if prefix else ""
             for name, param in module.named_parameters(recurse=False):
                 if param.is_floating_point() and param.dtype != dtype:
-                    converted.append(Converted(module, name, True, param.dtype, param.detach()))
+                    converted.append(Converted(module, name, True, param.dtype, param.detach(),
+                                               qualname=dotted + name))
                     param.data = param.data.to(dtype)
                     param.grad = None
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point() and buf.dtype != dtype:
-                    converted.append(Converted(module, name, False, buf.dtype, buf))
+                    converted.append(Converted(module, name, False, buf.dtype, buf, qualname=dotted + name))
                     setattr(module, name, buf.to(dtype))
     return converted
 
@@ -480,6 +485,28 @@ def check_castable(model: nn.Module, recipe: Recipe) -> None:
     )
 
 
+def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtype) -> None:
+    """Say which non-persistent float buffers (values a model computes once, such as RoPE's inv_freq:
+    not in its state dict, so no checkpoint restores them) the cast rounded: apex's model.half() did it
+    silently, and Hugging Face keeps inv_freq in fp32 (in bf16 a position's angle moved by up to 0.36)."""
+    rounded = []
+    for c in converted:
+        if c.is_param or c.before is None or c.name not in c.module._non_persistent_buffers_set:
+            continue
+        if not torch.equal(getattr(c.module, c.name).to(c.before.dtype), c.before):
+            rounded.append(c.qualname)
+    if rounded:
+        warnings.warn(
+            f"The cast to {str(dtype).removeprefix('torch.')} rounded the computed buffer(s) "
+            f"{', '.join(rounded[:4])}{' ...' if len(rounded) > 4 else ''} (not in the state dict: no "
+            "checkpoint restores them), as apex's model.half() does. Where one must keep fp32's precision "
+            "(RoPE's inv_freq at long contexts), put it back after initialize: docs/recipes.md, 'O2/O3 "
+            "cast every floating buffer'.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def prepare(
     model: nn.Module,
     recipe: Recipe,
@@ -500,6 +527,7 @@ def prepare(
     if recipe.casts_model:
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
+        _warn_computed_buffers_rounded(half.converted, dtype)
         hooks.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
