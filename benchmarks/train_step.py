@@ -92,6 +92,53 @@ def gpt_flops_per_token(c: GPTConfig) -> float:
     return 6.0 * gemm_weights + 12.0 * c.n_layer * c.n_embd * c.block_size
 
 
+# ---- pytorch/examples' word_language_model, built from torch's own layers (a user trial's): its inner GEMMs
+# are nn.MultiheadAttention's (one composite torch function) and a fused LSTM kernel ---------------------
+
+WLM_VOCAB, WLM_D, WLM_LAYERS, WLM_HEADS, WLM_T = 4096, 256, 2, 4, 35  # its defaults, but emsize 256
+
+
+class TransformerLM(nn.Module):
+    """word_language_model's TransformerModel: nn.TransformerEncoder with a causal mask (batch first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(WLM_VOCAB, WLM_D)
+        layer = nn.TransformerEncoderLayer(WLM_D, WLM_HEADS, WLM_D, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, WLM_LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(WLM_D, WLM_VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(WLM_T), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(idx), mask=self.mask, is_causal=True))
+
+
+class LSTMLM(nn.Module):
+    """word_language_model's RNNModel("LSTM"), the hidden state starting at zero each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(WLM_VOCAB, WLM_D)
+        self.rnn = nn.LSTM(WLM_D, WLM_D, WLM_LAYERS, batch_first=True)
+        self.head = nn.Linear(WLM_D, WLM_VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(idx))[0])
+
+
+def _wlm_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, WLM_VOCAB, (n, WLM_T + 1), generator=gen)
+    return idx[:, :-1], idx[:, 1:]
+
+
+# 6 FLOPs per GEMM weight per token (as the GPT's); attention adds 12 * layers * d * T; an LSTM layer's GEMM
+# weights are its four gates' input and hidden matrices.
+TRANSFORMER_LM_FLOPS = (6.0 * (WLM_LAYERS * 6 * WLM_D * WLM_D + WLM_VOCAB * WLM_D)
+                        + 12.0 * WLM_LAYERS * WLM_D * WLM_T)
+LSTM_LM_FLOPS = 6.0 * (WLM_LAYERS * 8 * WLM_D * WLM_D + WLM_VOCAB * WLM_D)
+
+
 def mlp_flops_per_sample(n_in: int, hidden: int, n_out: int) -> float:
     # The FLOPs a step must compute, not PaLM's 6 per weight: the input needs no gradient, so the first
     # layer runs its forward and weight-gradient GEMMs only (4 per weight). Counting it at 6 overstated this
@@ -136,6 +183,11 @@ WORKLOADS = {
                     gpt_flops_per_token(GPT_SIZE), slow_batch_size=1),
     "mlp": Workload("MLP 784-8192-10, b512", lambda: models.mlp(784, 8192, 10), _mlp_batch, 512, 1,
                     mlp_flops_per_sample(784, 8192, 10), slow_batch_size=512),
+    "transformer-lm": Workload(f"nn.Transformer LM d{WLM_D} L{WLM_LAYERS} T{WLM_T} V{WLM_VOCAB}, b20",
+                               TransformerLM, _wlm_batch, 20, WLM_T, TRANSFORMER_LM_FLOPS,
+                               slow_batch_size=20),
+    "lstm-lm": Workload(f"LSTM LM d{WLM_D} L{WLM_LAYERS} T{WLM_T} V{WLM_VOCAB}, b20", LSTMLM, _wlm_batch, 20,
+                        WLM_T, LSTM_LM_FLOPS, slow_batch_size=20),
     "gpt-small": Workload("GPT d128 L2 H4 T64 V512, b8", lambda: GPTLogits(GPT_SMALL),
                           lambda n: _gpt_batch(n, GPT_SMALL), 8, 64, gpt_flops_per_token(GPT_SMALL),
                           slow_batch_size=8),
