@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
@@ -334,3 +335,19 @@ def test_host_syncs_lists_the_waits_of_one_step_and_leaves_the_mode_as_it_was(be
     assert modes[-1] == "default"
     with pytest.raises(SystemExit, match="--sync-check"):
         bench.main(["--sync-check", "--phases", "fp32"])
+
+
+def test_the_word_language_model_flops_match_what_runs(bench: ModuleType) -> None:
+    """MFU of the two torch-layer workloads: the Transformer's formula against torch's FLOP counter (the
+    PaLM attention term counts the full T x T scores, torch's causal kernel a little less), the LSTM's (its
+    fused kernel is not counted there) against 6 FLOPs per GEMM weight of the model itself."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    w = bench.WORKLOADS["transformer-lm"]
+    model, (x, y) = w.make(), w.batch(2)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x).flatten(0, -2), y.flatten()).backward()
+    assert counter.get_total_flops() / x.numel() == pytest.approx(w.flops_per_token, rel=0.03)
+    lstm = bench.WORKLOADS["lstm-lm"].make()
+    gemm_weights = sum(p.numel() for n, p in lstm.named_parameters() if "weight" in n and "embed" not in n)
+    assert bench.WORKLOADS["lstm-lm"].flops_per_token == 6.0 * gemm_weights
