@@ -234,12 +234,6 @@ def initialize(
     # apex casts O0's floating inputs and outputs to fp32 (its cast_model_type is torch.float32 there, and
     # it casts the model too: mixprec leaves a model of another dtype, fp64, and its inputs as they are)
     o0_casts = recipe.name == "O0" and cast_model_type is not False
-    # What restore() can give back exactly without a kept fp32 original, as the Learner keeps them
-    # (callbacks/fp16.py): parameters with a master, or without masters those trained. The originals of
-    # the rest (frozen parameters, buffers such as RoPE's inv_freq) are kept on the host: restore() gave
-    # them back rounded to half (a user trial).
-    held = [p for opt in opt_list for g in opt.param_groups for p in g["params"]]
-    trained = held if recipe.uses_masters else [p for p in held if p.requires_grad]
     halves = [_prepare(m, recipe, device_type, cast_model_outputs, o0_casts and _all_fp32(m))
               for m in model_list]  # fmt: skip
     if recipe.uses_masters:
@@ -253,7 +247,9 @@ def initialize(
     else:
         _warn_if_state_underflows(recipe, opt_list)
     for half in halves:
-        half.release_originals(keep_untrained=trained)
+        # The buffers' fp32 values are kept (few: RoPE's inv_freq came back from restore() rounded to half,
+        # a user trial), not frozen parameters' (4 bytes each: a frozen backbone, a model for inference).
+        half.release_originals(keep_buffers=True)
     scalers = [recipe.make_scaler(device_type) for _ in range(num_losses)]
     if _STATE is not None and opt_list:
         warnings.warn(
@@ -898,9 +894,10 @@ def loss_scalers_of(optimizers: Sequence[Any]) -> list[GradScaler]:
 
 def restore(model: nn.Module) -> nn.Module:
     """Undo ``initialize`` on ``model``, in place: its hooks and forward wrappers come off and its half
-    parameters become fp32 again, holding their masters' values (not their half rounding); frozen ones and
-    float buffers (RoPE's inv_freq), unless changed since, their values from before initialize (kept on the
-    host: 4 bytes each). For exporting
+    parameters become fp32 again, holding their masters' values (not their half rounding); float buffers
+    (RoPE's inv_freq), unless changed since, their values from before initialize; parameters without a
+    master (frozen, or at O3) their half values upcast (load the fp32 weights where those must be exact).
+    For exporting
     or evaluating the trained model in fp32: ``model.float()`` alone leaves the input hook that casts to
     half. Training goes on with a new optimizer over the restored parameters. Returns ``model``."""
     half = None if _STATE is None else next((h for h in _STATE.models if h.model is model), None)

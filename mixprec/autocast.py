@@ -67,8 +67,6 @@ from mixprec.policy.devices import device_spec
 from mixprec.policy.names import PY_ALIASES
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
-from mixprec.policy.rules import Action
-from mixprec.policy.tables import RECURRENT_OPS
 from mixprec.region import (
     STATE,
     TRACEABLE_ENTER,
@@ -99,7 +97,6 @@ __all__ = [
 # A plain dict for the mode to read: Dynamo breaks the graph at a mappingproxy read once the traced frame
 # has written any dict (a forward filling an output dict: "mapping proxy affected by dictionary mutation").
 _PY_ALIASES: dict[str, str] = dict(PY_ALIASES)
-_RECURRENT = frozenset(RECURRENT_OPS)
 
 
 class _PolicyMode(RegionMode):
@@ -110,21 +107,21 @@ class _PolicyMode(RegionMode):
         self.region = region
         self.actions = region.actions
 
+    def in_charge(self) -> bool:
+        return is_current(self.region)
+
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
         name = func_name(func)
         action = self.actions.get(name) if name is not None else None
-        # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py, and its
-        # recurrent layers run in fp32 (RECURRENT_OPS: why).
-        if action is None and self.region.emulate and name in _RECURRENT:
-            action = Action.FP32
+        # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py.
         half_relu = action is None and self.region.emulate and name in RELU_NAMES
+        if action is None and not half_relu:  # most ops: a dict lookup here and one in pass_on
+            return self.pass_on(func, args, kwargs)
         if not is_current(self.region):
             return func(*args, **kwargs)
-        if action is None and not half_relu:  # most ops: one dict lookup
-            return self.pass_on(func, args, kwargs)
         region = self.region
         cover_segment(self)  # in a checkpointed segment, its recompute must change this op the same way
         if half_relu:

@@ -19,6 +19,7 @@ from mixprec.policy.cast_policy import Policy
 from mixprec.policy.names import python_names
 from mixprec.policy.registry import effective_policy, registry_version
 from mixprec.policy.rules import Action
+from mixprec.policy.tables import RECURRENT_OPS
 from mixprec.region import Region
 
 __all__ = ["Plan", "plan", "region_for"]
@@ -48,9 +49,12 @@ def plan(policy: Policy, device_type: str, dtype: torch.dtype) -> Plan:
     effective = effective_policy(policy)
     changed = effective.overrides(device_type, dtype)
     if emulate:
-        for op, rule in effective.table(device_type).rules_for(dtype).items():
+        rules = effective.table(device_type).rules_for(dtype)
+        for op, rule in rules.items():
             if rule.action is Action.LOWER:
                 changed[op] = Action.LOWER
+        # recurrent layers without a rule of their own run in fp32 (RECURRENT_OPS: why); a rule wins
+        changed |= {op: Action.FP32 for op in RECURRENT_OPS if op not in rules}
     actions = {name: action for op, action in changed.items() for name in python_names(op)}
     made = Plan(effective, emulate, actions)
     if len(_PLANS) >= _CACHE_MAX:

@@ -422,18 +422,29 @@ class HalfModel:
         """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
         return fp32_originals(self.converted)
 
-    def release_originals(self, keep_untrained: Collection[torch.Tensor] | None = None) -> None:
+    def release_originals(self, keep_untrained: Collection[torch.Tensor] | None = None,
+                          keep_buffers: bool = False) -> None:
         """Let go of the values the model was cast from: once the fp32 masters are seeded from them (or
         when none will be), they would hold a second fp32 copy of every weight for the model's life.
 
         ``keep_untrained`` (the parameters that have masters): the originals of the other parameters
         (frozen, or held by no optimizer) and of the buffers are kept instead, copied to the CPU, so that
         :meth:`restore` gives them back exactly where nothing changed them (the Learner: a fit's end leaves
-        a frozen backbone as it was, not rounded to the half dtype). Host memory: 4 bytes per such value."""
+        a frozen backbone as it was, not rounded to the half dtype). Host memory: 4 bytes per such value.
+        ``keep_buffers``: the buffers' originals alone (few values: RoPE's inv_freq). Meta tensors hold no
+        values to keep."""
         trained = None if keep_untrained is None else {id(t) for t in keep_untrained}
+
+        def kept(c: Converted) -> bool:
+            if c.before is None or c.before.is_meta:
+                return False
+            if keep_buffers and not c.is_param:
+                return True
+            return trained is not None and id(getattr(c.module, c.name)) not in trained
+
+        # on the CPU this keeps the original's own storage (no copy); from a GPU it copies to the host
         self.converted = [
-            replace(c, before=c.before.to("cpu"), restore_before=True)
-            if trained is not None and c.before is not None and id(getattr(c.module, c.name)) not in trained
+            replace(c, before=c.before.to("cpu"), restore_before=True) if kept(c)
             else replace(c, before=None)
             for c in self.converted
         ]
@@ -491,7 +502,9 @@ def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtyp
     silently, and Hugging Face keeps inv_freq in fp32 (in bf16 a position's angle moved by up to 0.36)."""
     rounded = []
     for c in converted:
-        if c.is_param or c.before is None or c.name not in c.module._non_persistent_buffers_set:
+        if c.is_param or c.before is None or c.before.is_meta:
+            continue
+        if c.name not in c.module._non_persistent_buffers_set:
             continue
         if not torch.equal(getattr(c.module, c.name).to(c.before.dtype), c.before):
             rounded.append(c.qualname)

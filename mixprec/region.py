@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.cast_cache import CastCache
-from mixprec.composite_ops import COMPOSITES
+from mixprec.composite_ops import composite_of
 
 if TYPE_CHECKING:
     from mixprec.policy.cast_policy import Policy
@@ -85,11 +85,15 @@ class RegionMode(TorchFunctionMode):
         if "__torch_function__" in cls.__dict__:
             _compiled_only_inlined(cls.__torch_function__)
 
+    def in_charge(self) -> bool:
+        """Whether the mode's region handles ops right now (a nested region or keep_fp32 may say no)."""
+        return True
+
     def pass_on(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func`` as the mode passes it on: as it is, but a composite of GEMMs (composite_ops.py) with
         this mode on, so its inner ops are handled too (eager code: compiled code traces torch's own)."""
-        composite = COMPOSITES.get(func)
-        if composite is None or torch.compiler.is_compiling():
+        composite = composite_of(func)
+        if composite is None or torch.compiler.is_compiling() or not self.in_charge():
             return func(*args, **kwargs)
         with self:
             return composite(*args, **kwargs)

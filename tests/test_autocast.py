@@ -743,3 +743,20 @@ def test_recurrent_layers_run_in_fp32_where_half_is_emulated(layer: str) -> None
     grads = torch.autograd.grad(flat[0].sum(), list(module.parameters()))
     ref_grads = torch.autograd.grad(refs[0].sum(), list(module.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
+def test_a_policy_rule_for_lstm_wins_over_the_fp32_default() -> None:
+    """A rule the user set for a recurrent op is kept: NATIVE (torch's own handling) had looked like no rule
+    and was turned into fp32 (a review)."""
+    from mixprec.cast_plan import plan
+    from mixprec.policy import Action, OpRule, Source
+    from mixprec.policy.presets import DEFAULT_POLICY
+
+    assert plan(DEFAULT_POLICY, "cpu", torch.float16).actions["lstm"] is Action.FP32  # emulated (conftest)
+    for action in (Action.NATIVE, Action.LOWER):
+        policy = DEFAULT_POLICY.with_rules(OpRule("lstm", action, source=Source.USER))
+        assert plan(policy, "cpu", torch.float16).actions.get("lstm") is not Action.FP32
+    lowered = DEFAULT_POLICY.with_rules(OpRule("lstm", Action.LOWER, source=Source.USER))
+    with autocast("cpu", dtype=torch.float16, policy=lowered):
+        out, _ = nn.LSTM(8, 8)(torch.randn(5, 3, 8))
+    assert out.dtype is torch.float16  # emulated as the rule asks: half inputs, fp32 arithmetic, half out

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 import mixprec
 from mixprec.composite_ops import COMPOSITES
@@ -70,3 +76,37 @@ def test_the_copy_computes_what_the_function_computes() -> None:
         torch.manual_seed(1)
         assert all(torch.equal(a, b) for a, b in zip(ours, func(*args, training=True, need_weights=True),
                                                          strict=True))
+
+
+def test_the_copy_reads_the_module_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patch of a function the attention calls (an attention kernel swap, DeepSpeed's F.linear) made after
+    import is seen inside a region too: the copy's globals are the module's, read live."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def patched(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
+    mha, x = _attention()
+    with mixprec.autocast("cpu", torch.float16):
+        mha(x, x, x, need_weights=False)
+    assert calls == [1]
+
+
+def test_an_unhashable_callable_is_passed_on() -> None:
+    """A callable object that checks has_torch_function itself reaches the mode: a dict lookup of it
+    raised TypeError (an eq dataclass is unhashable)."""
+
+    @dataclasses.dataclass
+    class Scaled:
+        k: float
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            if has_torch_function((x,)):
+                return handle_torch_function(self, (x,), x)
+            return x * self.k
+
+    with mixprec.autocast("cpu", torch.bfloat16):
+        assert torch.equal(Scaled(2.0)(torch.ones(3)), torch.full((3,), 2.0))

@@ -362,3 +362,31 @@ def test_an_additive_mask_is_not_taken_for_the_overflow() -> None:
     with trace_nonfinite(model) as tracer:
         model(x, torch.full((5, 5), float("nan")))  # NaN is no mask: still said to come from outside
     assert tracer.event is not None and "received non-finite input" in tracer.event.explain()
+
+
+class _PaddedAttention(nn.Module):
+    """A padding mask of fp32's finfo.min cast to the half model's dtype: -inf, one row masked everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _MaskedAttention()
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(5, 5).masked_fill(pad, torch.finfo(torch.float32).min).to(x.dtype)
+        return self.attn(x, mask)
+
+
+def test_a_mask_that_masks_a_whole_row_is_named_as_the_cause() -> None:
+    """A review: with -inf taken for a mask, a fully masked row (NaN in fp32 too) was "not a precision
+    problem -- look for log(0)"; the mask made in the parent's forward is the cause. And a tensor that is
+    all -inf (an overflow) is no mask."""
+    torch.manual_seed(0)
+    model = _PaddedAttention().half()
+    pad = torch.zeros(5, 5, dtype=torch.bool)
+    pad[2] = True
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(5, 8).half(), pad)
+    assert tracer.event is not None and tracer.event.module == "attn"
+    text = tracer.event.explain()
+    assert "holds -inf (a mask?)" in text and "finfo(torch.float32).min" in text and "<model>" in text
+    assert not tensor_range(torch.full((3,), float("-inf"))).mask_like

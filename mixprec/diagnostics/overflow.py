@@ -143,7 +143,8 @@ class TensorRange:
     def mask_like(self) -> bool:
         """Non-finite only by -inf: taken for an additive mask (a causal or padding attention mask holds
         -inf on purpose), not for a value that overflowed."""
-        return self.n_nan == 0 and 0 < self.n_inf == self.n_neg_inf
+        # a mask keeps some entries (0): a tensor that is all -inf overflowed (or was filled that way)
+        return self.n_nan == 0 and 0 < self.n_inf == self.n_neg_inf and self.min is not None
 
     @property
     def usable(self) -> bool:
@@ -260,6 +261,14 @@ class NonfiniteEvent:
             return f"{self.label} output {what} in {_dtype_name(out.dtype)}{reason}."
         ref = self.fp32_outputs[self.outputs.index(out)] if len(self.fp32_outputs) == len(self.outputs) \
             else self.fp32_outputs[0]
+        masks = [i for i, r in enumerate(self.inputs) if r.mask_like]
+        if not ref.finite and masks:
+            return (f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too, "
+                    f"where input {masks[0]} holds -inf (a mask?): a row masked everywhere makes softmax "
+                    "NaN. An additive mask filled with torch.finfo(torch.float32).min becomes -inf when cast "
+                    "to fp16 or bf16 (before this module, "
+                    f"{'by code in the forward of ' + self.parent if self.parent else 'by the caller'}): "
+                    "build it with the half dtype's finfo.min, or pass a bool mask.")
         if not ref.finite:
             return (f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too "
                     f"({ref.n_inf:,} inf, {ref.n_nan:,} NaN): not a precision problem -- look for log(0), "
