@@ -360,3 +360,14 @@ def test_compile_key_names_one_live_policy() -> None:
     gc.collect()
     with pytest.raises(KeyError):
         P.Policy.from_compile_key(gone)
+
+
+def test_a_rule_for_an_op_torch_calls_from_cpp_is_refused() -> None:
+    """A user trial: with_fp32("mkldnn_rnn_layer"), the name in the CPU table, was accepted and changed
+    nothing (nn.LSTM calls it from C++ inside lstm); the error names what to write instead."""
+    from mixprec.policy.presets import DEFAULT_POLICY
+
+    for op in ("mkldnn_rnn_layer", "cudnn_convolution"):
+        with pytest.raises(PolicyError, match=rf"rule for '{op}' would never act"):
+            DEFAULT_POLICY.with_fp32(op)
+    assert DEFAULT_POLICY.with_fp32("lstm").rule("lstm", "cpu", torch.bfloat16).action is Action.FP32

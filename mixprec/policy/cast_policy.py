@@ -13,7 +13,7 @@ import torch
 
 from mixprec.errors import PolicyError
 from mixprec.policy.devices import device_spec
-from mixprec.policy.names import op_name
+from mixprec.policy.names import CALLED_INSIDE, op_name
 from mixprec.policy.render import policy_table, render_text
 from mixprec.policy.rules import Action, DeviceTable, OpRule, Source
 from mixprec.policy.tables import TORCH_TABLES
@@ -152,6 +152,14 @@ class Policy:
 
     def with_rules(self, *rules: OpRule, device_type: str | None = None) -> Policy:
         """Append rules (they win over earlier ones) to one device's table, or to every table."""
+        inside = next((r.op for r in rules if r.source is Source.USER and r.op in CALLED_INSIDE), None)
+        if inside is not None:  # a rule that would never act
+            raise PolicyError(
+                f"a rule for {inside!r} would never act: torch calls it from C++ inside another function, "
+                "below the Python calls mixprec's layer handles (torch's autocast decides it by its own "
+                "table).",
+                f"write the rule for {CALLED_INSIDE[inside]}, the function your code calls.",
+            )
         targets = {t.device_type for t in self.tables} if device_type is None else {device_type}
         if device_type is not None:
             self.table(device_type)  # validates

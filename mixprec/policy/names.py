@@ -13,7 +13,7 @@ import torch
 
 from mixprec.errors import PolicyError
 
-__all__ = ["MIXPREC_OP_ATTR", "PY_ALIASES", "is_torch_callable", "op_name", "python_names"]
+__all__ = ["CALLED_INSIDE", "MIXPREC_OP_ATTR", "PY_ALIASES", "is_torch_callable", "op_name", "python_names"]
 
 # Python-level names whose torch operator has another name. Autocast tables use operator names.
 PY_ALIASES: Mapping[str, str] = types.MappingProxyType(
@@ -25,6 +25,19 @@ PY_ALIASES: Mapping[str, str] = types.MappingProxyType(
         "__ipow__": "pow",
         "cross_entropy": "cross_entropy_loss",
         "grid_sample": "grid_sampler",
+    }
+)
+
+# Operators torch's autocast tables list that torch calls from C++ inside another function, so Python code
+# (and so mixprec's layer) never calls them: a user rule for one would never act. -> what to name instead.
+CALLED_INSIDE: Mapping[str, str] = types.MappingProxyType(
+    {
+        "mkldnn_rnn_layer": "lstm (and gru, rnn_tanh, rnn_relu: nn.LSTM/GRU/RNN)",
+        "_thnn_fused_lstm_cell": "lstm_cell",
+        "_thnn_fused_gru_cell": "gru_cell",
+        "cudnn_convolution": "conv1d, conv2d or conv3d",
+        "cudnn_convolution_transpose": "conv_transpose1d, conv_transpose2d or conv_transpose3d",
+        "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
     }
 )
 
