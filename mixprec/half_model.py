@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
@@ -138,9 +140,37 @@ class CastInputs:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.checked = False  # the first call's inputs were looked at (_warn_if_integers_rounded)
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        return cast_floating((args, kwargs), self.dtype)
+        cast = cast_floating((args, kwargs), self.dtype)
+        if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
+            self.checked = True  # once: it reads every floating input
+            _warn_if_integers_rounded(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
+        return cast
+
+
+def _warn_if_integers_rounded(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
+    """Say so where the input cast rounded a floating input that holds whole numbers: a diffusion model's
+    timesteps (bf16 holds integers exactly only up to 256: 998 and 999 both became 1000, silently, in a user
+    trial), positions, counts. apex cast inputs too, but only to fp16 (exact up to 2048)."""
+    for i, (t, c) in enumerate(zip(before, after, strict=True)):
+        if not isinstance(t, torch.Tensor) or t is c or t.dtype is not torch.float32:
+            continue
+        if t.is_meta or is_fake(t):  # no values to read (the memory estimate's fake tensors)
+            continue
+        if torch.equal(t, t.round()) and not torch.equal(c.to(t.dtype), t):
+            wrong = (c.to(t.dtype) != t).nonzero()[0]
+            warnings.warn(
+                f"The model's input {i} holds whole numbers (timesteps? positions?) that the cast to "
+                f"{str(dtype).removeprefix('torch.')} rounds: {t[tuple(wrong)].item():g} became "
+                f"{c[tuple(wrong)].item():g}. Pass them as an integer tensor (the input cast leaves those "
+                "alone) and convert inside forward where fp32 is kept, e.g. `t.float()` before the "
+                "embedding.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
 
 
 class CastOutputs:

@@ -573,7 +573,8 @@ class MasterWeights(torch.optim.Optimizer):
             yield from group["params"]
 
     def master_views(self) -> Iterator[torch.Tensor]:
-        """One fp32 master per half model parameter, in model order (views into the buffer when flat)."""
+        """One fp32 master per half model parameter, in the order of :meth:`model_params` (the optimizer's
+        parameter groups, not necessarily ``model.parameters()``'s; views into the buffer when flat)."""
         for g in self._groups:
             yield from g.views
 

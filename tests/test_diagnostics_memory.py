@@ -467,3 +467,14 @@ def test_cli_memory_titles_the_unit_its_numbers_are_in(capsys: pytest.CaptureFix
     unit = title.rstrip().rsplit("(", 1)[1].rstrip(")")
     # 7,738 parameters and a 4x1x16x16 batch: well under a MiB, so the table is in KiB
     assert unit == "KiB" and 1 <= value < 1024
+
+
+def test_a_batch_whose_x_is_not_one_tensor_is_named() -> None:
+    """A user trial passed ((x, t), y) for a two-input UNet and was told "got tuple" and to pass (x, y)."""
+    from mixprec.diagnostics.memory import split_batch
+    from mixprec.errors import ConfigError
+
+    x = torch.randn(2, 4)
+    with pytest.raises(ConfigError, match=r"(?s)its x is tuple.*wrap it in a module"):
+        split_batch(((x, x), x))
+    assert split_batch((x, x))[0] is x

@@ -601,3 +601,28 @@ def test_a_tied_weight_is_saved_once(split_masters: bool) -> None:
     outer = nn.ModuleDict({"lm": model})  # a prepared model inside a larger one: its prefix
     nested = outer.state_dict()
     assert nested["lm.head.weight"] is nested["lm.embed.weight"]
+
+
+class _Timestep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * t[:, None]
+
+
+def test_whole_number_inputs_the_cast_rounds_are_named_once() -> None:
+    """A user trial (a DDPM UNet): O2 bf16 cast float timesteps 998 and 999 to 1000, silently. Said once, at
+    the user's line; whole numbers that round exactly (pixels 0..255, fp16's timesteps) say nothing."""
+    model = _Timestep()
+    prepare(model, RECIPES["O2"].replace(model_dtype=torch.bfloat16), "cpu")
+    with pytest.warns(UserWarning, match="input 1 holds whole numbers .* 999 became 1000") as said:
+        model(torch.randn(3, 4), torch.tensor([5.0, 999.0, 12.0]))
+    assert said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(3, 4), torch.tensor([5.0, 999.0, 12.0]))  # once
+        exact = _Timestep()
+        prepare(exact, RECIPES["O2"].replace(model_dtype=torch.bfloat16), "cpu")
+        exact(torch.randn(3, 4).round(), torch.tensor([0.0, 255.0, 256.0]))

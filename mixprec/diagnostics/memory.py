@@ -315,9 +315,13 @@ def split_batch(batch: Batch) -> tuple[Any, Any]:
     the diagnostics that run a step on an example batch (memory, gradients)."""
     items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
     if not items or not isinstance(items[0], Tensor):
+        got = type(items[0]).__name__ if items else "an empty batch"
         raise ConfigError(
-            f"the example batch must be a tensor x or a tuple (x, y), got {type(batch).__name__}.",
-            "pass e.g. data.one_batch() or (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))).",
+            f"the example batch must be a tensor x or a tuple (x, y) whose x is one tensor (the model is "
+            f"called as model(x)); its x is {got}.",
+            "pass e.g. data.one_batch() or (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))); a "
+            "model with several inputs (x, t): wrap it in a module whose forward takes one tensor, or run "
+            "your own step and read the gradients with grad_exponent_histogram(model).",
         )
     return items[0], items[1] if len(items) > 1 else None
 
