@@ -74,7 +74,8 @@ def test_mlp_activations_equal_the_hand_computed_sum(
 @pytest.mark.parametrize("estimate", [False, True], ids=["measured", "estimated"])
 def test_o1_saves_half_activations_and_the_weight_copy_autocast_made(estimate: bool) -> None:
     b, n_in, hidden = 8, 64, 32
-    result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), "O1", estimate=estimate)
+    result = memory_breakdown(mlp(n_in, hidden, 10), None, _batch(b, (n_in,)), "O1", estimate=estimate,
+                              autocast="torch")  # torch's kernels: what native half GEMMs save
     # Under fp16 autocast the Linears run in fp16 (x and the ReLU output are saved as fp16) and
     # log_softmax in fp32 (its output and total_weight are fp32). Linear 2 saves its fp16 weight copy.
     assert result.activations == _mlp_saved_bytes(b, n_in, hidden, 10, elem=2, logits_elem=4)
@@ -330,8 +331,11 @@ def test_table_says_how_the_half_gemms_ran(monkeypatch: pytest.MonkeyPatch) -> N
     from mixprec import hardware
 
     monkeypatch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+    # O1 by default as initialize's O1 runs it (mixprec.autocast: emulated here; a user trial found the
+    # default was torch.autocast's, 45% fewer activation bytes than initialize's O1 keeps on such a CPU)
     results = memory_breakdowns(mlp(16, 8, 4), None, _batch(2, (16,), 4), ("fp32", "O1", "O2", "pure-bf16"))
-    assert [b.arithmetic for b in results] == ["", "native (torch.autocast)", "emulated", "native"]
+    assert [b.arithmetic for b in results] == ["", "emulated", "emulated", "native"]
+    results[1] = memory_breakdown(mlp(16, 8, 4), None, _batch(2, (16,), 4), "O1", autocast="torch")
     console = Console(width=300, record=True)
     console.print(memory_table(results))
     row = next(line for line in console.export_text().splitlines() if "half GEMMs" in line)

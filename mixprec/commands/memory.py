@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true",
                         help="run the step on real tensors instead of the no-compute estimate "
                         "(slow for vgg16)")
-    parser.add_argument("--autocast", choices=("torch", "mixprec"), default="torch",
-                        help="autocast used for O1 (default: torch.autocast)")
+    parser.add_argument("--autocast", choices=("torch", "mixprec"), default="mixprec",
+                        help="autocast used for O1 (default: mixprec.autocast, what initialize's O1 runs)")
     parser.add_argument("--png", default="mixprec-memory.png", metavar="PATH",
                         help="stacked-bar chart to write (default: mixprec-memory.png)")
     parser.add_argument("--no-png", action="store_true", help="do not write the chart")

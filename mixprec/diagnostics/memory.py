@@ -548,7 +548,7 @@ def memory_breakdown(
     *,
     loss_fn: LossFn | None = None,
     estimate: bool = False,
-    autocast: str = "torch",
+    autocast: str = "mixprec",
     update: UpdateMode | str | None = None,
 ) -> MemoryBreakdown:
     """Bytes of parameters, gradients, fp32 masters, optimizer state and saved activations of one step.
@@ -564,7 +564,9 @@ def memory_breakdown(
             (fp32, pure-fp16, pure-bf16, fp16, bf16, O0-O3, ...), or an apex ``Properties`` (its recipe).
         loss_fn: ``loss_fn(output, y)``; default cross-entropy, or ``output.sum()`` without ``y``.
         estimate: compute nothing: run under FakeTensorMode (seconds for VGG16 at batch 64).
-        autocast: ``"torch"`` (torch.autocast) or ``"mixprec"`` (mixprec.autocast), for recipes with autocast.
+        autocast: ``"mixprec"`` (mixprec.autocast: what ``initialize(..., "O1")`` and the ladder's O1 run;
+            where mixprec emulates half GEMMs it saves other tensors than torch's kernels) or ``"torch"``
+            (torch.autocast), for recipes with autocast.
         update: a :class:`~mixprec.low_precision.LowPrecisionOptimizer` mode (pure half recipes only): its
             extra buffers are counted, and the wrapped optimizer's state is fp32, as it steps fp32 views.
     """
