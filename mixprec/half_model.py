@@ -207,13 +207,24 @@ def _share_tied(module: nn.Module, state_dict: dict[str, Any], prefix: str, loca
                 state_dict[name] = state_dict[kept]
 
 
-def share_tied_entries(model: nn.Module) -> RemovableHandle:
-    """A state-dict hook on ``model`` (register it after every hook that rewrites entries: hooks run in
-    registration order) that gives names of one tied tensor one entry again. The per-module hooks above
-    upcast each name's half tensor on its own, so a tied embedding was saved as two fp32 tensors (a user
-    trial: 16,384 x 4 bytes more per checkpoint, and tools that find ties by shared storage found none).
-    A module-level function: a prepared model pickles whole (``torch.save(model)``)."""
-    return model._register_state_dict_hook(_share_tied)
+def share_tied_entries(model: nn.Module) -> list[RemovableHandle]:
+    """State-dict hooks (register them after every hook that rewrites entries: hooks run in registration
+    order) that give names of one tied tensor one entry again. The per-module hooks above upcast each
+    name's half tensor on its own, so a tied embedding was saved as two fp32 tensors (a user trial: 16,384 x
+    4 bytes more per checkpoint, and tools that find ties by shared storage found none). One hook on the
+    innermost module holding every name of a tie, so ``model.part.state_dict()`` shares them too. Module-level
+    functions: a prepared model pickles whole (``torch.save(model)``)."""
+    names: dict[int, list[str]] = {}
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in tensors:
+        names.setdefault(id(t), []).append(name)
+    owners = set()
+    for tied in (n for n in names.values() if len(n) > 1):
+        paths = [name.split(".")[:-1] for name in tied]  # each name's module path
+        shortest = min(map(len, paths))
+        common = next((i for i in range(shortest) if len({p[i] for p in paths}) > 1), shortest)
+        owners.add(".".join(paths[0][:common]))
+    return [model.get_submodule(owner)._register_state_dict_hook(_share_tied) for owner in sorted(owners)]
 
 
 _REGION_ATTR = "_mixprec_region"
@@ -574,7 +585,7 @@ def prepare(
         hooks.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
-            hooks.append(share_tied_entries(model))
+            hooks += share_tied_entries(model)
     make = region_factory(recipe, device_type)
     hooks.append(_RegionForward(model, make))  # type: ignore[arg-type]
     mark_prepared(model.parameters())  # their forward runs in the region: fast, compiled or not

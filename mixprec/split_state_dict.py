@@ -46,7 +46,7 @@ def hook_split_state_dict(model: nn.Module, opt: LowPrecisionOptimizer) -> list[
             save, load = partial(_save_masters, own=own, opt=opt), partial(_load_masters, own=own, opt=opt)
             handles.append(module._register_state_dict_hook(save))
             handles.append(module._register_load_state_dict_pre_hook(load))
-    handles.append(share_tied_entries(model))  # after the hooks above: a tied master saved once
+    handles += share_tied_entries(model)  # after the hooks above: a tied master saved once
     return handles
 
 

@@ -603,6 +603,18 @@ def test_a_tied_weight_is_saved_once(split_masters: bool) -> None:
     assert nested["lm.head.weight"] is nested["lm.embed.weight"]
 
 
+def test_a_tie_inside_a_submodule_is_shared_in_its_own_state_dict() -> None:
+    """A review: the hook sat on the prepared model only, so `model.lm.state_dict()` held the tie twice."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lm": _Tied(), "other": nn.Linear(4, 4)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0)
+    inner = model["lm"].state_dict()
+    assert inner["head.weight"] is inner["embed.weight"] and inner["embed.weight"].dtype is torch.float32
+    whole = model.state_dict()
+    assert whole["lm.head.weight"] is whole["lm.embed.weight"]
+
+
 class _Timestep(nn.Module):
     def __init__(self) -> None:
         super().__init__()
