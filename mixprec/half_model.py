@@ -140,37 +140,46 @@ class CastInputs:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.checked = False  # the first call's inputs were looked at (_warn_if_integers_rounded)
+        self.checked = False  # the first call's inputs were looked at (_warn_if_inputs_lost)
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         cast = cast_floating((args, kwargs), self.dtype)
         if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
             self.checked = True  # once: it reads every floating input
-            _warn_if_integers_rounded(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
+            _warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
         return cast
 
 
-def _warn_if_integers_rounded(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
-    """Say so where the input cast rounded a floating input that holds whole numbers: a diffusion model's
-    timesteps (bf16 holds integers exactly only up to 256: 998 and 999 both became 1000, silently, in a user
-    trial), positions, counts. apex cast inputs too, but only to fp16 (exact up to 2048)."""
+def _warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
+    """Say so where the input cast lost what a floating input meant: finite values that became inf (an
+    additive mask filled with fp32's finfo.min: -inf in half), or whole numbers rounded (a diffusion
+    model's timesteps: bf16 holds integers exactly only up to 256, so 998 and 999 both became 1000,
+    silently, in a user trial; positions, counts). apex cast inputs too, but only to fp16 (exact to 2048)."""
+    name = str(dtype).removeprefix("torch.")
     for i, (t, c) in enumerate(zip(before, after, strict=True)):
         if not isinstance(t, torch.Tensor) or t is c or t.dtype is not torch.float32:
             continue
         if t.is_meta or is_fake(t):  # no values to read (the memory estimate's fake tensors)
             continue
-        if torch.equal(t, t.round()) and not torch.equal(c.to(t.dtype), t):
-            wrong = (c.to(t.dtype) != t).nonzero()[0]
-            warnings.warn(
-                f"The model's input {i} holds whole numbers (timesteps? positions?) that the cast to "
-                f"{str(dtype).removeprefix('torch.')} rounds: {t[tuple(wrong)].item():g} became "
-                f"{c[tuple(wrong)].item():g}. Pass them as an integer tensor (the input cast leaves those "
-                "alone) and convert inside forward where fp32 is kept, e.g. `t.float()` before the "
-                "embedding.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-            return
+        back = c.to(t.dtype)
+        overflowed = back.isinf() & t.isfinite()
+        if overflowed.any():
+            where = tuple(overflowed.nonzero()[0])
+            problem = (f"holds {t[where].item():g}, beyond {name}'s range: the cast made it "
+                       f"{back[where].item():g}")
+            fix = (f"a mask filled with torch.finfo(torch.float32).min? Build it with "
+                   f"torch.finfo(torch.{name}).min, or pass a bool mask; other values: scale them into range")
+        elif torch.equal(t, t.round()) and not torch.equal(back, t):
+            where = tuple((back != t).nonzero()[0])
+            problem = (f"holds whole numbers (timesteps? positions?) that the cast rounds: "
+                       f"{t[where].item():g} became {back[where].item():g}")
+            fix = ("pass them as an integer tensor (the input cast leaves those alone) and convert inside "
+                   "forward, e.g. `t.float()` before the embedding")
+        else:
+            continue
+        warnings.warn(f"The model's input {i} {problem}. Fix: {fix}.", UserWarning,
+                      stacklevel=user_stacklevel())
+        return
 
 
 class CastOutputs:

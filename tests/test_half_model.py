@@ -638,3 +638,13 @@ def test_whole_number_inputs_the_cast_rounds_are_named_once() -> None:
         exact = _Timestep()
         prepare(exact, RECIPES["O2"].replace(model_dtype=torch.bfloat16), "cpu")
         exact(torch.randn(3, 4).round(), torch.tensor([0.0, 255.0, 256.0]))
+
+
+def test_an_input_the_cast_overflows_is_named() -> None:
+    """An additive mask of fp32's finfo.min, cast by the input hook, becomes -inf in half precision (the
+    documented pitfall: a fully masked row's softmax is NaN); said at the first forward."""
+    model = _Timestep()
+    prepare(model, RECIPES["O2"], "cpu")  # fp16
+    scale = torch.tensor([0.0, torch.finfo(torch.float32).min, 1.0])
+    with pytest.warns(UserWarning, match=r"input 1 holds -3.40282e\+38, beyond float16's range.*finfo"):
+        model(torch.randn(3, 4), scale)
