@@ -9,6 +9,9 @@ from __future__ import annotations
 
 __all__ = [
     "MixprecError",
+    # advice several messages give
+    "FP32_MIN_MASK",
+    "FP32_MIN_MASK_FIX",
     # settings and call order
     "ConfigError",
     "ApexPropertyError",
@@ -116,3 +119,10 @@ class BannedOpError(MixprecError, NotImplementedError):
 
 class UnknownArithmeticError(ConfigError):
     """An arithmetic choice (native/emulated) that mixprec.hardware does not know."""
+
+
+# One wording of a pitfall three messages name (the scaler's stuck warning, trace_nonfinite, the input cast's
+# first-forward check): fp32's finfo.min (-3.4e38) lies beyond fp16's and bf16's range.
+FP32_MIN_MASK = ("an additive attention mask filled with torch.finfo(torch.float32).min becomes -inf when "
+                 "cast to fp16 or bf16, and a row masked everywhere then makes softmax NaN")
+FP32_MIN_MASK_FIX = "build the mask with its half dtype's own torch.finfo(dtype).min, or pass a bool mask"

@@ -63,10 +63,11 @@ _RECURRENT = frozenset(RECURRENT_OPS)
 class _HalfComputeMode(RegionMode):
     """Emulates the GEMM family for half operands and runs the sensitive ops in fp32 (module docstring)."""
 
-    def __init__(self, region: Region, gemms: frozenset[str]) -> None:
+    def __init__(self, region: Region, gemms: frozenset[str], recurrent: frozenset[str]) -> None:
         super().__init__()
         self.region = region
         self.gemms = gemms
+        self.recurrent = recurrent  # the plan's fp32 recurrent layers (emulated regions: RECURRENT_OPS)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -87,7 +88,7 @@ class _HalfComputeMode(RegionMode):
         if name in RELU_NAMES:  # emulated GEMMs only: see half_relu.py
             return self._relu if self.gemms and not torch.is_autocast_enabled(region.device_type) else None
         loss = _FP32_OPS.get(name)
-        if loss is None and self.gemms and name in _RECURRENT:  # emulated regions only (RECURRENT_OPS: why)
+        if loss is None and name in self.recurrent:
             loss = False  # fp32 arithmetic, the result rounded to the model's dtype
         if (loss is None and name not in self.gemms) or torch.is_autocast_enabled(region.device_type):
             return None
@@ -127,9 +128,11 @@ def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     gemms = frozenset(
         name for name, action in made.actions.items() if action is Action.LOWER and made.emulate
     )
+    recurrent = frozenset(name for name, action in made.actions.items()
+                          if action is Action.FP32 and name in _RECURRENT)
     # cache_enabled: a weight used several times in one forward is upcast once (see half_compute.__exit__)
     region = region_for(made, device_type, dtype, cache_enabled=True)
-    mode = _HalfComputeMode(region, gemms)
+    mode = _HalfComputeMode(region, gemms, recurrent)
     if len(_MODES) >= 64:  # bounded like the plans it follows
         _MODES.clear()
     _MODES[key] = (made, mode)

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
 from mixprec.distributed import is_sharded
-from mixprec.errors import ConfigError
+from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
@@ -167,8 +167,8 @@ def _warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype
             where = tuple(overflowed.nonzero()[0])
             problem = (f"holds {t[where].item():g}, beyond {name}'s range: the cast made it "
                        f"{back[where].item():g}")
-            fix = (f"a mask filled with torch.finfo(torch.float32).min? Build it with "
-                   f"torch.finfo(torch.{name}).min, or pass a bool mask; other values: scale them into range")
+            # a mask's is the usual case: say why it matters, then the fix
+            fix = f"{FP32_MIN_MASK_FIX} if it is a mask ({FP32_MIN_MASK}); scale other values into range"
         elif torch.equal(t, t.round()) and not torch.equal(back, t):
             where = tuple((back != t).nonzero()[0])
             problem = (f"holds whole numbers (timesteps? positions?) that the cast rounds: "

@@ -41,6 +41,8 @@ from torch import nn
 
 from mixprec.distributed import is_sharded
 from mixprec.errors import (
+    FP32_MIN_MASK,
+    FP32_MIN_MASK_FIX,
     ConfigError,
     DeviceMismatchError,
     Fp16GradientError,
@@ -719,10 +721,8 @@ class GradScaler:
         ``scale``."""
         others = ("Other causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 "
                   "overflow in the forward (an activation or logit above 65504, e.g. logits scaled up or a "
-                  "sum over a large batch: the loss is inf whatever the scale); in fp16 or bf16, a float "
-                  "attention mask filled with torch.finfo(torch.float32).min, which becomes -inf when cast "
-                  "(a fully masked row's softmax is then NaN; use the mask dtype's own finfo.min or a bool "
-                  "mask); a learning rate that makes the weights diverge.")
+                  f"sum over a large batch: the loss is inf whatever the scale); {FP32_MIN_MASK} "
+                  f"({FP32_MIN_MASK_FIX}); a learning rate that makes the weights diverge.")
         last = getattr(self, "_last_loss", None)  # a scaler pickled before it existed has none
         if last is not None and not bool(torch.isfinite(last).all()):  # read once, here: no per-step sync
             others = (f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec.errors import ConfigError
+from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
@@ -263,12 +263,10 @@ class NonfiniteEvent:
             else self.fp32_outputs[0]
         masks = [i for i, r in enumerate(self.inputs) if r.mask_like]
         if not ref.finite and masks:
+            made = f"by code in the forward of {self.parent}" if self.parent else "by the caller"
             return (f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too, "
-                    f"where input {masks[0]} holds -inf (a mask?): a row masked everywhere makes softmax "
-                    "NaN. An additive mask filled with torch.finfo(torch.float32).min becomes -inf when cast "
-                    "to fp16 or bf16 (before this module, "
-                    f"{'by code in the forward of ' + self.parent if self.parent else 'by the caller'}): "
-                    "build it with the half dtype's finfo.min, or pass a bool mask.")
+                    f"where input {masks[0]} holds -inf (a mask?): {FP32_MIN_MASK} (before this module, "
+                    f"{made}). Fix: {FP32_MIN_MASK_FIX}.")
         if not ref.finite:
             return (f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too "
                     f"({ref.n_inf:,} inf, {ref.n_nan:,} NaN): not a precision problem -- look for log(0), "
