@@ -9,55 +9,58 @@ half units made a small Transformer's bf16 step 5-10x fp32's (a user trial of py
 word_language_model), where its ``nn.Linear`` layers beside them ran at fp32's speed.
 
 So a region's mode runs such a function with itself pushed back on: its inner linears, matmuls and softmax
-are then handled as anywhere else in the region (emulated where the hardware asks for it). The function
-checks ``has_torch_function`` first and would hand the call straight back to the mode; the copy run here is
-the same code whose check answers no: a function object made from the same code over the module's globals
-read live (a patch of ``F.linear`` or ``F.scaled_dot_product_attention`` made later is seen), but for that
-one name. Every function it calls checks as usual. A torch whose function is wrapped (a closure) or checks
-by another name gets no copy: the function is then passed on as it is, as before.
+are then handled as anywhere else in the region (emulated where the hardware asks for it), in eager and in
+compiled code alike. The function checks ``has_torch_function`` first and would hand the call straight back
+to the mode; the copy run here is the same bytecode over the same module globals, with that one global
+read under another name (``_mixprec_no_torch_function``, set in the function's module, answering no).
+Reading the module's own globals keeps a patch of ``F.linear`` or ``F.scaled_dot_product_attention`` made
+later in view, and lets Dynamo trace the copy as it traces the function (it reads a function's globals as
+a plain dict, so a dict that answers missing names from elsewhere did not work there). Every function it
+calls checks as usual. A torch whose function is wrapped (a closure) or reads the name other than as a
+global gets no copy: the function is then passed on as it is.
+
+``TRACEABLE_FORMS``: a Tensor method written in Python that Dynamo cannot trace when a mode passes it on,
+and the torch function that computes the same. ``Tensor.unflatten`` ends in ``super().unflatten()``,
+which Dynamo cannot call from a mode's frame: it gave up on the whole compiled function and ran it
+eagerly (a graph break torch.autocast does not have; ``nn.MultiheadAttention`` unflattens its
+projections).
 """
 
 from __future__ import annotations
 
+import dis
 import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
-__all__ = ["COMPOSITES", "composite_of"]
+__all__ = ["COMPOSITES", "TRACEABLE_FORMS", "composite_of", "traceable_form"]
+
+
+# The name the copies read instead of has_torch_function (set in each copied function's module).
+UNCHECKED_NAME = "_mixprec_no_torch_function"
 
 
 def _no_torch_function(*_: Any) -> bool:
     return False
 
 
-class _LiveGlobals(dict):  # type: ignore[type-arg]
-    """A module's globals read live, but for the names set here (Python looks a function's globals up with
-    ``__getitem__``, so ``__missing__`` answers every other name from the module as it is now)."""
-
-    def __init__(self, module_globals: dict[str, Any], **overrides: Any) -> None:
-        super().__init__(overrides)
-        self.module_globals = module_globals
-
-    def __missing__(self, name: str) -> Any:
-        return self.module_globals[name]
-
-
 def _unchecked(func: Callable[..., Any]) -> Callable[..., Any] | None:
     """``func`` with its own ``has_torch_function`` check answering no (see the module docstring); None
-    where ``func`` is not a plain function that checks by that name."""
+    where ``func`` is not a plain function that reads that name as a global only."""
     code = getattr(func, "__code__", None)
-    if code is None or func.__closure__ is not None or "has_torch_function" not in code.co_names:  # type: ignore[attr-defined]
+    if code is None or func.__closure__ is not None:  # type: ignore[attr-defined]
         return None
-    module_globals = func.__globals__  # type: ignore[attr-defined]
-    names = _LiveGlobals(
-        module_globals, has_torch_function=_no_torch_function, __name__=module_globals["__name__"],
-        __builtins__=module_globals["__builtins__"],
-        # warnings.warn keeps its once-per-line registry in the calling function's globals: the module's
-        __warningregistry__=module_globals.setdefault("__warningregistry__", {}),
+    uses = [i.opname for i in dis.get_instructions(code) if i.argval == "has_torch_function"]
+    if not uses or any(op != "LOAD_GLOBAL" for op in uses):
+        return None
+    names = tuple(UNCHECKED_NAME if n == "has_torch_function" else n for n in code.co_names)
+    func.__globals__.setdefault(UNCHECKED_NAME, _no_torch_function)  # type: ignore[attr-defined]
+    copy = types.FunctionType(
+        code.replace(co_names=names), func.__globals__, func.__name__, func.__defaults__  # type: ignore[attr-defined]
     )
-    copy = types.FunctionType(code, names, func.__name__, func.__defaults__)  # type: ignore[attr-defined]
     copy.__kwdefaults__ = func.__kwdefaults__  # type: ignore[attr-defined]
     return copy
 
@@ -75,3 +78,18 @@ def composite_of(func: Any) -> Callable[..., Any] | None:
         return COMPOSITES.get(func)
     except TypeError:  # an unhashable callable (a dataclass instance that checks has_torch_function itself)
         return None
+
+
+# Tensor method a mode receives -> the torch function to call for it in compiled code (module docstring)
+TRACEABLE_FORMS: tuple[tuple[Callable[..., Any], Callable[..., Any]], ...] = (
+    (torch.Tensor.unflatten, torch.unflatten),
+)
+
+
+def traceable_form(func: Any) -> Any:
+    """What compiled code calls for ``func``: a torch function Dynamo traces, or ``func`` itself. (Pairs
+    compared by identity: Dynamo did not find a Tensor method as a dict key.)"""
+    for method, form in TRACEABLE_FORMS:
+        if func is method:
+            return form
+    return func

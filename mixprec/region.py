@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.cast_cache import CastCache
-from mixprec.composite_ops import composite_of
+from mixprec.composite_ops import composite_of, traceable_form
 
 if TYPE_CHECKING:
     from mixprec.policy.cast_policy import Policy
@@ -91,10 +91,13 @@ class RegionMode(TorchFunctionMode):
 
     def pass_on(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func`` as the mode passes it on: as it is, but a composite of GEMMs (composite_ops.py) with
-        this mode on, so its inner ops are handled too (eager code: compiled code traces torch's own)."""
-        composite = composite_of(func)
-        if composite is None or torch.compiler.is_compiling() or not self.in_charge():
-            return func(*args, **kwargs)
+        this mode on, so its inner ops are handled too, and in compiled code a Tensor method Dynamo cannot
+        trace from here as the torch function that computes the same. (Compiled code before torch 2.13,
+        which enters a region eagerly, traces torch's own composite: untested there.)"""
+        compiling = torch.compiler.is_compiling()
+        composite = composite_of(func) if TRACEABLE_ENTER or not compiling else None
+        if composite is None or not self.in_charge():
+            return (traceable_form(func) if compiling else func)(*args, **kwargs)
         with self:
             return composite(*args, **kwargs)
 
