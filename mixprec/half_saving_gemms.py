@@ -3,18 +3,23 @@
 An emulated GEMM (:mod:`mixprec.emulation`) runs torch's fp32 op on the fp32 upcasts of its rounded
 inputs. Left to autograd, that op saves the fp32 upcasts for backward: twice the bytes of the half
 activations they came from, held until backward (an emulated O2 MLP saved 25.9 MiB where fp32 saves 17.6).
-The autograd functions here run the same fp32 op but save a half activation itself and upcast it again
-in backward (exact), so saved activations take what native half kernels take, and often nothing extra,
+The autograd functions here run the same fp32 op but save a half activation itself (an fp32 one, in O1:
+its half cast, which the rounding makes anyway) and upcast it again in backward (exact), so saved
+activations take what native half kernels take, and often nothing extra,
 since the op that made the activation (a ReLU, say) saves it too. A parameter's fp32 copy is saved as
 before: it is made once per region (the cast cache) and not again in backward. The price is that upcast
 in backward: measured 1.03-1.10x the step time of an O2 CNN, within noise for MLPs and a GPT, on a 2-core
 AVX2-only EPYC (benchmarks/RESULTS.md).
 
 Covered: ``F.linear``; plain matrix products (mm, bmm, matmul of equal batch shapes); ``F.conv1d/2d/3d``
-with numeric padding. Other call forms (broadcasting matmul, ``out=``, ``padding="same"``) return None and
-keep the generic path. The backward runs the kernels autograd runs for these ops, in fp32: results equal
-the generic emulation bit for bit (tests/test_half_saving_gemms.py). Compiled code is unaffected:
-AOTAutograd re-partitions what is saved across forward and backward whatever a function saves.
+with numeric padding; ``F.scaled_dot_product_attention`` of half q, k, v on the CPU where torch picks its
+flash kernel (no mask, no dropout: q, k, v and the half output saved, as torch's half kernel saves them,
+not their fp32 copies and an fp32 output). Other call forms (broadcasting matmul, ``out=``,
+``padding="same"``, a masked attention) return None and keep the generic path. The backward runs the
+kernels autograd runs for these ops, in fp32: results equal the generic emulation bit for bit
+(tests/test_half_saving_gemms.py), but for attention's q and k gradients, which read the half output
+(about one half rounding apart). Compiled code is unaffected: AOTAutograd re-partitions what is saved
+across forward and backward whatever a function saves (attention keeps the generic path there).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 __all__ = ["half_saving_gemm"]
 
@@ -36,6 +42,24 @@ def _kept(t: torch.Tensor, rounded: torch.Tensor, dtype: torch.dtype) -> torch.T
     activation, else None (then the rounded fp32 copy is saved, as the generic path saves it)."""
     parameter = t.is_leaf and t.requires_grad
     return t if t.dtype is dtype and rounded.dtype is torch.float32 and not parameter else None
+
+
+def _round(
+    t: torch.Tensor, dtype: torch.dtype, rounder: RoundInput
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``t`` rounded to ``dtype`` and carried in fp32, the half tensor to save for it or None).
+
+    An fp32 activation (an O1 model's LayerNorm output, the input batch) is rounded through its half cast,
+    the two casts the generic rounding makes, and that half tensor is what backward keeps: what a native
+    half kernel saves, half the bytes of the fp32 copy, which now lives only through the forward.
+    Parameters keep the rounder's cached copy; compiled code the rounder's arithmetic rounding.
+    """
+    if t.dtype is torch.float32 and not (t.is_leaf and t.requires_grad) and not torch.compiler.is_compiling():
+        half = t.to(dtype)
+        rounded = rounder(half)  # its exact upcast; ``half`` itself where the region leaves t alone
+        return rounded, _kept(half, rounded, dtype)
+    rounded = rounder(t)
+    return rounded, _kept(t, rounded, dtype)
 
 
 def _saved(keep: torch.Tensor | None, rounded: torch.Tensor) -> torch.Tensor:
@@ -76,11 +100,11 @@ def _linear(
     x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
     if set(bound) - {"input", "weight", "bias"} or not _tensors(x, w) or not (b is None or _tensors(b)):
         return None
-    x_r, w_r = rounder(x), rounder(w)
+    (x_r, keep), w_r = _round(x, dtype, rounder), rounder(w)
     b_r = None if b is None else rounder(b)
     if not _all_fp32(x_r, w_r, b_r):
         return None
-    return _Linear.apply(_kept(x, x_r, dtype), x_r, w_r, b_r)
+    return _Linear.apply(keep, x_r, w_r, b_r)
 
 
 # ---- matrix products --------------------------------------------------------------------------------------
@@ -120,10 +144,10 @@ def _matmul(
         return None
     if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
         return None
-    a_r, b_r = rounder(a), rounder(b)
+    (a_r, a_keep), (b_r, b_keep) = _round(a, dtype, rounder), _round(b, dtype, rounder)
     if not _all_fp32(a_r, b_r):
         return None
-    return _Matmul.apply(_kept(a, a_r, dtype), _kept(b, b_r, dtype), a_r, b_r)
+    return _Matmul.apply(a_keep, b_keep, a_r, b_r)
 
 
 # ---- convolutions -----------------------------------------------------------------------------------------
@@ -183,11 +207,70 @@ def _conv(
 
     geometry = _ConvGeometry(per_dim(bound.get("stride", 1)), per_dim(padding),
                              per_dim(bound.get("dilation", 1)), int(bound.get("groups", 1)))
-    x_r, w_r = rounder(x), rounder(w)
+    (x_r, keep), w_r = _round(x, dtype, rounder), rounder(w)
     b_r = None if b is None else rounder(b)
     if not _all_fp32(x_r, w_r, b_r):
         return None
-    return _Conv.apply(_kept(x, x_r, dtype), x_r, w_r, b_r, geometry)
+    return _Conv.apply(keep, x_r, w_r, b_r, geometry)
+
+
+# ---- attention --------------------------------------------------------------------------------------------
+
+
+class _Attention(torch.autograd.Function):
+    """CPU flash attention (torch's own fp32 kernel, forward and backward) on the upcasts of half q, k, v,
+    saving the half q, k, v and output as a native half kernel saves them. The output is returned rounded
+    to the half dtype: that rounded output is what backward reads (as a half kernel's backward reads its
+    half output), so gradients differ from the generic path's (which reads the fp32 output) by about one
+    half rounding of that output's part."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        ctx.is_causal, ctx.scale = is_causal, scale
+        # Exact upcasts: a half value is an fp32 value. fp32 accumulation inside the kernel.
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale
+        )
+        half_out = out.to(q.dtype)  # the op's one rounding of its result
+        ctx.save_for_backward(q, k, v, half_out, logsumexp)
+        return half_out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, logsumexp = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _Linear
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.float(), q.float(), k.float(), v.float(), out.float(), logsumexp, 0.0, ctx.is_causal,
+                scale=ctx.scale,
+            )
+        # each gradient leaves rounded to its input's half dtype, as the generic path's input cast rounds it
+        return *(g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True)), None, None
+
+
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.Tensor | None:
+    # The call form the CPU flash kernel takes: half q, k, v activations on the CPU, no mask, no dropout,
+    # no grouped heads, and the kernel torch itself picks for them (a sdpa_kernel() choice is honoured).
+    # Everything else (and compiled code, whose partitioner decides what is saved) goes generic.
+    bound = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    if set(bound) - set(_ATTENTION_ARGS) or not _tensors(q, k, v) or torch.compiler.is_compiling():
+        return None
+    if bound.get("attn_mask") is not None or bound.get("dropout_p", 0.0) or bound.get("enable_gqa", False):
+        return None
+    if not all(t.dtype is dtype and t.device.type == "cpu" and not (t.is_leaf and t.requires_grad)
+               for t in (q, k, v)):
+        return None
+    is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
+    # the choice for the half tensors: the CPU flash kernel takes fp32, bf16 and fp16 alike
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    if choice != int(SDPBackend.FLASH_ATTENTION):
+        return None
+    return _Attention.apply(q, k, v, is_causal, scale)
 
 
 # ---- dispatch ---------------------------------------------------------------------------------------------
@@ -221,4 +304,6 @@ def half_saving_gemm(
         return _matmul(func, args, kwargs, dtype, rounder)
     if func in CONVOLUTIONS:
         return _conv(func, args, kwargs, dtype, rounder)
+    if func is F.scaled_dot_product_attention:
+        return _attention(args, kwargs, dtype)
     return None

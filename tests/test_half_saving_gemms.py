@@ -183,3 +183,107 @@ def test_calls_torch_refuses_are_refused_as_torch_refuses_them(
     with pytest.raises(RuntimeError) as ours:
         emulated(func, args, {}, torch.bfloat16)
     assert str(ours.value) == str(theirs.value)
+
+
+# ---- attention: the CPU flash kernel on half q, k, v ----------------------------------------------------
+
+
+def _attention_case(dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """Half q, k, v activations (B, H, T, E) and the fp32 leaves they come from."""
+    torch.manual_seed(3)
+    pairs = [_activation((2, 3, 7, 8), dtype) for _ in range(3)]
+    return tuple(p[0] for p in pairs), [p[1] for p in pairs]
+
+
+def _attend(func: Callable[..., torch.Tensor], dtype: torch.dtype, **kwargs: Any) -> list[torch.Tensor]:
+    args, leaves = _attention_case(dtype)
+    out = emulated(func, args, kwargs, dtype)
+    out.backward(torch.randn_like(out, dtype=torch.float32, generator=torch.Generator().manual_seed(4)))
+    return [out, *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}, {"is_causal": True, "scale": 0.5}])
+def test_emulated_attention_equals_the_generic_emulation_up_to_its_half_output(
+    dtype: torch.dtype, kwargs: dict[str, Any]
+) -> None:
+    """The same fp32 kernel on the same upcasts: the output and v's gradient bit for bit. q's and k's
+    gradients read the output, which backward now reads rounded to half (as torch's half kernel reads its
+    own): within one rounding of the half format at their scale."""
+    ours = _attend(F.scaled_dot_product_attention, dtype, **kwargs)
+    generic = _attend(_generic(F.scaled_dot_product_attention), dtype, **kwargs)
+    assert ours[0].dtype is dtype
+    assert torch.equal(ours[0], generic[0]) and torch.equal(ours[3], generic[3])
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(ours[1:3], generic[1:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=eps, atol=eps * b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_attention_is_torchs_half_kernel_within_a_rounding(dtype: torch.dtype) -> None:
+    ours = _attend(F.scaled_dot_product_attention, dtype, is_causal=True)
+    native = _attention_case(dtype)
+    out = F.scaled_dot_product_attention(*native[0], is_causal=True)  # torch's own half CPU kernel
+    out.backward(torch.randn_like(out, dtype=torch.float32, generator=torch.Generator().manual_seed(4)))
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(ours, [out, *(t.grad for t in native[1])], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 * eps, atol=2 * eps * b.abs().max().item())
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dropout_p": 0.0, "is_causal": True}])
+def test_emulated_attention_saves_half_q_k_v_and_output_not_fp32_copies(kwargs: dict[str, Any]) -> None:
+    """The generic path saved the fp32 upcasts of q, k, v and the fp32 output: twice a half kernel's
+    bytes (a ViT's emulated bf16 step kept ~88% of fp32's activations, a user trial)."""
+    dtype = torch.bfloat16
+    args, _ = _attention_case(dtype)
+    half_inputs = {t.untyped_storage().data_ptr() for t in args}
+    for func in (F.scaled_dot_product_attention, _generic(F.scaled_dot_product_attention)):
+        saved = _saved_storages(func, args, kwargs, dtype)
+        fp32 = sum(d is torch.float32 for d in saved.values())
+        if func is F.scaled_dot_product_attention:  # q, k, v, the output; fp32: the logsumexp, (B, H, T)
+            assert half_inputs <= saved.keys() and (len(saved), fp32) == (5, 1)
+        else:  # the fp32 upcasts of q, k, v, the fp32 output and logsumexp
+            assert not half_inputs & saved.keys() and (len(saved), fp32) == (5, 5)
+
+
+@pytest.mark.parametrize("kwargs", [{"attn_mask": torch.zeros(7, 7)}, {"dropout_p": 0.5}])
+def test_attention_forms_the_flash_kernel_does_not_take_stay_generic(kwargs: dict[str, Any]) -> None:
+    args, _ = _attention_case(torch.bfloat16)
+    saved = _saved_storages(F.scaled_dot_product_attention, args, kwargs, torch.bfloat16)
+    assert not {t.untyped_storage().data_ptr() for t in args} & saved.keys()
+
+
+def _fp32_activation_case(form: str) -> tuple[Case, torch.Tensor]:
+    """(a call with an fp32 activation first, the leaf that activation comes from)."""
+    torch.manual_seed(7)
+    leaf = torch.randn(4, 6, 16, requires_grad=True)
+    x = leaf * 1.5  # an fp32 activation: not a leaf
+    if form == "linear":
+        return (F.linear, (x, torch.randn(8, 16, requires_grad=True)), {}, [leaf]), leaf
+    if form == "conv1d":
+        return (F.conv1d, (x, torch.randn(5, 6, 3, requires_grad=True)), {"padding": 1}, [leaf]), leaf
+    return (torch.matmul, (x, torch.randn(4, 16, 3)), {}, [leaf]), leaf  # matmul: no weight
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("form", ["linear", "conv1d", "matmul"])
+def test_an_fp32_activation_is_saved_as_its_half_rounding(form: str, dtype: torch.dtype) -> None:
+    """O1: an fp32 activation (a LayerNorm's output, the input batch) was saved as its rounded fp32 copy,
+    twice a native half kernel's bytes. Now its half cast is saved (the generic rounding's own first cast),
+    with the same results bit for bit."""
+    counts = []
+    for wrap in (lambda f: f, _generic):
+        (func, args, kwargs, _), _ = _fp32_activation_case(form)
+        saved = _saved_storages(wrap(func), args, kwargs, dtype)
+        assert args[0].untyped_storage().data_ptr() not in saved  # neither saves the fp32 activation
+        dtypes = list(saved.values())
+        counts.append((dtypes.count(dtype), dtypes.count(torch.float32)))
+    # generic: the activation's rounded fp32 copy; now its half cast in its place, nothing else changed
+    assert counts[0] == (counts[1][0] + 1, counts[1][1] - 1)
+    results = []
+    for wrap in (lambda f: f, _generic):
+        (func, args, kwargs, _), leaf = _fp32_activation_case(form)
+        out = emulated(wrap(func), args, kwargs, dtype)
+        out.float().square().sum().backward()
+        results.append((out, leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
