@@ -132,6 +132,52 @@ def _wlm_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
+# ---- a small ViT in timm's block layout (a user trial's): attention by F.scaled_dot_product_attention ------
+
+VIT_D, VIT_HEADS, VIT_DEPTH, VIT_PATCH, VIT_IMAGE, VIT_CLASSES = 192, 3, 4, 4, 32, 10
+VIT_TOKENS = (VIT_IMAGE // VIT_PATCH) ** 2
+
+
+class ViTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(VIT_D), nn.LayerNorm(VIT_D)
+        self.qkv, self.proj = nn.Linear(VIT_D, 3 * VIT_D), nn.Linear(VIT_D, VIT_D)
+        self.fc1, self.fc2 = nn.Linear(VIT_D, 4 * VIT_D), nn.Linear(4 * VIT_D, VIT_D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, t, 3, VIT_HEADS, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, VIT_D)
+        x = x + self.proj(attended)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, VIT_D, VIT_PATCH, VIT_PATCH)
+        self.pos = nn.Parameter(torch.zeros(1, VIT_TOKENS, VIT_D))
+        self.blocks = nn.Sequential(*[ViTBlock() for _ in range(VIT_DEPTH)])
+        self.head = nn.Linear(VIT_D, VIT_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.blocks(x).mean(1))
+
+
+def _vit_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(n, 3, VIT_IMAGE, VIT_IMAGE, generator=gen)
+    return images, torch.randint(0, VIT_CLASSES, (n,), generator=gen)
+
+
+# per patch token: the blocks' GEMM weights and the patch embedding at 6 FLOPs each, attention's 12 * d * T
+# per layer (the head's per-image GEMM is left out: 0.1%)
+VIT_FLOPS = (6.0 * (VIT_DEPTH * 12 * VIT_D * VIT_D + 3 * VIT_PATCH * VIT_PATCH * VIT_D)
+             + 12.0 * VIT_DEPTH * VIT_D * VIT_TOKENS)
+
+
 # 6 FLOPs per GEMM weight per token (as the GPT's); attention adds 12 * layers * d * T; an LSTM layer's GEMM
 # weights are its four gates' input and hidden matrices.
 TRANSFORMER_LM_FLOPS = (6.0 * (WLM_LAYERS * 6 * WLM_D * WLM_D + WLM_VOCAB * WLM_D)
@@ -188,6 +234,8 @@ WORKLOADS = {
                                slow_batch_size=20),
     "lstm-lm": Workload(f"LSTM LM d{WLM_D} L{WLM_LAYERS} T{WLM_T} V{WLM_VOCAB}, b20", LSTMLM, _wlm_batch, 20,
                         WLM_T, LSTM_LM_FLOPS, slow_batch_size=20),
+    "vit": Workload(f"ViT d{VIT_D} L{VIT_DEPTH} H{VIT_HEADS} {VIT_IMAGE}px/{VIT_PATCH}, b32", ViT, _vit_batch,
+                    32, VIT_TOKENS, VIT_FLOPS, slow_batch_size=4),
     "gpt-small": Workload("GPT d128 L2 H4 T64 V512, b8", lambda: GPTLogits(GPT_SMALL),
                           lambda n: _gpt_batch(n, GPT_SMALL), 8, 64, gpt_flops_per_token(GPT_SMALL),
                           slow_batch_size=8),
