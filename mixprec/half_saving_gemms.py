@@ -12,14 +12,15 @@ in backward: measured 1.03-1.10x the step time of an O2 CNN, within noise for ML
 AVX2-only EPYC (benchmarks/RESULTS.md).
 
 Covered: ``F.linear``; plain matrix products (mm, bmm, matmul of equal batch shapes); ``F.conv1d/2d/3d``
-with numeric padding; ``F.scaled_dot_product_attention`` of half q, k, v on the CPU where torch picks its
-flash kernel (no mask, no dropout: q, k, v and the half output saved, as torch's half kernel saves them,
-not their fp32 copies and an fp32 output). Other call forms (broadcasting matmul, ``out=``,
-``padding="same"``, a masked attention) return None and keep the generic path. The backward runs the
-kernels autograd runs for these ops, in fp32: results equal the generic emulation bit for bit
-(tests/test_half_saving_gemms.py), but for attention's q and k gradients, which read the half output
-(about one half rounding apart). Compiled code is unaffected: AOTAutograd re-partitions what is saved
-across forward and backward whatever a function saves (attention keeps the generic path there).
+and ``F.conv_transpose1d/2d/3d`` with numeric padding; ``F.scaled_dot_product_attention`` of half q, k,
+v on the CPU where torch picks its flash kernel (no mask, no dropout: q, k, v and the half output saved,
+as torch's half kernel saves them, not their fp32 copies and an fp32 output). Other call forms
+(broadcasting matmul, ``out=``, ``padding="same"``, a masked attention) return None and keep the generic
+path. The backward runs the kernels autograd runs for these ops, in fp32: results equal the generic
+emulation bit for bit (tests/test_half_saving_gemms.py), but for attention's q and k gradients, which
+read the half output (about one half rounding apart). Compiled code is unaffected: AOTAutograd
+re-partitions what is saved across forward and backward whatever a function saves (attention keeps the
+generic path there).
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ class _ConvGeometry:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
+    transposed: bool
+    output_padding: tuple[int, ...]
+
+    def bias_size(self, weight: torch.Tensor) -> int:
+        # output channels: a convolution's weight is (out, in / groups, ...), a transposed one's
+        # (in, out / groups, ...)
+        return weight.shape[1] * self.groups if self.transposed else weight.shape[0]
 
 
 class _Conv(torch.autograd.Function):
@@ -170,8 +178,8 @@ class _Conv(torch.autograd.Function):
         ctx.geometry, ctx.has_bias = geometry, b_r is not None
         ctx.save_for_backward(_saved(keep, x_r), w_r)  # autograd's convolution saves both as well
         g = geometry
-        return torch.convolution(x_r, w_r, b_r, g.stride, g.padding, g.dilation, False, [0] * len(g.stride),
-                                 g.groups)
+        return torch.convolution(x_r, w_r, b_r, g.stride, g.padding, g.dilation, g.transposed,
+                                 g.output_padding, g.groups)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -180,24 +188,34 @@ class _Conv(torch.autograd.Function):
         g = ctx.geometry
         with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _Linear
             grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
-                grad, x.float(), w_r, [w_r.shape[0]] if ctx.has_bias else None, g.stride, g.padding,
-                g.dilation, False, [0] * len(g.stride), g.groups, [need_x, need_w, need_b and ctx.has_bias],
+                grad, x.float(), w_r, [g.bias_size(w_r)] if ctx.has_bias else None, g.stride, g.padding,
+                g.dilation, g.transposed, g.output_padding, g.groups,
+                [need_x, need_w, need_b and ctx.has_bias],
             )
         return None, grad_x, grad_w, grad_b, None
 
 
-CONVOLUTIONS: dict[Callable[..., Any], int] = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}  # -> spatial dims
+# function -> (spatial dims, transposed)
+CONVOLUTIONS: dict[Callable[..., Any], tuple[int, bool]] = {
+    F.conv1d: (1, False), F.conv2d: (2, False), F.conv3d: (3, False),
+    F.conv_transpose1d: (1, True), F.conv_transpose2d: (2, True), F.conv_transpose3d: (3, True),
+}
+# their parameters in order (a transposed convolution's output_padding and groups come before dilation)
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_TRANSPOSE_ARGS = (
+    "input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation"
+)
 
 
 def _conv(
     func: Callable[..., Any], args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
 ) -> torch.Tensor | None:
-    dims = CONVOLUTIONS[func]
-    bound = dict(zip(_CONV_ARGS, args, strict=False)) | kwargs
+    dims, transposed = CONVOLUTIONS[func]
+    names = _CONV_TRANSPOSE_ARGS if transposed else _CONV_ARGS
+    bound = dict(zip(names, args, strict=False)) | kwargs
     x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
     padding = bound.get("padding", 0)
-    if set(bound) - set(_CONV_ARGS) or isinstance(padding, str) or not _tensors(x, w):
+    if set(bound) - set(names) or isinstance(padding, str) or not _tensors(x, w):
         return None
     if not (b is None or _tensors(b)) or x.dim() != dims + 2:  # unbatched input: the generic path
         return None
@@ -206,7 +224,8 @@ def _conv(
         return (value,) * dims if isinstance(value, int) else tuple(value)
 
     geometry = _ConvGeometry(per_dim(bound.get("stride", 1)), per_dim(padding),
-                             per_dim(bound.get("dilation", 1)), int(bound.get("groups", 1)))
+                             per_dim(bound.get("dilation", 1)), int(bound.get("groups", 1)), transposed,
+                             per_dim(bound.get("output_padding", 0)))
     (x_r, keep), w_r = _round(x, dtype, rounder), rounder(w)
     b_r = None if b is None else rounder(b)
     if not _all_fp32(x_r, w_r, b_r):

@@ -64,6 +64,15 @@ def _case(form: str, dtype: torch.dtype) -> Case:
     if form == "conv1d, fp32 input":  # O1: autocast rounds an fp32 activation; dilation, no bias
         x, w1 = torch.randn(2, 3, 12, requires_grad=True), torch.randn(5, 3, 3, requires_grad=True)
         return F.conv1d, (x, w1), {"dilation": 2}, [x, w1]
+    if form == "conv_transpose2d, half model":  # a UNet's upsampling: strided, output_padding, grouped, bias
+        (x, leaf), wt = _activation((2, 4, 5, 5), dtype), _half_param(4, 3, 3, 3, dtype=dtype)
+        bt = _half_param(6, dtype=dtype)
+        geometry = {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2}
+        return F.conv_transpose2d, (x, wt, bt), geometry, [leaf, wt, bt]
+    if form == "conv_transpose1d, fp32 input, positional":  # (input, weight, bias, stride, padding,
+        # output_padding, groups, dilation): dilation last, unlike conv1d
+        x, w1 = torch.randn(2, 3, 6, requires_grad=True), torch.randn(3, 4, 3, requires_grad=True)
+        return F.conv_transpose1d, (x, w1, None, 2, 0, 1, 1, 2), {}, [x, w1]
     if form == "matmul, matrix times vector":  # not a product of matrices: the generic path
         (a, la), (v, lv) = _activation((5, 16), dtype), _activation((16,), dtype)
         return torch.matmul, (a, v), {}, [la, lv]
@@ -76,7 +85,8 @@ def _case(form: str, dtype: torch.dtype) -> Case:
 
 FORMS = ["linear, half model", "linear, fp32 input, no bias", "linear, data input",
          "matmul, attention scores", "bmm, activation times parameter", "mm, fp32", "conv2d, half model",
-         "conv1d, fp32 input", "matmul, matrix times vector", "matmul, broadcast batch"]
+         "conv1d, fp32 input", "conv_transpose2d, half model", "conv_transpose1d, fp32 input, positional",
+         "matmul, matrix times vector", "matmul, broadcast batch"]
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -113,7 +123,8 @@ def _saved_storages(
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(("form", "half_inputs"), [("linear, half model", 1), ("matmul, attention scores", 2),
                                                    ("bmm, activation times parameter", 1),
-                                                   ("conv2d, half model", 1)])
+                                                   ("conv2d, half model", 1),
+                                                   ("conv_transpose2d, half model", 1)])
 def test_emulated_gemms_save_half_inputs_not_their_fp32_copies(
     form: str, half_inputs: int, dtype: torch.dtype
 ) -> None:
