@@ -138,16 +138,36 @@ class CastInputs:
     """A forward pre-hook casting the floating inputs to ``dtype``. An object, not a lambda: a prepared
     model pickles (``torch.save(model)``)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, probe: tuple[nn.Module, str] | None = None) -> None:
         self.dtype = dtype
         self.checked = False  # the first call's inputs were looked at (_warn_if_inputs_lost)
+        # (module, name) of one parameter the cast made ``dtype``: a forward finding it another dtype (the
+        # user's model.float()) is refused, where half inputs would silently meet fp32 weights
+        self.probe = probe
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        probe = getattr(self, "probe", None)  # (a model pickled before the attribute existed has none)
+        if probe is not None and not torch.compiler.is_compiling():
+            weight = probe[0]._parameters.get(probe[1])
+            if weight is not None and weight.dtype is not self.dtype:
+                _refuse_recast(weight.dtype, self.dtype)
         cast = cast_floating((args, kwargs), self.dtype)
         if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
             self.checked = True  # once: it reads every floating input
             _warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
         return cast
+
+
+def _refuse_recast(now: torch.dtype, cast_to: torch.dtype) -> None:
+    name, now_name = str(cast_to).removeprefix("torch."), str(now).removeprefix("torch.")
+    raise ConfigError(
+        f"the model's parameters are {now_name} now (model.float()? .to()?), but its forward still casts "
+        f"inputs to {name}, as initialize set it up: the {name} inputs would meet {now_name} weights (apex's "
+        "patched forward failed there with a dtype mismatch)",
+        "for an fp32 model (export, fp32 evaluation) call mixprec.amp.restore(model), which also removes the "
+        f"input cast and gives parameters their fp32 masters' values; to go on training, leave the "
+        f"parameters {name} (the optimizer's fp32 masters update them)",
+    )
 
 
 def _warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
@@ -591,7 +611,8 @@ def prepare(
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
-        hooks.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
+        probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)
+        hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe), with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
             hooks += share_tied_entries(model)

@@ -152,6 +152,20 @@ def _check_fastai_v1_order(loss_func: Any) -> None:
         )
 
 
+def _check_data(data: Any) -> None:
+    """The Learner reads ``data.train`` and ``data.valid`` (fastai's DataLoaders, a DataBunch): a pair of
+    loaders or one loader failed only at fit, as "'tuple' object has no attribute 'train'" (a user
+    trial)."""
+    if hasattr(data, "train") and hasattr(data, "valid"):
+        return
+    got = "a tuple" if isinstance(data, tuple) else f"a {type(data).__name__}"
+    raise ConfigError(
+        f"Learner's first argument is the data, with .train and .valid loaders; it got {got}.",
+        "wrap the loaders: mixprec.DataBunch(train_dl, valid_dl, n_classes, input_shape, name), "
+        "input_shape being one sample's shape as the loaders yield it (predict reads it).",
+    )
+
+
 def _check_loss(loss: Any) -> None:
     """A loss_func's result must carry a graph back to the model: torch's own errors for a number (a
     ``.item()`` in the loss) name neither the loss_func nor the fix, and differ with the precision."""
@@ -232,6 +246,7 @@ class Learner:
         *,
         wd: float | None = None,
     ) -> None:
+        _check_data(data)
         _check_fastai_v1_order(loss_func)
         self.data, self.model, self.loss_func, self.opt_func = data, model, loss_func, opt_func
         self.wd = wd

@@ -315,3 +315,17 @@ def test_half_compute_entered_again_inside_a_segment_keeps_the_outer_entry(reent
     region: Region = lambda: half_compute("cpu", torch.float16)  # noqa: E731
     _equal_grads(list(lin.parameters()), x, region, segment,
                  lambda t: torch.utils.checkpoint.checkpoint(segment, t, use_reentrant=reentrant))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_mixprecs_checkpoint_inside_compiled_code_checkpoints_as_torchs() -> None:
+    """torch.compile takes only a context_fn of two TorchDispatchModes: mixprec's checkpoint, called in
+    compiled code, raised torch's AssertionError (a user trial). There Dynamo traces the segment and its
+    recompute itself, so it is torch's checkpoint: the same gradients as torch's, compiled."""
+    block, x = _block(None), torch.randn(4, 16, requires_grad=True)
+    results = []
+    for segment in (checkpoint, lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)):
+        compiled = torch.compile(lambda x, segment=segment: segment(block, x), backend="aot_eager")
+        results.append(_grads(block, x, lambda: autocast("cpu", torch.bfloat16), compiled))
+    for ours, torchs in zip(*results, strict=True):
+        assert torch.equal(ours, torchs)

@@ -1025,6 +1025,22 @@ def test_o2_model_loaded_after_initialize_keeps_the_loaded_weights() -> None:
     assert torch.equal(model.weight, loaded)
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_forward_after_model_float_is_refused_naming_restore(level: str) -> None:
+    """apex's patched forward keeps casting inputs to fp16 after ``model.float()``, and the first fp32
+    weight it meets fails with a dtype mismatch. mixprec's emulated half arithmetic took the half inputs
+    and fp32 weights silently: an "fp32 evaluation" gave the O2 model's half-precision outputs (a user
+    trial's ResNet, bit for bit). Now the forward is refused with the way back to fp32."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level=level, verbosity=0)
+    model.float()
+    with pytest.raises(ConfigError, match=r"float32 now.*casts inputs to float16(.|\n)*amp.restore"):
+        model(torch.randn(3, 4))
+    amp.restore(model)
+    assert model(torch.randn(3, 4)).dtype is torch.float32
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) -> None:
     """After O2, ``model.float()`` left the input hook casting to half ("mat1 and mat2 must have the same

@@ -349,3 +349,15 @@ def test_one_metric_is_taken_as_fastai_v1_takes_it() -> None:
         learn.fit(1)
         results.append(learn.valid_metrics)
     assert results[0] == results[1] and len(results[1]) == 1
+
+
+@pytest.mark.parametrize("wrong", ["a pair of loaders", "one loader"])
+def test_data_without_train_and_valid_is_refused_at_construction_naming_databunch(wrong: str) -> None:
+    """fastai's Learner takes DataLoaders (.train, .valid); a pair of loaders or one loader got as far as
+    fit, then "'tuple' object has no attribute 'train'" (a user trial)."""
+    data = mixprec.digits(batch_size=64, seed=0)
+    given = (data.train, data.valid) if wrong == "a pair of loaders" else data.train
+    model = mixprec.build_model("mlp", data, n_hidden=16)
+    got = "a tuple" if wrong == "a pair of loaders" else "a DataLoader"
+    with pytest.raises(ConfigError, match=rf"(?s)first argument is the data.*got {got}.*mixprec.DataBunch"):
+        Learner(given, model, silent=True)  # type: ignore[arg-type]
