@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"hardware: {hardware_line()} (one thread used)")
+    print(f"hardware: {hardware_line()}")
     x = torch.randn(256, 512)
     for name, step in variants(_blocks()).items():
         times = [time_step(step, x) for _ in range(args.steps + 2)][2:]
