@@ -12,7 +12,8 @@ So a region's mode runs such a function with itself pushed back on: its inner li
 are then handled as anywhere else in the region (emulated where the hardware asks for it), in eager and in
 compiled code alike. The function checks ``has_torch_function`` first and would hand the call straight back
 to the mode; the copy run here is the same bytecode over the same module globals, with that one global
-read under another name (``_mixprec_no_torch_function``, set in the function's module, answering no).
+read under another name (``_mixprec_no_torch_function``, set in the function's module, answering no;
+likewise torch's key_padding_mask shape check, as plain Python Dynamo traces: ``RENAMED``).
 Reading the module's own globals keeps a patch of ``F.linear`` or ``F.scaled_dot_product_attention`` made
 later in view, and lets Dynamo trace the copy as it traces the function (it reads a function's globals as
 a plain dict, so a dict that answers missing names from elsewhere did not work there). Every function it
@@ -39,27 +40,45 @@ import torch.nn.functional as F
 __all__ = ["COMPOSITES", "TRACEABLE_FORMS", "composite_of", "traceable_form"]
 
 
-# The name the copies read instead of has_torch_function (set in each copied function's module).
-UNCHECKED_NAME = "_mixprec_no_torch_function"
-
-
 def _no_torch_function(*_: Any) -> bool:
     return False
 
 
+def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: int) -> None:
+    """torch's check of an attention's key_padding_mask shape, as plain Python: torch's passes its message
+    as a closure to ``torch._check_with``, which Dynamo cannot convert inside the copy (a graph break per
+    padded attention call, a user trial's seq2seq model; torch's own attention Dynamo records whole)."""
+    for dim, want in ((0, bsz), (1, src_len)):
+        if key_padding_mask.shape[dim] != want:
+            raise AssertionError(
+                f"Expected key_padded_mask.shape[{dim}] to be {want}, but got {key_padding_mask.shape[dim]}"
+            )
+
+
+# global a copy reads -> (the name it reads instead, set in the function's module; the function there).
+# has_torch_function must be among a function's globals; the others are renamed where present.
+RENAMED: dict[str, tuple[str, Callable[..., Any]]] = {
+    "has_torch_function": ("_mixprec_no_torch_function", _no_torch_function),
+    "_check_key_padding_mask": ("_mixprec_check_key_padding_mask", _check_key_padding_mask),
+}
+
+
 def _unchecked(func: Callable[..., Any]) -> Callable[..., Any] | None:
     """``func`` with its own ``has_torch_function`` check answering no (see the module docstring); None
-    where ``func`` is not a plain function that reads that name as a global only."""
+    where ``func`` is not a plain function that reads that name, and every name it renames, as a global
+    only."""
     code = getattr(func, "__code__", None)
     if code is None or func.__closure__ is not None:  # type: ignore[attr-defined]
         return None
-    uses = [i.opname for i in dis.get_instructions(code) if i.argval == "has_torch_function"]
-    if not uses or any(op != "LOAD_GLOBAL" for op in uses):
+    uses = [(i.argval, i.opname) for i in dis.get_instructions(code) if i.argval in RENAMED]
+    if "has_torch_function" not in {name for name, _ in uses} or any(op != "LOAD_GLOBAL" for _, op in uses):
         return None
-    names = tuple(UNCHECKED_NAME if n == "has_torch_function" else n for n in code.co_names)
-    func.__globals__.setdefault(UNCHECKED_NAME, _no_torch_function)  # type: ignore[attr-defined]
+    module_globals = func.__globals__  # type: ignore[attr-defined]
+    for new_name, replacement in RENAMED.values():
+        module_globals.setdefault(new_name, replacement)
+    names = tuple(RENAMED[n][0] if n in RENAMED else n for n in code.co_names)
     copy = types.FunctionType(
-        code.replace(co_names=names), func.__globals__, func.__name__, func.__defaults__  # type: ignore[attr-defined]
+        code.replace(co_names=names), module_globals, func.__name__, func.__defaults__  # type: ignore[attr-defined]
     )
     copy.__kwdefaults__ = func.__kwdefaults__  # type: ignore[attr-defined]
     return copy

@@ -46,6 +46,7 @@ from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
 from mixprec.scaler import GradScaler, OptState
+from mixprec.tensor_args import map_tensors
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -523,16 +524,18 @@ class Learner:
                 "skip the step and clear the gradients.",
             )
 
-    def _forward(self, xb: Tensor, yb: Tensor, events: bool) -> None:
+    def _forward(self, xb: Tensor | Sequence[Tensor], yb: Tensor, events: bool) -> None:
         device = self.device
-        self.xb, self.yb = xb.to(device), yb.to(device)
+        # xb: one tensor, or a tuple/list of the model's several inputs (fastai's model(*xb))
+        self.xb, self.yb = map_tensors(lambda t: t.to(device), xb), yb.to(device)
         if events:
             self._event("on_batch_begin")
+        inputs = tuple(self.xb) if isinstance(self.xb, (tuple, list)) else (self.xb,)
         model_loss = None
         if self.loss_func is None:
-            self.pred, model_loss = _pred_and_loss(self.model(self.xb, self.yb))
+            self.pred, model_loss = _pred_and_loss(self.model(*inputs, self.yb))
         else:
-            self.pred = self.model(self.xb)
+            self.pred = self.model(*inputs)
         if events:
             self._event("on_loss_begin")
         if model_loss is not None:

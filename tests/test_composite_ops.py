@@ -168,3 +168,23 @@ def test_a_tensor_method_written_in_python_compiles_in_one_graph() -> None:
     x = torch.randn(8, 64)
     compiled = torch.compile(heads, fullgraph=True, backend="eager")(x)  # fullgraph: a break raises
     torch.testing.assert_close(compiled, heads(x))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_attention_with_a_padding_mask_compiles_in_one_graph() -> None:
+    """torch's key_padding_mask check passes its message as a closure to torch._check_with, which Dynamo
+    cannot convert inside the copy: every padded attention call broke the graph (a user trial's seq2seq
+    model; torch's own attention Dynamo records whole). The copy reads a plain-Python check instead,
+    which still refuses a mask of the wrong shape."""
+    mha, x = _attention()
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, -2:] = True  # (B, S): the first sequence's last two positions are padding
+
+    def attend(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with mixprec.autocast("cpu", torch.float16):
+            return mha(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")(x, padding)  # a break raises
+    torch.testing.assert_close(compiled.float(), attend(x, padding).float(), rtol=2**-9, atol=2e-3)
+    with pytest.raises(AssertionError, match=r"key_padded_mask.shape\[1\] to be 6, but got 5"):
+        attend(x, padding[:, :5])

@@ -361,3 +361,46 @@ def test_data_without_train_and_valid_is_refused_at_construction_naming_databunc
     got = "a tuple" if wrong == "a pair of loaders" else "a DataLoader"
     with pytest.raises(ConfigError, match=rf"(?s)first argument is the data.*got {got}.*mixprec.DataBunch"):
         Learner(given, model, silent=True)  # type: ignore[arg-type]
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.dtypes: set[torch.dtype] = set()
+
+    def forward(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        self.dtypes |= {left.dtype, right.dtype}
+        return self.net(torch.cat([left, right], dim=1))
+
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _halves(batches: Batches) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    return [((x.flatten(1)[:, :32], x.flatten(1)[:, 32:]), y) for x, y in batches]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "to_fp16"])
+def test_a_batch_of_several_inputs_is_passed_as_model_star_xb(precision: str) -> None:
+    """fastai's Learner calls model(*xb) when a batch's input is a tuple (a seq2seq model's source and
+    target): the Learner failed with "'list' object has no attribute 'to'" (a user trial). The same
+    network fed the two halves of each digits image trains exactly as the one fed the whole image."""
+    data = mixprec.digits(batch_size=64, seed=0)
+    train, valid = list(data.train), list(data.valid)  # one shuffle, the same batches for both models
+    whole = mixprec.DataBunch(train, valid, data.n_classes, data.input_shape, "digits")  # type: ignore[arg-type]
+    split = mixprec.DataBunch(_halves(train), _halves(valid),  # type: ignore[arg-type]
+                              data.n_classes, data.input_shape, "digits, two halves")
+    two = _TwoInputs()
+    one = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    one.load_state_dict({f"{int(k[0]) + 1}{k[1:]}": v for k, v in two.net.state_dict().items()})
+    runs = []
+    for learner_data, model in ((split, two), (whole, one)):
+        learn = Learner(learner_data, model, silent=True)
+        if precision == "to_fp16":
+            learn.to_fp16()
+        learn.fit(1, 1e-2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert two.dtypes == ({torch.float16} if precision == "to_fp16" else {torch.float32})
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

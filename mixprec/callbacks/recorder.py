@@ -175,8 +175,9 @@ class StepTimer(Callback):
         self.times: list[float] = []
 
     def _now(self) -> float:
-        if self.xb.device.type == "cuda":
-            torch.cuda.synchronize(self.xb.device)
+        device = self.yb.device  # xb may be several inputs; the target is one tensor on the same device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter()
 
     def on_batch_begin(self) -> None:
