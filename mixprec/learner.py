@@ -526,8 +526,11 @@ class Learner:
 
     def _forward(self, xb: Tensor | Sequence[Tensor], yb: Tensor, events: bool) -> None:
         device = self.device
-        # xb: one tensor, or a tuple/list of the model's several inputs (fastai's model(*xb))
-        self.xb, self.yb = map_tensors(lambda t: t.to(device), xb), yb.to(device)
+        # xb: one tensor (or anything with .to: a tokenizer's batch), or a tuple/list of the model's several
+        # inputs (fastai's model(*xb))
+        several = isinstance(xb, (tuple, list))
+        self.xb = map_tensors(lambda t: t.to(device), xb) if several else xb.to(device)  # type: ignore[union-attr]
+        self.yb = yb.to(device)
         if events:
             self._event("on_batch_begin")
         inputs = tuple(self.xb) if isinstance(self.xb, (tuple, list)) else (self.xb,)
