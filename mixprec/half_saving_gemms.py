@@ -38,11 +38,15 @@ __all__ = ["half_saving_gemm"]
 RoundInput = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (torch's rule for what the cast cache keeps): not an activation."""
+    return t.is_leaf and t.requires_grad
+
+
 def _kept(t: torch.Tensor, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """``t`` itself when ``rounded`` is its exact upcast (``t`` already holds ``dtype``) and ``t`` is an
     activation, else None (then the rounded fp32 copy is saved, as the generic path saves it)."""
-    parameter = t.is_leaf and t.requires_grad
-    return t if t.dtype is dtype and rounded.dtype is torch.float32 and not parameter else None
+    return t if t.dtype is dtype and rounded.dtype is torch.float32 and not _parameter(t) else None
 
 
 def _round(
@@ -55,7 +59,7 @@ def _round(
     half kernel saves, half the bytes of the fp32 copy, which now lives only through the forward.
     Parameters keep the rounder's cached copy; compiled code the rounder's arithmetic rounding.
     """
-    if t.dtype is torch.float32 and not (t.is_leaf and t.requires_grad) and not torch.compiler.is_compiling():
+    if t.dtype is torch.float32 and not _parameter(t) and not torch.compiler.is_compiling():
         half = t.to(dtype)
         rounded = rounder(half)  # its exact upcast; ``half`` itself where the region leaves t alone
         return rounded, _kept(half, rounded, dtype)
@@ -281,8 +285,7 @@ def _attention(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.T
         return None
     if bound.get("attn_mask") is not None or bound.get("dropout_p", 0.0) or bound.get("enable_gqa", False):
         return None
-    if not all(t.dtype is dtype and t.device.type == "cpu" and not (t.is_leaf and t.requires_grad)
-               for t in (q, k, v)):
+    if not all(t.dtype is dtype and t.device.type == "cpu" and not _parameter(t) for t in (q, k, v)):
         return None
     is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
     # the choice for the half tensors: the CPU flash kernel takes fp32, bf16 and fp16 alike

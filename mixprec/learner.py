@@ -533,7 +533,7 @@ class Learner:
         self.yb = yb.to(device)
         if events:
             self._event("on_batch_begin")
-        inputs = tuple(self.xb) if isinstance(self.xb, (tuple, list)) else (self.xb,)
+        inputs = tuple(self.xb) if several else (self.xb,)  # (a callback's cast keeps the container)
         model_loss = None
         if self.loss_func is None:
             self.pred, model_loss = _pred_and_loss(self.model(*inputs, self.yb))

@@ -30,7 +30,7 @@ from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NO
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
 from mixprec.skip_step import BufferWatch
 from mixprec.split_state_dict import hook_split_state_dict
-from mixprec.tensor_args import map_tensors
+from mixprec.tree import cast_floating
 
 __all__ = [
     "MixedPrecision",
@@ -198,9 +198,8 @@ class MixedPrecision(Callback):
         self.watch = self.scaler.watch(self.learn.model) if self.scaler.is_enabled() else None
 
     def on_batch_begin(self) -> None:
-        if self.recipe.casts_model:  # as the forward hook would: no double cast (each of several inputs)
-            dtype = self.recipe.model_dtype
-            self.learn.xb = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, self.xb)
+        if self.recipe.casts_model:  # as the forward hook would (each of several inputs): no double cast
+            self.learn.xb = cast_floating(self.xb, self.recipe.model_dtype)
 
     def on_backward_begin(self) -> None:
         self.learn.loss_grad = self.scaler.scale(self.loss_grad)
