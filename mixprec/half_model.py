@@ -348,24 +348,26 @@ def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     object per module was a guard that failed from block to block); the module's own forward pre-hooks run
     before it, outside the region."""
     make, own, half_model, plain = self.__dict__[_BLOCK_ATTR]
+    # The forward is called from this frame, not from a helper's: after a graph break in it, Dynamo compiles
+    # the caller from eager code as a frame of its own, and a helper's one code object for all classes
+    # recompiled per class (this function's code is a copy per class, :func:`_block_forward`).
+    forward = own if own is not None else _class_forward(self, plain)
     if torch.compiler.is_compiling() or in_any_region():
-        return _own_call(self, own, plain, args, kwargs)
+        return forward(*args, **kwargs)
     if not half_model and torch._C._current_graph_task_id() == -1:  # O1, not in a backward: fp32
-        return _own_call(self, own, plain, args, kwargs)
+        return forward(*args, **kwargs)
     with make():
-        return _own_call(self, own, plain, args, kwargs)
+        return forward(*args, **kwargs)
 
 
-def _own_call(module: nn.Module, own: Any, plain: bool, args: Any, kwargs: Any) -> Any:
-    # A plain class forward is called with the module, not as a bound method made here: at a graph break
+def _class_forward(module: nn.Module, plain: bool) -> Callable[..., Any]:
+    # A plain class forward is bound with a partial, not as a bound method made here: at a graph break
     # Dynamo rebuilt a bound method as ``module.forward``, the wrapper, which called itself forever. Any
     # other kind (a classmethod, a descriptor) is bound by its own __get__, as attribute lookup would.
-    if own is not None:
-        return own(*args, **kwargs)
     cls = type(module)
     if plain:
-        return cls.forward(module, *args, **kwargs)
-    return inspect.getattr_static(cls, "forward").__get__(module, cls)(*args, **kwargs)
+        return functools.partial(cls.forward, module)
+    return inspect.getattr_static(cls, "forward").__get__(module, cls)  # type: ignore[no-any-return]
 
 
 def _plain_forward(module: nn.Module) -> bool:
@@ -378,6 +380,10 @@ def _plain_forward(module: nn.Module) -> bool:
 # blocks of one class share it, and torch.compile of each block shares one graph. Keyed weakly, and
 # holding no reference to the class (a forward that calls super() would, through its __class__ cell): a
 # class made per instance is freed with its instances. Made again when the class's forward is replaced.
+# Its code is a copy per class too: Dynamo keeps compiled frames per code object, and after a graph break
+# inside a compiled model it compiles each block's forward called from eager code as a frame of its own.
+# One code object for all classes made each class a recompile of it, until recompile_limit (8) sent the
+# rest of the model to eager code with a warning into mixprec (a seq2seq model's first step: 146 s).
 _BLOCK_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
@@ -386,7 +392,13 @@ def _block_forward(cls: type) -> Callable[..., Any]:
     fn = _BLOCK_FORWARDS.get(cls)
     if fn is None or fn._mixprec_block != id(raw):  # type: ignore[attr-defined]
         # named "forward": pickle stores a module's bound method as a lookup of this name
-        fn = types.FunctionType(_submodule_forward.__code__, _submodule_forward.__globals__, "forward")
+        code = _submodule_forward.__code__
+        # replace() always makes a new code object; named for the class where Python has qualified names
+        if hasattr(code, "co_qualname"):  # Python >= 3.11
+            code = code.replace(co_qualname=f"{cls.__qualname__}.forward")
+        else:
+            code = code.replace()
+        fn = types.FunctionType(code, _submodule_forward.__globals__, "forward")
         fn.__doc__ = _submodule_forward.__doc__
         if isinstance(raw, types.FunctionType):  # (self, ...): a bound method's signature drops self
             fn.__signature__ = inspect.signature(raw)  # type: ignore[attr-defined]

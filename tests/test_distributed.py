@@ -131,6 +131,7 @@ def _o2_no_sync_accumulation(info: DistInfo) -> dict[str, Any]:
 def _rng_of_another_rank(info: DistInfo) -> dict[str, bool]:
     """Whether load_checkpoint warns when a rank restores another rank's RNG state (a file saved on rank 0
     and loaded everywhere gave every rank rank 0's dropout masks, silently: a user trial)."""
+    import shutil
     import tempfile
 
     from mixprec.checkpoint import load_checkpoint, save_checkpoint
@@ -148,6 +149,9 @@ def _rng_of_another_rank(info: DistInfo) -> dict[str, bool]:
             warnings.simplefilter("always")
             load_checkpoint(folder / f"rank{rank}.pt", model=model, optimizer=opt)
         out[whose] = any("holds the RNG state of rank" in str(w.message) for w in caught)
+    torch.distributed.barrier()  # both ranks done reading: the folder goes (it was left in /tmp per run)
+    if info.rank == 0:
+        shutil.rmtree(folder)
     return out
 
 

@@ -395,6 +395,45 @@ def test_a_graph_break_inside_a_wrapped_block_compiles(name: str) -> None:
     torch.testing.assert_close(torch.compile(model)(x), model(x), atol=2**-6, rtol=0)
 
 
+class _Breaks(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x
+
+
+class _ManyKinds(nn.Module):
+    """Blocks of four classes, each followed by a block that breaks the graph, and one breaking inside: a
+    seq2seq model's shape (encoder layers, norms, activations, a print between them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # past recompile_limit=1 (the test's): any two classes sharing one compiled frame fail
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.LayerNorm(16), _BreakingBlock(), nn.GELU()])
+        self.brk = _Breaks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.brk(layer(x))
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", ["O1", "O2"])
+def test_blocks_of_many_classes_called_from_eager_code_compile_once_each(name: str) -> None:
+    """After a graph break, Dynamo compiles each block's forward called from eager code as a frame of its
+    own. All classes' wrapped forwards were one code object: each class was a recompile of it, until
+    recompile_limit sent the rest of the model uncompiled (a seq2seq model's first step took 146 s); the
+    helper that called a block's own forward, one code object too, did the same for blocks breaking inside."""
+    torch.manual_seed(0)
+    model = _ManyKinds()
+    prepare(model, RECIPES[name].with_half_dtype(torch.bfloat16), "cpu")
+    x = torch.randn(4, 16)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        compiled = torch.compile(model)(x)
+    torch.testing.assert_close(compiled, model(x), atol=2**-6, rtol=0)
+
+
 class _ThreeUses(nn.Module):
     """An attention block's shape: its input feeds three GEMMs (query, key, value)."""
 
