@@ -327,6 +327,14 @@ def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any
 _BLOCK_ATTR = "_mixprec_block"
 
 
+def _skip_frame(code: types.CodeType) -> None:
+    """Dynamo runs ``code``'s frames as they are, never compiled as frames of their own (it still inlines
+    the function into a traced caller, and compiles the frames it calls)."""
+    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(code)
+
+
 def _submodule_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A half model's submodule's ``forward``: the module's own, inside the model's region when it runs
     outside every region. That is a checkpoint's recompute: ``torch.utils.checkpoint`` (either kind,
@@ -370,6 +378,9 @@ def _class_forward(module: nn.Module, plain: bool) -> Callable[..., Any]:
     return inspect.getattr_static(cls, "forward").__get__(module, cls)  # type: ignore[no-any-return]
 
 
+_skip_frame(_class_forward.__code__)  # called from the wrapper's frame, which Dynamo skips: per class
+
+
 def _plain_forward(module: nn.Module) -> bool:
     return isinstance(inspect.getattr_static(type(module), "forward", None), types.FunctionType)
 
@@ -380,10 +391,13 @@ def _plain_forward(module: nn.Module) -> bool:
 # blocks of one class share it, and torch.compile of each block shares one graph. Keyed weakly, and
 # holding no reference to the class (a forward that calls super() would, through its __class__ cell): a
 # class made per instance is freed with its instances. Made again when the class's forward is replaced.
-# Its code is a copy per class too: Dynamo keeps compiled frames per code object, and after a graph break
-# inside a compiled model it compiles each block's forward called from eager code as a frame of its own.
-# One code object for all classes made each class a recompile of it, until recompile_limit (8) sent the
-# rest of the model to eager code with a warning into mixprec (a seq2seq model's first step: 146 s).
+# After a graph break inside a compiled model, Dynamo compiles each forward called from eager code as a
+# frame of its own, and keeps compiled frames per code object: one code object for all classes made each
+# class a recompile of it, until recompile_limit (8) sent the rest of the model to eager code with a
+# warning into mixprec (a seq2seq model's first step: 146 s). So the wrapper is never compiled as a frame
+# of its own (Dynamo still inlines it into a traced caller, and compiles the forward it calls as it would
+# without mixprec: a user's block compiled, torch's nn modules left to eager code, as in an fp32 model),
+# and its code is a copy per class (where torch cannot skip a frame, compiled frames stay per class).
 _BLOCK_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
@@ -392,19 +406,23 @@ def _block_forward(cls: type) -> Callable[..., Any]:
     fn = _BLOCK_FORWARDS.get(cls)
     if fn is None or fn._mixprec_block != id(raw):  # type: ignore[attr-defined]
         # named "forward": pickle stores a module's bound method as a lookup of this name
-        code = _submodule_forward.__code__
-        # replace() always makes a new code object; named for the class where Python has qualified names
-        if hasattr(code, "co_qualname"):  # Python >= 3.11
-            code = code.replace(co_qualname=f"{cls.__qualname__}.forward")
-        else:
-            code = code.replace()
-        fn = types.FunctionType(code, _submodule_forward.__globals__, "forward")
+        fn = types.FunctionType(_wrapper_code(cls), _submodule_forward.__globals__, "forward")
         fn.__doc__ = _submodule_forward.__doc__
         if isinstance(raw, types.FunctionType):  # (self, ...): a bound method's signature drops self
             fn.__signature__ = inspect.signature(raw)  # type: ignore[attr-defined]
         fn._mixprec_block = id(raw)  # type: ignore[attr-defined]  # marks it; the forward it was made for
         _BLOCK_FORWARDS[cls] = fn
     return fn
+
+
+def _wrapper_code(cls: type) -> types.CodeType:
+    """:func:`_submodule_forward`'s code, a copy for ``cls`` that Dynamo never compiles as a frame."""
+    code = _submodule_forward.__code__
+    # replace() always makes a new code object; named for the class where Python has qualified names
+    code = code.replace(co_qualname=f"{cls.__qualname__}.forward") if hasattr(code, "co_qualname") else (
+        code.replace())
+    _skip_frame(code)
+    return code
 
 
 class _SubmoduleForwards:
