@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
+from mixprec.apex_state import AmpStateView
 from mixprec.distributed import forward_skips_grad_sync, process_rank
 from mixprec.errors import ApexPropertyError, ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
@@ -877,6 +878,11 @@ def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:
         return
     for group in inner.param_groups:
         yield from group["params"]
+
+
+# apex's private attribute stash, which apex-era scripts read the loss scale from
+# (``amp._amp_state.loss_scalers[0].loss_scale()``): a view of the latest initialize's state
+_amp_state = AmpStateView(_state)
 
 
 def loss_scaler(loss_id: int = 0) -> GradScaler:
