@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.commands.console import make_console
+from mixprec.commands.train import UsageError
+from mixprec.commands.user_model import FORMS, is_spec
 
 HELP = "Memory of one training step (params, grads, masters, optimizer state, activations) per precision."
 
@@ -63,8 +65,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=MODEL_NAMES, default="mlp",
-                        help="reference model from mixprec.models (default: mlp, 784-8192-10)")
+    parser.add_argument("--model", default="mlp", metavar="NAME|MODULE:FUNCTION",
+                        help=f"reference model from mixprec.models ({', '.join(MODEL_NAMES)}; default: mlp, "
+                        "784-8192-10), or your own: module:function or file.py:function, the function "
+                        f"returning {FORMS}")
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
     parser.add_argument("--input", type=parse_shape, default=None, metavar="CxHxW",
                         help="shape of one sample: CxHxW (the mlp flattens any shape; default: 1x28x28, "
@@ -88,26 +92,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-png", action="store_true", help="do not write the chart")
 
 
-def _build(args: argparse.Namespace, shape: tuple[int, ...]) -> tuple[Any, Any]:
-    """The model (meta device unless --measure) and an example batch (x, y) of that shape."""
+def _build(args: argparse.Namespace, shape: tuple[int, ...] | None) -> tuple[Any, Any, Any]:
+    """The model (a reference one on the meta device unless --measure), an example batch (x, y) and the
+    loss function (None: memory_breakdown's default)."""
     import torch
 
+    from mixprec.commands.user_model import load
     from mixprec.models import build
 
-    device = torch.device("cpu" if args.measure else "meta")
-    with device:
-        classes = args.classes or DEFAULT_CLASSES.get(args.model, 10)
-        model = build(args.model, input_shape=shape, n_classes=classes)
-        x = torch.randn(args.batch_size, *shape)
-        y = torch.zeros(args.batch_size, dtype=torch.int64)
-    return model, (x, y)
+    if is_spec(args.model):  # the user's function builds it as their code does, on real tensors
+        user = load(args.model)
+        if user.batch is not None:
+            return user.model, user.batch, user.loss_fn
+        if shape is None:
+            raise UsageError(f"--model {args.model} returned no example batch, and no --input was given.",
+                             "pass --input with one sample's shape (e.g. --input 3x32x32), or return "
+                             "(model, batch) from the function.")
+        model, loss_fn, device = user.model, user.loss_fn, torch.device("cpu")
+    else:
+        device = torch.device("cpu" if args.measure else "meta")
+        with device:
+            model = build(args.model, input_shape=shape, n_classes=args.classes or
+                          DEFAULT_CLASSES.get(args.model, 10))
+        loss_fn = None
+    x = torch.randn(args.batch_size, *shape, device=device)
+    y = torch.zeros(args.batch_size, dtype=torch.int64, device=device)
+    return model, (x, y), loss_fn
 
 
-def _check(args: argparse.Namespace, shape: tuple[int, ...]) -> str | None:
+def _shape(args: argparse.Namespace) -> tuple[int, ...] | None:
+    return args.input or DEFAULT_INPUT.get(args.model)
+
+
+def _check(args: argparse.Namespace, shape: tuple[int, ...] | None) -> str | None:
     if args.batch_size < 1:
         return f"--batch-size must be >= 1, got {args.batch_size}."
     if args.classes is not None and args.classes < 2:  # as DataBunch: one class leaves nothing to learn
         return f"--classes must be >= 2, got {args.classes}: e.g. --classes 10."
+    if is_spec(args.model):
+        return None
+    if args.model not in MODEL_NAMES:
+        return (f"--model {args.model!r} is neither a reference model ({', '.join(MODEL_NAMES)}) nor "
+                "module:function: e.g. --model cnn, or --model my_models.py:make_model.")
+    assert shape is not None  # every reference model has a default input
     if args.model != "mlp" and len(shape) != 3:  # the MLP flattens any sample; the others convolve images
         example = "x".join(map(str, DEFAULT_INPUT[args.model]))
         return (f"--model {args.model} takes image samples, CxHxW; --input {'x'.join(map(str, shape))} has "
@@ -136,12 +163,12 @@ def _precisions(text: str) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from mixprec.commands.train import UsageError, check_out_file, fail
+    from mixprec.commands.train import check_out_file, fail
     from mixprec.diagnostics.memory import memory_breakdown, memory_table
     from mixprec.errors import ConfigError
 
     console = make_console()
-    shape = args.input or DEFAULT_INPUT[args.model]
+    shape = _shape(args)
     problem = _check(args, shape)
     try:
         if problem is not None:
@@ -150,16 +177,18 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_png:
             check_out_file(Path(args.png), "--png")
         start = time.perf_counter()
-        model, batch = _build(args, shape)
+        model, batch, loss_fn = _build(args, shape)
     except (UsageError, ConfigError, ValueError) as err:  # ValueError: the model cannot take this input
         return fail(err)
     breakdowns = [memory_breakdown(model, _optimizers()[args.optimizer], batch, recipe, update=update,
-                                   estimate=not args.measure, autocast=args.autocast)
+                                   loss_fn=loss_fn, estimate=not args.measure, autocast=args.autocast)
                   for recipe, update in precisions]
     seconds = time.perf_counter() - start
     n_params = breakdowns[0].n_params
-    what = (f"{args.model} ({n_params:,} parameters), batch {args.batch_size} x "
-            f"{'x'.join(map(str, shape))}, {args.optimizer}")
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    sample = "x".join(map(str, getattr(x, "shape", ())[1:])) or "?"
+    rows = getattr(x, "shape", (args.batch_size,))[0]
+    what = f"{args.model} ({n_params:,} parameters), batch {rows} x {sample}, {args.optimizer}"
     console.print(memory_table(breakdowns, title=f"Memory of one training step: {what}"))
     how = "measured on real tensors" if args.measure else "estimated with FakeTensorMode (nothing computed)"
     console.print(f"{how} in {seconds:.1f} s. Total = sum of components, an upper bound on one step's "
