@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     rows = getattr(x, "shape", (args.batch_size,))[0]
     what = f"{args.model} ({n_params:,} parameters), batch {rows} x {sample}, {args.optimizer}"
     console.print(memory_table(breakdowns, title=f"Memory of one training step: {what}"))
+    for note in dict.fromkeys(n for b in breakdowns for n in b.notes):  # each once, in order
+        console.print(f"[yellow]note:[/] {note}.")
     how = "measured on real tensors" if args.measure else "estimated with FakeTensorMode (nothing computed)"
     console.print(f"{how} in {seconds:.1f} s. Total = sum of components, an upper bound on one step's "
                   "live tensors: activations are freed as backward runs.")
