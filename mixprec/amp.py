@@ -24,6 +24,7 @@ scaler's (:func:`~mixprec.scaler.step_unless_inf`): on the device for fused opti
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -40,7 +41,7 @@ from torch import nn
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.apex_state import AmpStateView
 from mixprec.distributed import forward_skips_grad_sync, process_rank
-from mixprec.errors import ApexPropertyError, ConfigError, ScalerStateError
+from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
@@ -650,12 +651,9 @@ def scale_loss(
         return
     state = _state_of(opts)
     _check_from_initialize(opts, state)
-    if not 0 <= loss_id < len(state.scalers):
-        raise ConfigError(
-            f"loss_id {loss_id} is out of range: initialize was called with num_losses={len(state.scalers)}.",
-            f"pass num_losses={loss_id + 1} (or more) to mixprec.initialize.",
-        )
-    scaler = state.scalers[loss_id]
+    scaler = _scaler_of(state, loss_id)
+    if state.recipe.autocast_dtype is not None:  # O1: apex's patched functions refused a half BCE input
+        _refuse_half_bce(loss)
     for opt in opts:  # a new iteration for these optimizers: flags of a consumed step are done
         if id(opt) in state.pending and state.pending[id(opt)].stepped:
             del state.pending[id(opt)]
@@ -887,7 +885,68 @@ _amp_state = AmpStateView(_state)
 
 def loss_scaler(loss_id: int = 0) -> GradScaler:
     """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty)."""
-    return _state().scalers[loss_id]
+    return _scaler_of(_state(), loss_id)
+
+
+def _scaler_of(state: _AmpState, loss_id: int) -> GradScaler:
+    if not 0 <= loss_id < len(state.scalers):
+        raise ConfigError(
+            f"loss_id {loss_id} is out of range: initialize was called with num_losses={len(state.scalers)}.",
+            f"pass num_losses={loss_id + 1} (or more) to mixprec.initialize.",
+        )
+    return state.scalers[loss_id]
+
+
+# How many autograd nodes nearest the loss are searched for a binary cross-entropy: a loss is usually that
+# op itself, or a sum or scaling of a few losses; the search costs ~1 us a node, once per scale_loss.
+_BCE_SEARCH = 16
+
+
+def _refuse_half_bce(loss: torch.Tensor) -> None:
+    """apex's O1 refused ``F.binary_cross_entropy`` (``nn.BCELoss``) of half probabilities wherever it ran:
+    the sigmoid before it saturates in half (1.0 above x ~ 8.3 in fp16, ~6.2 in bf16), and a confident
+    model's loss and gradients go inf/NaN, every step skipped (a DCGAN's discriminator). mixprec's O1
+    computes the loss outside the model's region, where the policy's ban cannot see it, from the output
+    cast to fp32 after the sigmoid; the loss's own autograd graph shows where the probabilities came from."""
+    todo, searched = collections.deque([loss.grad_fn]), 0
+    while todo and searched < _BCE_SEARCH:
+        node = todo.popleft()
+        if node is None:
+            continue
+        searched += 1
+        dtype = _probabilities_dtype(node) if "BinaryCrossEntropyBackward" in type(node).__name__ else None
+        if dtype in HALF_DTYPES:
+            raise BannedOpError(
+                f"binary_cross_entropy (nn.BCELoss) got probabilities computed in {dtype} under O1, which "
+                "apex's O1 refused: a sigmoid computed in half precision rounds to 1.0 for logits above ~8 "
+                "(fp16; ~6 in bf16), and the loss and its gradients become inf/NaN.",
+                "use nn.BCEWithLogitsLoss on the logits (it fuses the sigmoid in fp32), or compute the "
+                "sigmoid in fp32: mixprec.register_float_function(torch, 'sigmoid') (apex's advice) or "
+                "mixprec.keep_fp32(the module applying it).",
+            )
+        todo.extend(fn for fn, _ in node.next_functions)
+
+
+# Nodes that pass probabilities on unchanged in value: the output's cast to fp32, views, copies.
+_PASS_THROUGH = ("ToCopyBackward", "ViewBackward", "ReshapeAliasBackward", "SqueezeBackward",
+                 "UnsqueezeBackward", "CloneBackward", "ExpandBackward", "PermuteBackward", "TBackward",
+                 "SelectBackward", "SliceBackward")
+
+
+def _probabilities_dtype(bce: Any) -> torch.dtype | None:
+    """The dtype BCE's input was computed in: its own, or, behind casts and views, the dtype of the op that
+    made it (the sigmoid's saved result); None where the graph does not say."""
+    saved = getattr(bce, "_saved_self", None)
+    if isinstance(saved, torch.Tensor) and saved.dtype in HALF_DTYPES:
+        return saved.dtype
+    producer = bce.next_functions[0][0] if bce.next_functions else None
+    while producer is not None and type(producer).__name__.startswith(_PASS_THROUGH):
+        producer = producer.next_functions[0][0] if producer.next_functions else None
+    for name in ("_saved_result", "_saved_self"):
+        made = getattr(producer, name, None)
+        if isinstance(made, torch.Tensor):
+            return made.dtype
+    return None
 
 
 def loss_scalers_of(optimizers: Sequence[Any]) -> list[GradScaler]:

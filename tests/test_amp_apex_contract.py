@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
-from mixprec.errors import ConfigError
+from mixprec.errors import BannedOpError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
@@ -292,6 +293,41 @@ def test_apexs_dcgan_example_runs_and_o0_matches_fp32_bit_for_bit() -> None:
     for level, tolerance in (("O0", 0.0), ("O1", 2e-3), ("O2", 2e-3)):
         for a, b in zip(_dcgan(level), fp32, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance, msg=level)
+
+
+def _bce_of_a_sigmoid_discriminator(opt_level: str, dtype: torch.dtype, logits: bool = False) -> float:
+    """The older DCGAN form: a Sigmoid ends the discriminator and nn.BCELoss takes its output (apex's
+    example switched to BCEWithLogitsLoss; pytorch/examples and many GAN repositories kept this one)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)]
+    net_d = nn.Sequential(*layers) if logits else nn.Sequential(*layers, nn.Sigmoid())
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4)
+    net_d, opt_d = amp.initialize(net_d, opt_d, opt_level=opt_level, dtype=dtype, verbosity=0)
+    criterion = nn.BCEWithLogitsLoss() if logits else nn.BCELoss()
+    loss = criterion(net_d(torch.randn(8, 6)).view(-1), torch.ones(8))
+    with amp.scale_loss(loss, opt_d) as scaled:
+        scaled.backward()
+    opt_d.step()
+    return float(loss)
+
+
+@pytest.mark.usefixtures("fresh_amp_state", "clean_registry")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o1_refuses_bce_of_half_probabilities_as_apex_did(dtype: torch.dtype) -> None:
+    """apex's O1 raised for F.binary_cross_entropy of a half input (its BANNED_FUNCS: the sigmoid before it
+    saturates, 1.0 above x ~ 8.3 in fp16). mixprec's O1 computes the loss outside the region from the
+    output cast to fp32, so nothing refused it: a confident discriminator's loss went inf, every step
+    skipped, the scale at its floor (a DCGAN trial). Its fixes work, and O2, which apex never checked
+    (its output is fp32 already), is left alone."""
+    with pytest.raises(BannedOpError, match="BCEWithLogitsLoss"):
+        _bce_of_a_sigmoid_discriminator("O1", dtype)
+    amp.reset()
+    assert math.isfinite(_bce_of_a_sigmoid_discriminator("O1", dtype, logits=True))
+    amp.reset()
+    assert math.isfinite(_bce_of_a_sigmoid_discriminator("O2", dtype))
+    amp.reset()
+    amp.register_float_function(torch, "sigmoid")  # apex's advice in the same error
+    assert math.isfinite(_bce_of_a_sigmoid_discriminator("O1", dtype))
 
 
 def _dcgan_iteration(inject_into_generator_loss: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

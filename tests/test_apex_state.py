@@ -86,3 +86,11 @@ def test_what_the_view_lacks_names_the_scaler_that_has_it() -> None:
         amp._amp_state.loss_scalers[0].clear_overflow_state()
     with pytest.raises(AttributeError, match="not 'hard_override'"):
         amp._amp_state.hard_override  # noqa: B018
+
+
+def test_a_loss_id_past_num_losses_is_named() -> None:
+    """``amp.loss_scaler(3)`` after ``num_losses=3`` raised a bare IndexError."""
+    _initialized(num_losses=3)
+    with pytest.raises(ConfigError, match="loss_id 3 is out of range: initialize was called with num_losses"):
+        amp.loss_scaler(3)
+    assert amp.loss_scaler(2) is amp._state().scalers[2]

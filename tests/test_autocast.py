@@ -240,7 +240,7 @@ def test_banned_op_raises_and_names_the_fix(loss: Callable[..., Any]) -> None:
     p, t = torch.rand(4), torch.rand(4)
     with pytest.raises(BannedOpError, match="BCEWithLogitsLoss"), autocast("cpu", torch.float16):
         loss(p, t)
-    with autocast("cpu", torch.bfloat16):  # bf16 has fp32's range: torch's CPU table (fp32) applies
+    with autocast("cpu", torch.bfloat16):  # torch's CPU table (fp32) applies: no Python layer for bf16
         assert loss(p, t).dtype == torch.float32
 
 
