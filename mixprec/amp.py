@@ -40,6 +40,7 @@ from torch import nn
 
 from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, banner
 from mixprec.apex_state import AmpStateView
+from mixprec.checkpoint_checks import check_scaler
 from mixprec.distributed import forward_skips_grad_sync, process_rank
 from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError
 from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
@@ -1049,7 +1050,9 @@ def state_dict(destination: MutableMapping[str, Any] | None = None) -> MutableMa
 
 def load_state_dict(saved: dict[str, Any]) -> None:
     """Load :func:`state_dict`'s output, or a checkpoint written by apex (``loss_scale``/``unskipped``
-    only: the scale and the count of clean steps since the last overflow)."""
+    only: the scale and the count of clean steps since the last overflow, into this run's kind of scaling,
+    as apex loaded them). mixprec's own state of a dynamic scale into a static one, or back (a bf16 run's
+    into an fp16 one), raises ``CheckpointError``: it would replace this run's loss scaling."""
     scalers = _state().scalers
     if len(saved) != len(scalers):
         raise ConfigError(
@@ -1063,6 +1066,8 @@ def load_state_dict(saved: dict[str, Any]) -> None:
                 f"The saved amp state has no entry 'loss_scaler{i}'.",
                 "pass what mixprec.amp.state_dict() (or apex's amp.state_dict()) returned.",
             )
+        if isinstance(entry.get(MIXPREC_KEY), dict):  # apex's two keys keep this run's kind of scaling
+            check_scaler(i, scaler, entry[MIXPREC_KEY])  # a bf16 run's static 1 into fp16's dynamic, say
         scaler.load_state_dict(_full_scaler_state(scaler, entry))
 
 

@@ -4,22 +4,24 @@ overflow and count clean iterations from 0 again, a forced ``_loss_scale`` that 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 import mixprec
 from mixprec import amp
-from mixprec.errors import ConfigError
+from mixprec.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("fresh_amp_state")
 
 
-def _initialized(**kwargs: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _initialized(dtype: torch.dtype = torch.float16, **kwargs: object) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mixprec.initialize(model, opt, "O2", dtype=torch.float16, verbosity=0, **kwargs)
+    return mixprec.initialize(model, opt, "O2", dtype=dtype, verbosity=0, **kwargs)
 
 
 def _iteration(model: nn.Module, opt: torch.optim.Optimizer, overflow: bool = False) -> None:
@@ -94,3 +96,18 @@ def test_a_loss_id_past_num_losses_is_named() -> None:
     with pytest.raises(ConfigError, match="loss_id 3 is out of range: initialize was called with num_losses"):
         amp.loss_scaler(3)
     assert amp.loss_scaler(2) is amp._state().scalers[2]
+
+
+def test_a_bf16_runs_amp_state_is_refused_by_an_fp16_run_but_apexs_two_keys_load() -> None:
+    """The full state made the fp16 run's scalers static at 1 (bf16's): its small gradients then flushed
+    to zero in fp16, silently (a DCGAN trial). apex loaded only the scale and the clean count."""
+    _initialized(torch.bfloat16)
+    saved = amp.state_dict()
+    amp.reset()
+    _initialized()
+    with pytest.raises(CheckpointError, match="static .* this run's is dynamic"):
+        amp.load_state_dict(saved)
+    assert amp.loss_scaler().is_dynamic and amp.loss_scaler().get_scale() == 2.0**16  # nothing changed
+    apex_keys = {k: {"loss_scale": v["loss_scale"], "unskipped": v["unskipped"]} for k, v in saved.items()}
+    amp.load_state_dict(apex_keys)
+    assert amp.loss_scaler().is_dynamic and amp.loss_scaler().get_scale() == 1.0  # apex's load: the scale
