@@ -318,7 +318,7 @@ def _first_forward_after_load(self: nn.Module, *args: Any, **kwargs: Any) -> Any
     records = [m.__dict__[_BLOCK_ATTR] for m in self.modules() if _BLOCK_ATTR in m.__dict__]
     if records:  # the submodules were wrapped: again, of the same kind
         _SubmoduleForwards(self, make, half_model=records[0][2])
-    self.__dict__["forward"] = _ModelForward(_forward_in_region, self)
+    self.__dict__["forward"] = _ModelForward(_region_forward(type(self)), self)
     return _forward_in_region(self, *args, **kwargs)
 
 
@@ -417,12 +417,35 @@ def _block_forward(cls: type) -> Callable[..., Any]:
 
 def _wrapper_code(cls: type) -> types.CodeType:
     """:func:`_submodule_forward`'s code, a copy for ``cls`` that Dynamo never compiles as a frame."""
-    code = _submodule_forward.__code__
-    # replace() always makes a new code object; named for the class where Python has qualified names
-    code = code.replace(co_qualname=f"{cls.__qualname__}.forward") if hasattr(code, "co_qualname") else (
-        code.replace())
+    code = _code_for(_submodule_forward, cls)
     _skip_frame(code)
     return code
+
+
+def _code_for(fn: Callable[..., Any], cls: type) -> types.CodeType:
+    """A copy of ``fn``'s code for ``cls``: Dynamo keeps compiled frames (and counts recompiles against
+    recompile_limit) per code object, and an fp32 model's forwards are one code object per class."""
+    code = fn.__code__
+    # replace() always makes a new code object; named for the class where Python has qualified names
+    if hasattr(code, "co_qualname"):  # Python >= 3.11
+        return code.replace(co_qualname=f"{cls.__qualname__}.forward")
+    return code.replace()
+
+
+# A prepared model's forward per class, as the blocks' (_block_forward): all models' forwards were one code
+# object, so four compiled models, each called with and without a gradient-requiring input and under
+# no_grad, were 12 entries of it, past recompile_limit (8), where fp32 models of four classes make 3 each.
+_REGION_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def _region_forward(cls: type) -> Callable[..., Any]:
+    fn = _REGION_FORWARDS.get(cls)
+    if fn is None:
+        fn = types.FunctionType(_code_for(_forward_in_region, cls), _forward_in_region.__globals__,
+                                "_forward_in_region")
+        fn.__doc__ = _forward_in_region.__doc__
+        _REGION_FORWARDS[cls] = fn
+    return fn
 
 
 class _SubmoduleForwards:
@@ -489,7 +512,7 @@ class _RegionForward:
         # __dict__: setattr on torch.compile's OptimizedModule sets the attribute on the module it wraps.
         inner = self.own_region[1] if self.own_region is not None else model.forward
         model.__dict__[_REGION_ATTR] = (make, inner)
-        model.forward = _ModelForward(_forward_in_region, model)  # type: ignore[method-assign]
+        model.forward = _ModelForward(_region_forward(type(model)), model)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         for name, value in (("forward", self.own), (_REGION_ATTR, self.own_region)):

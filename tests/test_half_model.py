@@ -434,6 +434,35 @@ def test_blocks_of_many_classes_called_from_eager_code_compile_once_each(name: s
     torch.testing.assert_close(compiled, model(x), atol=2**-6, rtol=0)
 
 
+class _NetA(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).sum(1)
+
+
+class _NetB(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).mean(1)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_models_of_two_classes_keep_a_compile_budget_each() -> None:
+    """Every prepared model's forward was one code object: two compiled models, each called three ways
+    (a GAN's discriminator: real input, a fake that requires grad, sampling under no_grad), shared one
+    recompile_limit where fp32 models of two classes have one each."""
+    torch.manual_seed(0)
+    models = [cls(nn.Linear(4, 8), nn.ReLU()) for cls in (_NetA, _NetB)]
+    for model in models:
+        prepare(model, RECIPES["O2"].with_half_dtype(torch.bfloat16), "cpu")
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for model in models:
+            compiled, x = torch.compile(model), torch.randn(3, 4)
+            compiled(x)
+            compiled(x.clone().requires_grad_())
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), model(x), atol=2**-6, rtol=0)
+
+
 class _ThreeUses(nn.Module):
     """An attention block's shape: its input feeds three GEMMs (query, key, value)."""
 
