@@ -58,14 +58,15 @@ class DataBunch:
 
     train: DataLoader
     valid: DataLoader
-    n_classes: int
+    n_classes: int | None  # None: not a classifier (a diffusion model's noise, a regression)
     input_shape: tuple[int, ...]
     name: str
     normalization: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.n_classes < 2:
-            raise ValueError(f"DataBunch needs n_classes >= 2, got {self.n_classes}.")
+        if self.n_classes is not None and self.n_classes < 2:
+            raise ValueError(f"DataBunch needs n_classes >= 2 (or None for a model that is not a "
+                             f"classifier), got {self.n_classes}.")
         if not self.input_shape or any(d < 1 for d in self.input_shape):
             raise ValueError(f"DataBunch input_shape must be non-empty and positive, got {self.input_shape}.")
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import math
 import socket
 import struct
 from pathlib import Path
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec import data as D
 
@@ -306,3 +309,18 @@ def test_synthetic_is_learnable_by_a_linear_model() -> None:
         opt.step()
     xv, yv = db.valid.dataset.tensors
     assert (model(xv).argmax(1) == yv).float().mean() >= 0.9
+
+
+def test_a_model_that_is_not_a_classifier_gets_n_classes_none() -> None:
+    """A diffusion model's data (noisy images in, noise out) had to name a dummy n_classes >= 2."""
+    import mixprec
+
+    g = torch.Generator().manual_seed(0)
+    x, noise = torch.randn(32, 4, generator=g), torch.randn(32, 4, generator=g)
+    loader = DataLoader(TensorDataset(x, noise), batch_size=8)
+    data = D.DataBunch(loader, loader, None, (4,), "noise")
+    learn = mixprec.Learner(data, nn.Linear(4, 4), loss_func=F.mse_loss, silent=True).to_bf16()
+    learn.fit(1)
+    assert all(math.isfinite(v) for v in learn.recorder.losses)
+    with pytest.raises(ValueError, match="or None for a model that is not a classifier"):
+        D.DataBunch(loader, loader, 1, (4,), "noise")
