@@ -48,6 +48,7 @@ from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
 from mixprec.master import MasterWeights, check_params_belong
 from mixprec.policy import register_float_function, register_half_function, register_promote_function
+from mixprec.policy.tables import BCE_ADVICE
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
 from mixprec.skip_step import BufferWatch, combined_found_inf, remove_watches, step_unless_inf
@@ -921,9 +922,7 @@ def _refuse_half_bce(loss: torch.Tensor) -> None:
                 f"binary_cross_entropy (nn.BCELoss) got probabilities computed in {dtype} under O1, which "
                 "apex's O1 refused: a sigmoid computed in half precision rounds to 1.0 for logits above ~8 "
                 "(fp16; ~6 in bf16), and the loss and its gradients become inf/NaN.",
-                "use nn.BCEWithLogitsLoss on the logits (it fuses the sigmoid in fp32), or compute the "
-                "sigmoid in fp32: mixprec.register_float_function(torch, 'sigmoid') (apex's advice) or "
-                "mixprec.keep_fp32(the module applying it).",
+                BCE_ADVICE,
             )
         todo.extend(fn for fn, _ in node.next_functions)
 

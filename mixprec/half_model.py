@@ -406,8 +406,8 @@ def _block_forward(cls: type) -> Callable[..., Any]:
     fn = _BLOCK_FORWARDS.get(cls)
     if fn is None or fn._mixprec_block != id(raw):  # type: ignore[attr-defined]
         # named "forward": pickle stores a module's bound method as a lookup of this name
-        fn = types.FunctionType(_wrapper_code(cls), _submodule_forward.__globals__, "forward")
-        fn.__doc__ = _submodule_forward.__doc__
+        fn = _copy_for(_submodule_forward, cls, "forward")
+        _skip_frame(fn.__code__)  # Dynamo never compiles it as a frame of its own (see above)
         if isinstance(raw, types.FunctionType):  # (self, ...): a bound method's signature drops self
             fn.__signature__ = inspect.signature(raw)  # type: ignore[attr-defined]
         fn._mixprec_block = id(raw)  # type: ignore[attr-defined]  # marks it; the forward it was made for
@@ -415,21 +415,18 @@ def _block_forward(cls: type) -> Callable[..., Any]:
     return fn
 
 
-def _wrapper_code(cls: type) -> types.CodeType:
-    """:func:`_submodule_forward`'s code, a copy for ``cls`` that Dynamo never compiles as a frame."""
-    code = _code_for(_submodule_forward, cls)
-    _skip_frame(code)
-    return code
-
-
-def _code_for(fn: Callable[..., Any], cls: type) -> types.CodeType:
-    """A copy of ``fn``'s code for ``cls``: Dynamo keeps compiled frames (and counts recompiles against
-    recompile_limit) per code object, and an fp32 model's forwards are one code object per class."""
+def _copy_for(fn: Callable[..., Any], cls: type, name: str) -> Callable[..., Any]:
+    """``fn`` as a function of its own code object for ``cls``: Dynamo keeps compiled frames (and counts
+    recompiles against recompile_limit) per code object, and an fp32 model's forwards are one per class."""
     code = fn.__code__
     # replace() always makes a new code object; named for the class where Python has qualified names
     if hasattr(code, "co_qualname"):  # Python >= 3.11
-        return code.replace(co_qualname=f"{cls.__qualname__}.forward")
-    return code.replace()
+        code = code.replace(co_qualname=f"{cls.__qualname__}.forward")
+    else:
+        code = code.replace()
+    copy = types.FunctionType(code, fn.__globals__, name)
+    copy.__doc__ = fn.__doc__
+    return copy
 
 
 # A prepared model's forward per class, as the blocks' (_block_forward): all models' forwards were one code
@@ -441,10 +438,7 @@ _REGION_FORWARDS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.
 def _region_forward(cls: type) -> Callable[..., Any]:
     fn = _REGION_FORWARDS.get(cls)
     if fn is None:
-        fn = types.FunctionType(_code_for(_forward_in_region, cls), _forward_in_region.__globals__,
-                                "_forward_in_region")
-        fn.__doc__ = _forward_in_region.__doc__
-        _REGION_FORWARDS[cls] = fn
+        fn = _REGION_FORWARDS[cls] = _copy_for(_forward_in_region, cls, "_forward_in_region")
     return fn
 
 

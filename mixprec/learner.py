@@ -46,7 +46,7 @@ from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
 from mixprec.scaler import GradScaler, OptState
-from mixprec.tensor_args import map_tensors
+from mixprec.tree import map_tensors
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -75,13 +75,16 @@ TORCH_CPU: tuple[OpRule, ...] = (
     *_torch_rules(Action.PROMOTE, "stack", "cat", "index_copy"),
 )  # fmt: skip
 
-_BCE_FIX = (
-    "it takes probabilities, so a sigmoid (or softmax) runs before it in half precision, where "
-    "sigmoid(x) rounds to 1 for x > ~8.3 in fp16 (> ~6.2 in bf16) and log(1 - 1) gives inf. Use "
-    "torch.nn.BCEWithLogitsLoss (or F.binary_cross_entropy_with_logits) on the logits instead: it fuses "
+# What to do instead of BCELoss on half probabilities (also O1's scale_loss refusal, mixprec.amp).
+BCE_ADVICE = (
+    "Use torch.nn.BCEWithLogitsLoss (or F.binary_cross_entropy_with_logits) on the logits instead: it fuses "
     "the sigmoid and is fp32 under autocast. To keep BCELoss, compute the sigmoid in fp32 too "
     "(mixprec.register_float_function(torch, 'sigmoid'), or the module applying it in mixprec.keep_fp32) "
     "and call BCELoss outside the region."
+)
+_BCE_FIX = (
+    "it takes probabilities, so a sigmoid (or softmax) runs before it in half precision, where "
+    "sigmoid(x) rounds to 1 for x > ~8.3 in fp16 (> ~6.2 in bf16) and log(1 - 1) gives inf. " + BCE_ADVICE
 )
 
 TORCH_CUDA: tuple[OpRule, ...] = (
