@@ -123,6 +123,37 @@ def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] |
                 setattr(c.module, c.name, _kept_original(c, tensor).to(tensor.device, c.dtype))
 
 
+def state_to_float(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Cast back to fp32 the ``dtype`` tensors a half forward left in the model's plain attributes, alone or
+    in tuples and lists (an RNN's hidden state carried between batches, a cache): the fp32 model's next
+    forward would meet them in half precision, and an LSTM's oneDNN kernel then fails with "could not create
+    a primitive descriptor". Exact: every half value is an fp32 value. Parameters, buffers and submodules
+    are not plain attributes; a dict or an object holding tensors is left alone (it may be shared). Returns
+    the attributes' qualified names."""
+    cast = []
+    for prefix, module in model.named_modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, nn.Parameter) or not _holds_dtype(value, dtype):
+                continue
+            setattr(module, name, _to_float(value, dtype))
+            cast.append(f"{prefix}.{name}" if prefix else name)
+    return cast
+
+
+def _holds_dtype(value: Any, dtype: torch.dtype) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == dtype
+    return isinstance(value, (tuple, list)) and any(_holds_dtype(v, dtype) for v in value)
+
+
+def _to_float(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype == dtype and not isinstance(value, nn.Parameter) else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its own type, by position
+        return type(value)(*(_to_float(v, dtype) for v in value))
+    return type(value)(_to_float(v, dtype) for v in value)
+
+
 def _kept_original(c: Converted, now: torch.Tensor) -> torch.Tensor:
     """The value a tensor goes back to without a master: its kept original where ``now`` is still exactly
     that original's rounding (nothing trained or changed it: a frozen parameter, a constant buffer), else
@@ -577,6 +608,8 @@ class HalfModel:
             m.take_model_edits()  # a model loaded since the last step (the best epoch's weights)
         found = {id(p): v for m in held for p, v in zip(m.model_params(), m.master_views(), strict=True)}
         model_to_float(self.converted, {**found, **(values or {})})
+        if self.recipe.half_dtype is not None:
+            state_to_float(self.model, self.recipe.half_dtype)
         self.handles, self.converted = [], []
 
 

@@ -716,3 +716,56 @@ def test_an_input_the_cast_overflows_is_named() -> None:
     scale = torch.tensor([0.0, torch.finfo(torch.float32).min, 1.0])
     with pytest.warns(UserWarning, match=r"input 1 holds -3.40282e\+38, beyond float16's range.*finfo"):
         model(torch.randn(3, 4), scale)
+
+
+class _CarriedLSTM(nn.Module):
+    """A language model that carries its LSTM state between batches in a plain attribute (fastai's AWD-LSTM,
+    the PyTorch word language model), as a tuple (h, c)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(16, 20)
+        self.rnn = nn.LSTM(8, 16, batch_first=True)
+        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(self.emb(x), self.hidden)
+        self.hidden = (state[0].detach(), state[1].detach())
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_state_the_half_forward_carried_in_an_attribute_comes_back_fp32(dtype: torch.dtype) -> None:
+    """After a half fit the Learner gave back an fp32 model whose carried LSTM state was still bf16: its
+    next forward failed in oneDNN ("could not create a primitive descriptor"). The state comes back fp32,
+    holding the same values (exactly: a bf16 value is an fp32 value)."""
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 20, (32, 5)), torch.randint(0, 20, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model = _CarriedLSTM()
+    learn = mixprec.Learner(mixprec.DataBunch(loader, loader, 20, (5,), "toy"), model)
+    learn.to_recipe(RECIPES["O2"].with_half_dtype(dtype)).fit(1, 1e-3)
+    assert model.hidden is not None and all(t.dtype == torch.float32 for t in model.hidden)
+    carried = tuple(t.clone() for t in model.hidden)
+    out = model(x[:8])  # raised before
+    reference = _CarriedLSTM()
+    reference.load_state_dict(model.state_dict())
+    reference.hidden = carried
+    assert torch.equal(out, reference(x[:8]))
+
+
+def test_restore_casts_half_attributes_back_and_leaves_the_rest() -> None:
+    """amp.restore casts the run's half dtype in plain attributes (tensors, tuples and lists of them) and
+    nothing else: an fp64 tensor, an int tensor, a dict stay as they were."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+    carried = torch.randn(3).half()
+    model[0].carried = [carried, (carried, torch.arange(3))]
+    model[2].kept = {"cache": carried}
+    model[2].wide = torch.randn(2, dtype=torch.float64)
+    mixprec.amp.restore(model)
+    assert model[0].carried[0].dtype == torch.float32 and torch.equal(model[0].carried[0], carried.float())
+    assert model[0].carried[1][0].dtype == torch.float32 and model[0].carried[1][1].dtype == torch.int64
+    assert isinstance(model[0].carried, list) and isinstance(model[0].carried[1], tuple)
+    assert model[2].kept["cache"] is carried and model[2].wide.dtype == torch.float64
