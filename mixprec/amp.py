@@ -53,6 +53,7 @@ from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
 from mixprec.skip_step import BufferWatch, combined_found_inf, remove_watches, step_unless_inf
 from mixprec.split_state_dict import hook_split_state_dict
+from mixprec.warn_site import user_stacklevel
 
 __all__ = [
     "Properties",
@@ -102,6 +103,10 @@ class _AmpState:
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     verbosity: int = 1  # > 0: say when an overflow skips a step, as apex does
     warned_unsynced: bool = False  # scale_loss said once that it unscaled a no_sync() backward
+    # by loss_id: its scaler's skipped_steps when its overflow was last said (each optimizer's step skips
+    # on it; apex said it once per loss)
+    said_overflow: dict[int, int] = field(default_factory=dict)
+    checked_unheld: bool = False  # the first scale_loss looked for gradients no optimizer of it will unscale
     # by id of an optimizer initialize returned: the buffers of the models it trains (_buffer_watches)
     watches: dict[int, list[BufferWatch]] = field(default_factory=dict)
     # by id of an optimizer initialize returned: gradients a loss scaled without it wrote on its parameters,
@@ -337,8 +342,13 @@ def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe:
     if recipe.split_masters:
         masters = split_masters_of(inner, originals)
     else:
-        masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
-                                compile_step=recipe.compile_step)
+        with warnings.catch_warnings():
+            # MasterWeights warns when no parameter is half (a model not cast): here initialize cast the
+            # model, and an optimizer of fp32 parameters alone holds what the recipe kept fp32 on purpose
+            # (BatchNorm, sparse-gradient embeddings: SparseAdam beside the dense part's optimizer)
+            warnings.filterwarnings("ignore", message="MasterWeights: none of", category=UserWarning)
+            masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
+                                    compile_step=recipe.compile_step)
     if inner is opt:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
@@ -544,6 +554,10 @@ def _say_overflow(state: _AmpState, loss_ids: list[int]) -> None:
         scaler = state.scalers[loss_id]
         if not scaler.last_step_skipped:
             continue  # another loss of this optimizer overflowed
+        skipped = scaler.skipped_steps
+        if state.said_overflow.get(loss_id) == skipped:
+            continue  # said at another optimizer's step of this iteration
+        state.said_overflow[loss_id] = skipped
         scale = scaler.get_scale()
         if not scaler.is_dynamic:
             change = f"keeping its static {scale}"
@@ -697,6 +711,9 @@ def scale_loss(
         _check_gradients_reached(state, opts, others)
         for opt in opts:  # apex passes the loss through: a clean iteration, the scale's growth goes on
             scaler._record_clean(_inner(opt))
+    if not state.checked_unheld:
+        state.checked_unheld = True
+        _warn_unheld_gradients(state, scaler)
     found = combined_found_inf(flags) if flags else None
     for opt in opts:  # apex: this loss overflowed, so no optimizer it fed may step
         pending = state.pending.setdefault(id(opt), _PendingStep())
@@ -803,6 +820,28 @@ def _check_gradients_reached(state: _AmpState, opts: list[Any], others: _Marks) 
             "(with FSDP2 use fully_shard's MixedPrecisionPolicy instead of O2: docs/recipes.md, "
             "Distributed).",
         )
+
+
+def _warn_unheld_gradients(state: _AmpState, scaler: GradScaler) -> None:
+    """Once, at the first scale_loss: model parameters that no optimizer of this initialize holds got
+    gradients, which stay multiplied by the loss scale. An optimizer stepping them outside initialize (a
+    SparseAdam kept apart for a DLRM's tables) then steps the scaled gradients: with SGD the weights went
+    NaN in a few steps, and with Adam (scale-invariant) the skipped overflows go unseen. A warning, not an
+    error: a parameter left out of every optimizer on purpose (frozen by omission) trains nothing anyway."""
+    held = {id(p) for opt in state.optimizers for p in _held_params(_inner(opt))}
+    unheld = [name for h in state.models for name, p in h.model.named_parameters()
+              if p.grad is not None and id(p) not in held]
+    if not unheld or not scaler.is_enabled() or scaler.get_scale() == 1.0:
+        return
+    shown = ", ".join(unheld[:3]) + (f" and {len(unheld) - 3} more" if len(unheld) > 3 else "")
+    warnings.warn(
+        f"scale_loss: {len(unheld)} model parameter(s) that no optimizer passed to mixprec.initialize holds "
+        f"received gradients ({shown}); they stay multiplied by the loss scale ({scaler.get_scale():g}) and "
+        "their overflows are not checked. Fix: pass every optimizer that steps them to initialize (a list: "
+        "initialize(model, [opt_sparse, opt_dense], ...)) and to scale_loss; a parameter no optimizer should "
+        "train takes requires_grad_(False).",
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _held_params(inner: Any) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import threading
 import types
 import warnings
 import weakref
@@ -57,6 +58,18 @@ __all__ = [
 # Kept fp32 when a model is cast to half (apex O2's keep_batchnorm_fp32).
 BATCHNORM = (nn.modules.batchnorm._BatchNorm,)
 
+# Embeddings that may make sparse gradients (``sparse=True``): always kept fp32 (below).
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def keeps_sparse_grads(module: nn.Module) -> bool:
+    """An embedding built with ``sparse=True``: kept fp32 in a half model. Its gradient holds only the rows
+    a batch looked up, and fp32 masters are dense (a dense master gradient would cost as much as the table);
+    in fp32 the table is its own master (4 bytes per weight, fewer than half + master's 6), its sparse
+    gradient goes to the optimizer as it came (torch.optim.SparseAdam), and a lookup reads the rows exactly;
+    the GEMMs after it round them to half as they would any fp32 input."""
+    return isinstance(module, EMBEDDINGS) and bool(getattr(module, "sparse", False))
+
 
 @dataclass(frozen=True)
 class Converted:
@@ -77,7 +90,8 @@ class Converted:
 
 def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
     """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
-    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``.
+    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``
+    and sparse-gradient embeddings' (:func:`keeps_sparse_grads`).
 
     BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
     loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
@@ -86,7 +100,7 @@ def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = Tru
     converted = []
     with torch.no_grad():
         for prefix, module in model.named_modules():
-            if keep_bn_fp32 and isinstance(module, BATCHNORM):
+            if (keep_bn_fp32 and isinstance(module, BATCHNORM)) or keeps_sparse_grads(module):
                 continue
             dotted = prefix + "." if prefix else ""
             for name, param in module.named_parameters(recurse=False):
@@ -488,16 +502,48 @@ class _SubmoduleForwards:
             # looked up per call, so the module pickles and follows a later patch of its class
             m.__dict__[_BLOCK_ATTR] = (make, _own_forward(m), half_model, _plain_forward(m))
             m.__dict__["forward"] = types.MethodType(_block_forward(type(m)), m)
+            if isinstance(m, _REPRS_EVERY_ATTRIBUTE):
+                m.__dict__["extra_repr"] = _ExtraReprOnce(m)
 
     def remove(self) -> None:
         for m in self.wrapped:
             if not _has_block_forward(m):
                 continue  # replaced since (a library's hook around it): theirs stays, and what it calls
             own = m.__dict__.pop(_BLOCK_ATTR)[1]
+            if isinstance(m.__dict__.get("extra_repr"), _ExtraReprOnce):
+                del m.__dict__["extra_repr"]
             if own is None:
                 m.__dict__.pop("forward")  # the class's own forward again
             else:
                 m.__dict__["forward"] = own
+
+
+# Modules whose extra_repr calls repr() on every attribute (EmbeddingBag's): the wrapped forward is a method
+# bound to the module, whose repr is the module's, so repr(model) recursed until RecursionError.
+_REPRS_EVERY_ATTRIBUTE = (nn.EmbeddingBag,)
+_IN_REPR = threading.local()
+
+
+class _ExtraReprOnce:
+    """The module's class's extra_repr, answering "..." when asked again from inside itself (a bound
+    method's repr): those inner answers are made and dropped, as the class's format string names none of
+    them. An object, not a bound method: a module holding it pickles and deep-copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> str:
+        active: set[int] = _IN_REPR.__dict__.setdefault("ids", set())
+        if id(self.module) in active:
+            return "..."
+        active.add(id(self.module))
+        try:
+            return type(self.module).extra_repr(self.module)
+        finally:
+            active.discard(id(self.module))
+
+    def __repr__(self) -> str:
+        return f"<extra_repr of a {type(self.module).__name__}>"
 
 
 def _has_block_forward(module: nn.Module) -> bool:
@@ -691,6 +737,10 @@ def prepare(
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
+        # a sparse-gradient table kept fp32 hands on its rows in the model's dtype, as a half table would:
+        # the lookup reads them exactly, the cast rounds them once (a GEMM after it would round them anyway)
+        tables = [m for m in model.modules() if keeps_sparse_grads(m)]
+        hooks += [m.register_forward_hook(CastOutputs(dtype)) for m in tables]
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)
         hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe), with_kwargs=True))
         if fp32_state_dict:

@@ -36,13 +36,18 @@ def views_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tenso
 
 
 def _no_sparse(model: list[torch.Tensor]) -> None:
-    sparse = [tuple(p.shape) for p in model if p.grad is not None and p.grad.is_sparse]
+    sparse = [p for p in model if p.grad is not None and p.grad.is_sparse]
     if sparse:
+        p = sparse[0]
         raise UnsupportedParameterError(
-            f"A half-precision parameter of shape {sparse[0]} has a sparse gradient; fp32 master weights "
-            "are dense, and a dense copy of an embedding's gradient costs as much as the embedding.",
-            "build the embedding with sparse=False, or keep it in fp32 (it is then its own master and "
-            "its sparse gradient goes to the optimizer unchanged, e.g. torch.optim.SparseAdam).",
+            f"A parameter with an fp32 master ({p.dtype} now, shape {tuple(p.shape)}) has a sparse gradient; "
+            "fp32 master weights are dense, and a dense copy of an embedding's gradient costs as much as the "
+            "embedding.",
+            "keep the table fp32 (it is then its own master and its sparse gradient goes to its optimizer, "
+            "e.g. torch.optim.SparseAdam): initialize and the Learner keep nn.Embedding and nn.EmbeddingBag "
+            "built with sparse=True fp32 when they cast the model (a model cast by hand: leave the table out "
+            "of the cast). A table cast to fp32 after initialize keeps the master made for it. Or build the "
+            "embedding with sparse=False.",
         )
 
 

@@ -777,6 +777,26 @@ def test_an_overflow_at_the_floor_says_the_scale_stays(capsys: pytest.CaptureFix
                      "keeping loss scale at its floor 1.0", "keeping loss scale at its floor 1.0"]
 
 
+def test_an_overflow_of_one_loss_over_two_optimizers_is_said_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """One overflowing scale_loss(loss, [opt1, opt2]) printed apex's line at each optimizer's step: twice
+    for one skip (a DLRM trial's two optimizers). apex said it once per loss; the next overflow again."""
+    model = _net()
+    opts = [torch.optim.SGD([*model[0].parameters(), *model[1].parameters()], lr=0.1),
+            torch.optim.SGD(model[3].parameters(), lr=0.1)]
+    model, opts = mixprec.initialize(model, opts, "O2", verbosity=1)
+    x, y = next(_batches(1))
+    for _ in range(2):
+        loss = nn.functional.cross_entropy(model(x), y) * float("inf")
+        with mixprec.scale_loss(loss, opts) as scaled:
+            scaled.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Gradient overflow")]
+    assert [line.split("loss scaler 0 ")[1] for line in said] == ["reducing loss scale to 32768.0",
+                                                                  "reducing loss scale to 16384.0"]
+
+
 def _moved(after: Iterator[torch.Tensor], before: list[torch.Tensor]) -> torch.Tensor:
     """The norm of the update from ``before`` to ``after``, in fp32."""
     steps = [(a.float() - b).flatten() for a, b in zip(after, before, strict=True)]
@@ -1343,3 +1363,80 @@ def test_a_meta_device_model_initializes() -> None:
     model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, verbosity=0)
     model.to_empty(device="cpu")
     assert model[0].weight.dtype is torch.bfloat16 and model.inv_freq.device.type == "cpu"
+
+
+class _SparseTower(nn.Module):
+    """A DLRM's shape at its smallest: a sparse-gradient EmbeddingBag (summed bags) under a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+        self.top = nn.Linear(4, 1)
+        with torch.no_grad():  # weights of few bits: the table's gradient (the top's weight) is exact in half
+            self.top.weight.copy_(torch.tensor([[0.5, -0.25, 0.125, 1.0]]))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.top(self.table(ids))
+
+
+@pytest.mark.parametrize(("level", "dtype"), [("O2", torch.float16), ("O2", torch.bfloat16),
+                                              ("O3", torch.bfloat16)])
+def test_a_sparse_embedding_trains_fp32_beside_the_half_model(level: str, dtype: torch.dtype) -> None:
+    """DLRM's optimizers: SparseAdam for the tables, Adam for the rest. O2 cast the table to half and gave it
+    a dense fp32 master, and the first scale_loss raised on its sparse gradient. The table stays fp32 (its
+    own master): its SparseAdam update equals an fp32 run's, bit for bit (its gradient, the top's weight, is
+    exact in half), so the loss scale came off it."""
+    ids = torch.tensor([[1, 2, 3], [3, 4, 4]])
+    reference = _SparseTower()
+    sparse, dense = torch.optim.SparseAdam(reference.table.parameters()), torch.optim.SGD(
+        reference.top.parameters(), lr=0.0)
+    reference(ids).mean().backward()
+    sparse.step()
+    model = _SparseTower()
+    opts = [torch.optim.SparseAdam(model.table.parameters()), torch.optim.SGD(model.top.parameters(), lr=0.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "MasterWeights: none of the optimizer's parameters is half"
+        # a scale the dense gradients stay finite under in fp16 (sums of 6 rows times the scale)
+        model, opts = mixprec.initialize(model, opts, opt_level=level, dtype=dtype, loss_scale=128.0,
+                                         verbosity=0)
+    assert model.table.weight.dtype == torch.float32 and model.top.weight.dtype == dtype
+    with mixprec.scale_loss(model(ids).mean(), opts) as scaled:
+        scaled.backward()
+    for opt in opts:
+        opt.step()
+    assert torch.equal(model.table.weight, reference.table.weight)
+    assert not torch.equal(model.table.weight, _SparseTower().table.weight)  # it moved
+    del dense
+
+
+def test_gradients_no_optimizer_of_initialize_holds_are_named_once() -> None:
+    """A DLRM trial passed initialize its dense optimizer only and stepped the tables' SGD itself: the tables
+    stepped on gradients 65536 times too large and went NaN, and the warning that followed blamed the
+    forward. The first scale_loss names the parameters no optimizer of initialize holds."""
+    model = _net()
+    opt = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, "O2", verbosity=0)
+    x, y = next(_batches(1))
+    named = r"4 model parameter\(s\) .*\(0.weight, 0.bias, 1.weight and 1 more\)"
+    with pytest.warns(UserWarning, match=named):
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+
+
+@pytest.mark.parametrize("case", ["every parameter held", "bf16: the scale is 1"])
+def test_no_warning_where_every_gradient_is_unscaled(case: str) -> None:
+    model = _net()
+    held = model.parameters() if case == "every parameter held" else model[3].parameters()
+    dtype = torch.float16 if case == "every parameter held" else torch.bfloat16
+    model, opt = mixprec.initialize(model, torch.optim.SGD(held, lr=0.1), "O2", dtype=dtype, verbosity=0)
+    x, y = next(_batches(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()

@@ -504,3 +504,14 @@ def test_a_batch_whose_x_is_not_one_tensor_is_named() -> None:
     with pytest.raises(ConfigError, match=r"(?s)its x is tuple.*wrap it in a module"):
         split_batch(((x, x), x))
     assert split_batch((x, x))[0] is x
+
+
+@pytest.mark.parametrize("estimate", [True, False])
+def test_o2_counts_a_sparse_gradient_table_as_fp32_without_a_master(estimate: bool) -> None:
+    """initialize keeps embeddings built with sparse=True fp32 (their own masters); the breakdown counted
+    them half with an fp32 master, as the model it describes no longer has them."""
+    model = nn.Sequential(nn.EmbeddingBag(1000, 16, mode="sum", sparse=True), nn.Linear(16, 1))
+    ids = torch.randint(0, 1000, (8, 3))
+    got = memory_breakdown(model, None, ids, "O2", loss_fn=lambda out, *_: out.sum(), estimate=estimate)
+    assert got.params == 1000 * 16 * 4 + (16 + 1) * 2
+    assert got.masters == (16 + 1) * 4

@@ -769,3 +769,31 @@ def test_restore_casts_half_attributes_back_and_leaves_the_rest() -> None:
     assert model[0].carried[1][0].dtype == torch.float32 and model[0].carried[1][1].dtype == torch.int64
     assert isinstance(model[0].carried, list) and isinstance(model[0].carried[1], tuple)
     assert model[2].kept["cache"] is carried and model[2].wide.dtype == torch.float64
+
+
+@pytest.mark.parametrize("recipe", ["O1", "O2"])
+def test_a_prepared_model_with_an_embedding_bag_prints_as_before(recipe: str) -> None:
+    """EmbeddingBag's extra_repr calls repr() on each of its attributes, and the wrapped forward is a method
+    bound to it, whose repr is the module's: print(model) raised RecursionError after prepare. It prints as
+    the fp32 model does, also pickled and deep-copied, and restore takes the repr helper off again."""
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, mode="sum"), nn.Linear(4, 2))
+    printed = repr(model)
+    half = prepare(model, RECIPES[recipe], "cpu")
+    assert repr(model) == printed
+    assert repr(pickle.loads(pickle.dumps(model))) == printed and repr(deepcopy(model)) == printed
+    half.restore()
+    assert repr(model) == printed and "extra_repr" not in vars(model[0])
+
+
+def test_sparse_gradient_embeddings_stay_fp32_and_hand_on_half_rows() -> None:
+    """A table built with sparse=True stays fp32 in a half model (its own master: a dense fp32 master of a
+    sparse gradient would cost the table's size); its rows leave it rounded to the model's dtype, exactly as
+    a half table's lookup would give them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Embedding(10, 4), nn.Linear(4, 2))
+    table = model[0].weight.detach().clone()
+    prepare(model, RECIPES["O2"], "cpu")
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.float16
+    ids = torch.tensor([1, 5, 7])
+    rows = model[0](ids)
+    assert rows.dtype == torch.float16 and torch.equal(rows, table[ids].half())

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
+from mixprec.half_model import keeps_sparse_grads
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import BATCHNORM, MasterWeights
@@ -292,8 +293,9 @@ class _Maker:
 def _param_dtype(module: nn.Module, t: Tensor, recipe: Recipe) -> torch.dtype:
     if not t.is_floating_point():
         return t.dtype  # e.g. BatchNorm's num_batches_tracked
-    # The library's one definition of "a BatchNorm" (what model_to_half and initialize keep in fp32).
-    if recipe.keep_batchnorm_fp32 and isinstance(module, BATCHNORM):
+    # The library's definitions of what model_to_half keeps fp32: BatchNorm (keep_batchnorm_fp32), and
+    # embeddings built with sparse=True (their own masters).
+    if (recipe.keep_batchnorm_fp32 and isinstance(module, BATCHNORM)) or keeps_sparse_grads(module):
         return torch.float32
     return recipe.model_dtype
 
