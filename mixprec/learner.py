@@ -224,7 +224,8 @@ class Learner:
         opt_func: builds the optimizer as ``opt_func(params, lr=lr)``; each ``fit`` builds a fresh one, so
             optimizer state does not carry over from one ``fit`` call to the next. It may ignore ``params``
             and return an optimizer with param groups of its own (e.g. the model's
-            ``configure_optimizers``); every group follows the fit's learning-rate schedule.
+            ``configure_optimizers``); every group follows the fit's learning-rate schedule, a group built
+            at a multiple of ``lr`` (``{"params": ..., "lr": 10 * lr}``) at that multiple of it.
         wd: when set, ``params`` is :func:`decay_groups` (weight decay ``wd`` on matmul weights and
             embeddings only) instead of all parameters in one group with ``opt_func``'s weight decay.
         metrics: ``metric(pred, yb)`` -> scalar tensor, averaged over the validation set (weighted by batch
@@ -403,7 +404,7 @@ class Learner:
         try:
             for cb in extra:  # inside: a refused one (add_cb checks it) leaves none of this fit's attached
                 self.add_cb(cb)
-            self.opt = self._make_optimizer(lr)
+            self.lr, self.opt = lr, self._make_optimizer(lr)
             self.scaler, self.iteration, self.start_epoch = None, 0, 0
             self.n_epochs, self.n_steps = n_epochs, n_steps
             self._fit()

@@ -106,6 +106,57 @@ def test_warmup_cosine_matches_nanogpts_schedule_in_every_group() -> None:
         torch.testing.assert_close(lrs, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=0)
 
 
+def _two_rates(params: Any, lr: float) -> torch.optim.Optimizer:
+    """open_clip's groups: the body at the fit's lr, one parameter group at 10x (its logit_scale)."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": params[:-1]}, {"params": params[-1:], "lr": 10 * lr}], lr=lr)
+
+
+@pytest.mark.parametrize("schedule", ["warmup-cosine", "one-cycle"])
+def test_a_group_built_at_a_multiple_of_the_lr_keeps_it_under_a_schedule(schedule: str) -> None:
+    """The schedules set one rate in every group: a CLIP trial's 10x group for logit_scale lost its 10x,
+    unsaid. Each group follows the schedule at its multiple of the fit's lr, as torch's schedulers scale
+    each group's base lr (the reference: LambdaLR over the same two groups)."""
+    steps, warmup, lr = 12, 3, 6e-3
+    learn = Learner(_data(), LossModel(), loss_func=None, silent=True, opt_func=_two_rates)
+    log = LrLog()
+    if schedule == "warmup-cosine":
+        learn.fit(steps=steps, lr=lr, callbacks=[WarmupCosineScheduler(lr, warmup), log])
+        base = lr
+        curve = [_nanogpt_get_lr(i, lr, warmup, steps - 1, lr / 10) for i in range(steps)]
+    else:
+        learn.add_cb(log)
+        learn.fit_one_cycle(lr_max=lr, steps=steps)
+        base = lr / 25  # fit_one_cycle builds the optimizer at lr_max / div_factor, where the curve starts
+        ref_opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1.0)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=lr, total_steps=steps,
+                                                    final_div_factor=1e4)
+        curve = []
+        for _ in range(steps):
+            curve.append(ref_opt.param_groups[0]["lr"])
+            ref_opt.step()
+            cycle.step()
+    ref_opt = _two_rates([nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))], base)
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: curve[min(i, steps - 1)] / base)
+    expected = []
+    for _ in range(steps):
+        expected.append([g["lr"] for g in ref_opt.param_groups])
+        ref_opt.step()
+        ref.step()
+    torch.testing.assert_close(torch.tensor(log.lrs, dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+def test_groups_an_opt_func_gave_one_rate_of_its_own_follow_the_schedule_itself() -> None:
+    """An opt_func that ignores lr (SGD(params, lr=0.05)) builds every group at its own rate: the schedule
+    gives them its rates, as before (the multiples are of the first group there)."""
+    learn = Learner(_data(), LossModel(), loss_func=None, silent=True,
+                    opt_func=lambda params, lr: torch.optim.SGD(params, lr=0.05))
+    log = LrLog()
+    learn.fit(steps=6, lr=1e-3, callbacks=[WarmupCosineScheduler(1e-2, 2), log])
+    assert log.lrs[2] == [1e-2]
+
+
 def test_warmup_longer_than_the_fit_is_refused() -> None:
     learn = Learner(_data(), LossModel(), loss_func=None, silent=True)
     with pytest.raises(ConfigError, match="warmup_steps=10"):

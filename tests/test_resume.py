@@ -7,6 +7,7 @@ RNG and the schedule position restored as well.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,35 @@ def test_fit_resumed_after_two_epochs_matches_an_uninterrupted_run(dtype: torch.
     if dtype is not None:
         masters = torch.load(ref, weights_only=False)["optimizers"][0]["masters"]
         assert masters and all(m.dtype == torch.float32 for m in masters)
+
+
+class _Batches:
+    """A train loader that is not a DataLoader (a CLIP trial's list of prepared batches): no .generator."""
+
+    def __init__(self, loader: Any) -> None:
+        self.batches = list(loader)
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_fit_over_batches_of_another_kind_saves_and_resumes(tmp_path: Path) -> None:
+    """fit(checkpoint=...) read the train loader's .generator unchecked: a loader of another kind trained,
+    then failed at the first epoch end with a bare AttributeError. Its order follows the global RNG, which
+    the checkpoint restores: the resumed run matches the whole one."""
+    def learner() -> Learner:
+        learn = _learner(torch.float16)
+        learn.data = dataclasses.replace(learn.data, train=_Batches(learn.data.train))
+        return learn
+
+    ref, ckpt = tmp_path / "ref.pt", tmp_path / "run.pt"
+    learner().fit(EPOCHS, 1e-2, checkpoint=ref)
+    learner().fit(STOP_AFTER, 1e-2, checkpoint=ckpt)
+    learner().fit(EPOCHS, 1e-2, resume=ckpt)
+    _assert_same(_payload(ckpt), _payload(ref))
 
 
 def test_a_split_masters_fit_resumed_matches_an_uninterrupted_run(tmp_path: Path) -> None:

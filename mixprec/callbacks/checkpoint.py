@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mixprec.callbacks.core import Callback, stateful_callbacks
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.errors import ConfigError
@@ -61,7 +63,7 @@ class Checkpoint(Callback):
                 f"{self.resume_from} is at epoch {epoch}, beyond this fit's {self.n_epochs} epochs.",
                 f"resume with epochs >= {epoch} (the same count as the saved run for an identical result).",
             )
-        generator, state = self.data.train.generator, resumed.extra["train_generator"]
+        generator, state = _shuffle_generator(self.data.train), resumed.extra["train_generator"]
         if generator is not None and state is not None:
             generator.set_state(state)
         self.learn.start_epoch, self.learn.iteration = epoch, int(resumed.extra["iteration"])
@@ -69,10 +71,18 @@ class Checkpoint(Callback):
     def on_epoch_end(self) -> None:
         if self.path is None:
             return
-        generator = self.data.train.generator  # the shuffle order of the epochs to come
+        generator = _shuffle_generator(self.data.train)  # the shuffle order of the epochs to come
         extra = {"epoch": self.epoch + 1, "n_epochs": self.n_epochs, "iteration": self.iteration,
                  "train_generator": None if generator is None else generator.get_state()}
         save_checkpoint(self.path, step=self.iteration, extra=extra, **self._objects())
 
     def __repr__(self) -> str:
         return f"Checkpoint(path={self.path}, resume_from={self.resume_from})"
+
+
+def _shuffle_generator(loader: Any) -> torch.Generator | None:
+    """A DataLoader's own generator (its shuffle order), or None: a loader of another kind (an iterable of
+    batches; a fit trains on one) draws from the global RNGs, which a checkpoint restores. Its ``.generator``
+    was read unchecked, and a fit with such a loader failed with a bare AttributeError at its first save."""
+    generator = getattr(loader, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None

@@ -99,6 +99,7 @@ class LearnerState(Protocol):
     model: nn.Module
     data: DataBunch
     opt: torch.optim.Optimizer | None  # built by fit(); MixedPrecision wraps it in MasterWeights
+    lr: float  # the learning rate fit() built the optimizer with (a param group's own lr is a multiple)
     scaler: GradScaler | None  # the loss scaler in use, or None
     xb: Tensor
     yb: Tensor

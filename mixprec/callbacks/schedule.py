@@ -20,7 +20,12 @@ def _cos_anneal(start: float, end: float, pct: float) -> float:
 class StepScheduler(Callback):
     """Base of the schedules: before each training step, every param group's learning rate (and momentum,
     where the schedule has one) is set from the step number alone, over the fit's ``n_steps``. The step
-    number is the whole state (``state_dict``): a resumed fit continues the same curve."""
+    number is the whole state (``state_dict``): a resumed fit continues the same curve.
+
+    A param group that ``opt_func`` gave a learning rate of its own (open_clip's 10x for ``logit_scale``)
+    follows the schedule times its multiple of the others' (:func:`_lr_multiples`), as torch's schedulers
+    scale each group's base lr: the groups keep their ratios (fastai set one rate for all, which dropped
+    them unsaid)."""
 
     order = -15  # before anything that reads the learning rate of this step
 
@@ -35,14 +40,16 @@ class StepScheduler(Callback):
         self.total = max(1, self.n_steps)
         self.step_no = 0
         self.setters = [_momentum_setter(g) for g in self.opt.param_groups]
+        self.multiples = _lr_multiples([g["lr"] for g in self.opt.param_groups], self.lr)
         self._begin()
 
     def on_batch_begin(self) -> None:
         if not self.training:
             return
         lr, mom = self._at(min(self.step_no, self.total - 1))
-        for group, set_momentum in zip(self.opt.param_groups, self.setters, strict=True):
-            group["lr"] = lr
+        for group, set_momentum, multiple in zip(self.opt.param_groups, self.setters, self.multiples,
+                                                 strict=True):
+            group["lr"] = lr * multiple
             if mom is not None:
                 set_momentum(group, mom)
 
@@ -119,6 +126,14 @@ class WarmupCosineScheduler(StepScheduler):
             return self.lr_max * (i + 1) / (self.warmup_steps + 1), None
         pct = (i - self.warmup_steps) / max(1, self.total - 1 - self.warmup_steps)
         return _cos_anneal(self.lr_max, self.min_lr, pct), None
+
+
+def _lr_multiples(group_lrs: list[float], fit_lr: float) -> list[float]:
+    """Each group's lr as a multiple of the reference: the fit's lr where a group was built at it, else the
+    first group's (an opt_func that sets its own lr for every group: the schedule then gives the first
+    group the schedule's rate, as before). Read at the fit's start, before a resume loads a scheduled lr."""
+    reference = fit_lr if fit_lr in group_lrs else group_lrs[0]
+    return [lr / reference if reference else 1.0 for lr in group_lrs]
 
 
 def _set_beta1(group: dict[str, Any], mom: float) -> None:
