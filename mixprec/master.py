@@ -426,7 +426,20 @@ class MasterWeights(torch.optim.Optimizer):
         ``exact_upcasts``: nothing changed the master gradients since they were copied from the model
         (unscaled by exactly 1, bf16's static scale), so the model's ``.grad`` hold them already."""
         if self.mirror_grads:
-            self._mirror.mirror(write=not exact_upcasts)
+            adopted = self._adopt_master_only_grads()
+            self._mirror.mirror(write=not exact_upcasts or adopted)
+
+    def _adopt_master_only_grads(self) -> bool:
+        """Give the model a ``.grad`` for each master gradient it lacks, for the mirror to write: apex-style
+        losses one after another (``scale_loss`` twice under O2) add an earlier loss's unscaled gradients to
+        the masters after this loss's were copied, and a parameter only the earlier loss reached had none
+        in the model (a clip of ``model.parameters()`` left it out: an MoE trial's clip saw norm 3.59 of
+        3.94, and the masters came out at 1.91 for a max_norm of 1)."""
+        adopted = [pair for g in self._groups for pair in g.grads_without_model_grad()]
+        for p, master_grad in adopted:
+            p.grad = torch.empty_like(p)  # the mirror writes the master gradient's rounding into it
+            self._mirror.copied.append((p, master_grad, p.grad))
+        return bool(adopted)
 
     def scaled_grad_params(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` a GradScaler checks and unscales: the masters (and fp32 params), or

@@ -119,6 +119,13 @@ class GroupMasters:
             buffer = self.buffers[i] = torch.empty_like(self.views[i])
         return buffer
 
+    def grads_without_model_grad(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, master gradient) where the master holds a gradient the model's ``.grad`` does
+        not (another loss's of this iteration, added to the masters after this loss's were copied). A
+        flat buffer's entries are left out: there such a gradient's slice was recorded as a hole."""
+        return [(p, master.grad) for master, p, f in zip(self.views, self.model, self.in_flat, strict=True)
+                if not f and p.grad is None and master.grad is not None]
+
     def attach_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Attach the fp32 gradient storage where the model has a gradient, detach it elsewhere, and
         return the (fp32 master grad, half model grad) pairs to copy. Flat holes are zeroed and recorded."""

@@ -191,6 +191,34 @@ def test_two_losses_into_one_o2_optimizer_train_as_one_loss_of_their_sum(options
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("options", [{"dtype": torch.float16, "loss_scale": 128.0},
+                                     {"dtype": torch.bfloat16}], ids=["O2 fp16", "O2 bf16"])
+def test_a_clip_of_the_model_sees_a_gradient_only_an_earlier_loss_made(options: dict) -> None:
+    """An MoE trial's router losses (loss_id 1) reach part of the model: after their scale_loss the model's
+    .grad of the head, which only the LM loss (loss_id 0) reached, was None, though its master held it. A
+    clip of model.parameters() saw norm 3.59 of 3.94 and left the head unclipped (masters at 1.91 after a
+    clip to 1). Every master gradient is in the model's .grad, and the clip reaches all of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, "O2", num_losses=2, verbosity=0, **options)
+    hidden = model[0](torch.randn(16, 8, dtype=options["dtype"]))
+    with mixprec.scale_loss(model[1](hidden).float().square().mean(), opt, loss_id=0) as scaled:
+        scaled.backward(retain_graph=True)
+    with mixprec.scale_loss(hidden.float().square().mean(), opt, loss_id=1) as scaled:  # model[0] alone
+        scaled.backward()
+    masters = list(amp.master_params(opt))
+    for p, m in zip(model.parameters(), masters, strict=True):
+        assert p.grad is not None and torch.equal(p.grad, m.grad.to(p.dtype))
+    true_norm = torch.nn.utils.get_total_norm([m.grad for m in masters])
+    seen = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    # the model's gradients are the masters' rounded to half: the norms agree to half's precision
+    torch.testing.assert_close(seen.float(), true_norm, rtol=1e-2, atol=0)
+    opt.step()  # takes the clipped model gradients into the masters first
+    clipped = torch.nn.utils.get_total_norm([m.grad for m in masters])
+    torch.testing.assert_close(clipped, torch.tensor(0.01), rtol=1e-2, atol=0)
+
+
 def test_state_dict_round_trip() -> None:
     _train("O2", steps=5)
     saved = amp.state_dict()
