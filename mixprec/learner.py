@@ -634,13 +634,18 @@ class Learner:
         return [loss, *metrics]
 
     @torch.no_grad()
-    def predict(self, x: Tensor) -> Tensor:
-        """The model's output (fp32, eval mode) for a batch ``x``, or for one sample (then without the batch
-        dimension); ``predict(x).argmax(-1)`` is the class."""
-        single = tuple(x.shape) == tuple(self.data.input_shape)
-        xb = x.unsqueeze(0) if single else x
+    def predict(self, x: Tensor | Sequence[Tensor]) -> Tensor:
+        """The model's output (fp32, eval mode, no gradient) for a batch ``x``, or for one sample (then
+        without the batch dimension); ``predict(x).argmax(-1)`` is the class. A model of several inputs
+        takes a batch of them as its loader yields it (``(tokens, lengths)``: ``model(*x)``)."""
+        several = isinstance(x, (tuple, list))
+        single = not several and tuple(x.shape) == tuple(self.data.input_shape)  # type: ignore[union-attr]
+        device = self.device
+        inputs = tuple(map_tensors(lambda t: t.to(device), x)) if several else (
+            (x.unsqueeze(0) if single else x).to(device),)  # type: ignore[union-attr]
         self.model.eval()
-        out = self.model(xb.to(self.device))
+        with torch.no_grad():
+            out = self.model(*inputs)
         if self.loss_func is None:
             out = _prediction(out)  # (logits, loss) models return (logits, None) without targets
         out = out.float()

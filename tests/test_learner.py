@@ -151,6 +151,30 @@ def test_predict_one_sample_and_a_batch() -> None:
     assert len(preds) == len(targs) == len(learn.data.valid.dataset)
 
 
+class _WithLengths(nn.Module):
+    """A tagger's shape: (features, lengths) in, as its loader yields them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.body(x.flatten(1)) * lengths[:, None]
+
+
+def test_predict_takes_a_batch_of_several_inputs_without_a_gradient() -> None:
+    """predict read x.shape, so a model of several inputs could not use it (a BiLSTM-CRF trial called its
+    model by hand), and it built an autograd graph. It takes the inputs as the loader yields them, as
+    training does (model(*x)), under no_grad."""
+    learn = _learner()
+    learn.model = model = _WithLengths()
+    xb, _ = learn.data.one_batch("valid")
+    lengths = torch.arange(len(xb), dtype=torch.float32)
+    out = learn.predict((xb, lengths))
+    assert not out.requires_grad
+    torch.testing.assert_close(out, model(xb, lengths), rtol=0, atol=0)
+
+
 def test_precision_switches_keep_one_callback() -> None:
     learn = _learner()
     learn.to_fp16().to_bf16()
