@@ -8,10 +8,10 @@ decided: its weights are half. Two things remain, and this region does them:
    GEMM/convolution with an operand of that dtype is computed as a tensor core does
    (:mod:`mixprec.emulation`).
 2. **The numerically sensitive ops stay fp32** (``HALF_MODEL_FP32_*`` in :mod:`mixprec.policy.tables`):
-   softmax, log_softmax, norms, exp/log, sum/mean take their half inputs upcast to fp32 and return their
-   result in the input's half dtype; losses (cross_entropy, nll_loss, ...) return fp32. So a model that
-   computes its loss inside forward (nanoGPT, HF models) gets an fp32 loss of fp32 arithmetic, where
-   apex's O2 computed it in fp16.
+   softmax, log_softmax, norms, exp/log, sum/mean and segment sums (index_add, scatter_add, in place
+   too) take their half inputs upcast to fp32 and return their result in the input's half dtype; losses
+   (cross_entropy, nll_loss, ...) return fp32. So a model that computes its loss inside forward (nanoGPT,
+   HF models) gets an fp32 loss of fp32 arithmetic, where apex's O2 computed it in fp16.
 
 Ops whose floating inputs hold no half tensor, and every op while a torch autocast region is on (it has
 its own rules), pass straight through. An autocast region of the *other* half dtype around the region is
@@ -99,17 +99,25 @@ class _HalfComputeMode(RegionMode):
             return lambda func, a, k: run_emulated(region, func, a, k)
         if kwargs.get("dtype") is not None:  # the caller chose the accumulation dtype
             return None
-        return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss)
+        in_place = name in _IN_PLACE
+        return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss, in_place=in_place)
 
 
-def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: Any, keep_fp32: bool) -> Any:
+def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: Any, keep_fp32: bool,
+                 in_place: bool = False) -> Any:
     # The upcasts are exact; the one rounding back to half (for activations) is the only new error, the
     # same a native fp32-accumulating half kernel would make.
     def up(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.dtype is region.dtype and eligible(t, region.device_type) else t
 
     result = call_without_autocast(region.device_type, func, map_tensors(up, args), map_tensors(up, kwargs))
+    if in_place and result is not args[0]:  # computed into the target's fp32 copy: write it back
+        return args[0].copy_(result)  # copy_ rounds to the target's dtype, as round_result does
     return result if keep_fp32 else round_result(result, region.dtype)
+
+
+# In-place ops of the fp32 list (index_add_): their result is the first argument, changed.
+_IN_PLACE = frozenset({"index_add_", "scatter_add_"})
 
 
 # One mode per plan (plans are few and long-lived): entering the region every step reuses it, so a

@@ -55,6 +55,34 @@ def test_sensitive_activations_run_in_fp32_and_return_the_input_dtype(name: str,
     assert bool(((out.double() - ref).abs() <= _ulp(ref, dtype)).all())
 
 
+# segment sums: (call on a half target, index, source) -> the result; in place ones return the target
+SEGMENT_SUMS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "index_add_": lambda t, i, s: t.index_add_(0, i, s),
+    "index_add": lambda t, i, s: torch.index_add(t, 0, i, s),
+    "scatter_add_": lambda t, i, s: t.scatter_add_(0, i, s),
+    "scatter_add": lambda t, i, s: t.scatter_add(0, i, s),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(SEGMENT_SUMS))
+def test_segment_sums_accumulate_in_fp32_and_round_once(name: str, dtype: torch.dtype) -> None:
+    """A GNN trial's degrees under O2: index_add_ of 1501 ones into a bf16 zero summed to 256 on the CPU
+    (256 + 1 rounds to 256), and the hubs' normalisation was off by 6x. A half model's segment sums
+    accumulate in fp32 and round once, in place where the op is, and gradients flow to the source."""
+    torch.manual_seed(0)
+    index = torch.randint(0, 3, (3000,))
+    source = torch.rand(3000).to(dtype).requires_grad_()
+    with half_compute("cpu", dtype):
+        target = torch.zeros(3, dtype=dtype)
+        out = SEGMENT_SUMS[name](target, index, source * 2)
+    assert out.dtype == dtype and (out is target) == name.endswith("_")
+    exact = torch.zeros(3, dtype=torch.float64).index_add_(0, index, source.detach().double() * 2)
+    assert bool(((out.double() - exact).abs() <= _ulp(exact, dtype)).all())  # within one half ulp
+    out.sum().backward()
+    assert torch.equal(source.grad, torch.full_like(source, 2.0))
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_loss_inside_forward_is_fp32_and_close_to_the_fp32_model(dtype: torch.dtype) -> None:
     # nanoGPT computes its loss inside forward: under a half model the loss must be fp32 arithmetic.

@@ -209,6 +209,10 @@ HALF_MODEL_FP32_ACTIVATIONS: tuple[str, ...] = (
     "exp", "log",
     # a long sum in half loses everything below eps * |running total| (eps 2**-10 fp16, 2**-7 bf16)
     "sum", "mean",
+    # segment sums add each source row into its slot in the target's dtype on the CPU: a GNN's degree of
+    # a node with 1501 edges, index_add_ of ones into bf16 zeros, summed to 256 (256 + 1 rounds to 256).
+    # The in-place forms compute into an fp32 copy of the target and write its rounding back.
+    "index_add", "index_add_", "scatter_add", "scatter_add_",
 )  # fmt: skip
 
 HALF_MODEL_FP32_LOSSES: tuple[str, ...] = (
