@@ -122,6 +122,19 @@ def _described(out: Any) -> str:
     return type(out).__name__
 
 
+def _targets(yb: Any) -> tuple[Any, ...]:
+    """The loss's and metrics' arguments after the prediction: ``yb`` itself, or a tuple/list's items."""
+    return tuple(yb) if isinstance(yb, (tuple, list)) else (yb,)
+
+
+def _concatenated(batches: Sequence[Any]) -> Any:
+    """Batches' tensors joined along the batch dimension; batches of several tensors position by
+    position (a tuple of joined tensors)."""
+    if isinstance(batches[0], (tuple, list)):
+        return tuple(_concatenated(column) for column in zip(*batches, strict=True))
+    return torch.cat(list(batches))
+
+
 def _check_prediction(pred: Any) -> None:
     """A loss_func gets the model's output as it is; a default one (cross_entropy) fed a tuple or mapping
     would fail inside torch with no word on the cause, so say it here."""
@@ -214,8 +227,10 @@ class Learner:
     Args:
         data: a :class:`~mixprec.data.DataBunch` (train and valid loaders).
         model: the model; it stays where it is (batches are moved to its device).
-        loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch). None: the model
-            computes its own loss (nanoGPT's convention): the learner calls ``model(xb, yb)``, which
+        loss_func: ``loss_func(pred, yb)`` -> a scalar tensor (mean over the batch); targets that are a
+            tuple (CTC's targets and lengths) are passed as ``loss_func(pred, *yb)``, as fastai v2 does.
+            None: the model computes its own loss (nanoGPT's convention): the learner calls
+            ``model(xb, yb)``, which
             returns ``(pred, loss)`` or a mapping with ``logits`` and ``loss`` (a Hugging Face
             ``ModelOutput``); metrics and ``predict`` see ``pred``. A Hugging Face model takes ``labels=``
             by keyword (its second positional argument is the attention mask): pass a small adapter module
@@ -285,6 +300,11 @@ class Learner:
     @property
     def metric_names(self) -> list[str]:
         return [getattr(m, "__name__", type(m).__name__) for m in self.metrics]
+
+    @property
+    def batch_size(self) -> int:
+        """The current batch's size: its target's length (the first target's, for a tuple of them)."""
+        return len(_targets(self.yb)[0])
 
     @property
     def device(self) -> torch.device:
@@ -531,13 +551,15 @@ class Learner:
         # inputs (fastai's model(*xb))
         several = isinstance(xb, (tuple, list))
         self.xb = map_tensors(lambda t: t.to(device), xb) if several else xb.to(device)  # type: ignore[union-attr]
-        self.yb = yb.to(device)
+        # yb: one target tensor, or a tuple/list of them (CTC's targets and their lengths): fastai v2 calls
+        # loss_func(pred, *yb) and metric(pred, *yb)
+        self.yb = map_tensors(lambda t: t.to(device), yb) if isinstance(yb, (tuple, list)) else yb.to(device)
         if events:
             self._event("on_batch_begin")
         inputs = tuple(self.xb) if several else (self.xb,)  # (a callback's cast keeps the container)
         model_loss = None
         if self.loss_func is None:
-            self.pred, model_loss = _pred_and_loss(self.model(*inputs, self.yb))
+            self.pred, model_loss = _pred_and_loss(self.model(*inputs, *_targets(self.yb)))
         else:
             self.pred = self.model(*inputs)
         if events:
@@ -549,7 +571,7 @@ class Learner:
         else:
             if self.loss_func is F.cross_entropy or isinstance(self.loss_func, nn.modules.loss._Loss):
                 _check_prediction(self.pred)  # torch's losses take tensors only
-            self.loss = self.loss_func(self.pred, self.yb)  # type: ignore[misc]
+            self.loss = self.loss_func(self.pred, *_targets(self.yb))  # type: ignore[misc]
             _check_loss(self.loss)
 
     def _step(self) -> None:
@@ -608,9 +630,9 @@ class Learner:
                 if events:
                     self._event("on_batch_end")
                 continue
-            n = len(self.yb)
+            n = self.batch_size
             total += n
-            values = [self.loss, *(metric(self.pred, self.yb) for metric in self.metrics)]
+            values = [self.loss, *(metric(self.pred, *_targets(self.yb)) for metric in self.metrics)]
             batch = torch.stack([v.detach().double().reshape(()) for v in values]) * n
             sums.append(batch)
             if events:
@@ -644,12 +666,12 @@ class Learner:
         inputs = tuple(map_tensors(lambda t: t.to(device), x)) if several else (
             (x.unsqueeze(0) if single else x).to(device),)  # type: ignore[union-attr]
         self.model.eval()
-        with torch.no_grad():
-            out = self.model(*inputs)
+        out = self.model(*inputs)
         if self.loss_func is None:
             out = _prediction(out)  # (logits, loss) models return (logits, None) without targets
-        out = out.float()
-        return out[0] if single else out
+        # several outputs (a CTC model's log-probs and lengths) keep their container; floating ones go fp32
+        out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
+        return map_tensors(lambda t: t[0], out) if single else out
 
     def get_preds(self, split: str = "valid") -> tuple[Tensor, Tensor]:
         """(outputs, targets) over a whole split, "valid" or "train" (in loader order)."""
@@ -657,7 +679,7 @@ class Learner:
         if split not in loaders:
             raise ConfigError(f"split must be 'valid' or 'train', got {split!r}.", "use split='valid'.")
         preds, targs = zip(*[(self.predict(xb), yb) for xb, yb in loaders[split]], strict=True)
-        return torch.cat(preds), torch.cat(targs)
+        return _concatenated(preds), _concatenated(targs)
 
     def __repr__(self) -> str:
         cbs = ", ".join(repr(c) for c in self.callbacks)

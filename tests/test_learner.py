@@ -4,6 +4,7 @@ matches the fp32 run on digits."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +174,59 @@ def test_predict_takes_a_batch_of_several_inputs_without_a_gradient() -> None:
     out = learn.predict((xb, lengths))
     assert not out.requires_grad
     torch.testing.assert_close(out, model(xb, lengths), rtol=0, atol=0)
+
+
+class _FramesAndLengths(nn.Module):
+    """A CTC model's shape: (features, lengths) in, (log-probabilities, output lengths) out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.body(x.flatten(1)).log_softmax(-1), lengths
+
+
+def _ctc_style_loss(pred: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor, weight: torch.Tensor
+                    ) -> torch.Tensor:
+    log_probs, lengths = pred
+    return -(log_probs.gather(1, y[:, None]).squeeze(1) * weight * lengths).mean()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_several_targets_and_outputs_go_through_fit_validate_and_predict(precision: str) -> None:
+    """A CTC trial's loader yields ((features, lengths), (targets, target_lengths)): the Learner moved yb
+    with yb.to() (a bare AttributeError at the first batch), and predict called .float() on the model's
+    tuple. Targets go to loss_func(pred, *yb) and metrics as fastai v2 passes them; outputs keep their
+    container. The losses match the same model fed one target tensor."""
+    data = mixprec.digits(batch_size=128, seed=0)
+
+    def loader(dl: Any) -> list[Any]:
+        return [((x, torch.ones(len(x))), (y, torch.full((len(y),), 0.5))) for x, y in dl]
+
+    batches = mixprec.DataBunch(loader(data.train), loader(data.valid), data.n_classes, data.input_shape,
+                                "digits")  # type: ignore[arg-type]
+    learn = Learner(batches, _FramesAndLengths(), loss_func=_ctc_style_loss, silent=True,
+                    metrics=[lambda pred, y, w: (pred[0].argmax(-1) == y).float().mean()])
+    if precision == "fp16":
+        learn.to_fp16()
+    learn.fit(1, 1e-2)
+    one_target = mixprec.DataBunch([(xb, yb[0]) for xb, yb in batches.train],
+                                   [(xb, yb[0]) for xb, yb in batches.valid], data.n_classes,
+                                   data.input_shape, "digits")  # type: ignore[arg-type]
+    ref = Learner(one_target, _FramesAndLengths(), silent=True,  # the same loss of one target tensor
+                  loss_func=lambda pred, y: _ctc_style_loss(pred, y, torch.full((len(y),), 0.5)))
+    if precision == "fp16":
+        ref.to_fp16()
+    ref.fit(1, 1e-2)
+    assert learn.recorder.losses == ref.recorder.losses
+    (x, lengths), (y, _) = batches.valid[0]
+    log_probs, out_lengths = learn.predict((x, lengths))
+    assert log_probs.dtype == torch.float32 and torch.equal(out_lengths, lengths)
+    preds, (targets, weights) = learn.get_preds()
+    assert len(preds[0]) == len(targets) == len(weights) == sum(len(b[1][0]) for b in batches.valid)
+    assert len(learn.validate()) == 2
 
 
 def test_precision_switches_keep_one_callback() -> None:

@@ -80,18 +80,19 @@ class GradientAccumulation(Callback):
     def on_backward_begin(self) -> None:
         # Not in place: learn.loss_grad is learn.loss (the logged loss) until a callback replaces it. The
         # factor rounds once in fp32, before the loss scale (a power of two: exact) is applied.
-        self.learn.loss_grad = self.loss_grad / (self.n_acc / len(self.yb))
+        self.learn.loss_grad = self.loss_grad / (self.n_acc / self.learn.batch_size)
 
     def on_backward_end(self) -> None:
-        self.count += len(self.yb)
+        self.count += self.learn.batch_size
         if self.count < self.n_acc:
             raise CancelBatchException()  # keep the gradients: no unscale, step, update or zero_grad
         if self.count != self.n_acc and not self._warned:
             self._warned = True
             warnings.warn(
                 f"GradientAccumulation(n_acc={self.n_acc}) counted {self.count} samples at this step "
-                f"(batches of {len(self.yb)}): its gradient is {self.count}/{self.n_acc} times the mean over "
-                "them, fastai's rule. An n_acc that is a multiple of the batch size gives the mean itself.",
+                f"(batches of {self.learn.batch_size}): its gradient is {self.count}/{self.n_acc} times the "
+                "mean over them, fastai's rule. An n_acc that is a multiple of the batch size gives the mean "
+                "itself.",
                 stacklevel=user_stacklevel(),  # the user's fit line, past the Learner's event loop
             )
         self.count = 0

@@ -102,7 +102,7 @@ class LearnerState(Protocol):
     lr: float  # the learning rate fit() built the optimizer with (a param group's own lr is a multiple)
     scaler: GradScaler | None  # the loss scaler in use, or None
     xb: Tensor
-    yb: Tensor
+    yb: Tensor  # or a tuple of them (loss_func(pred, *yb))
     pred: Any
     loss: Tensor  # unscaled
     loss_grad: Tensor  # what backward runs on (scaled under loss scaling)
@@ -122,6 +122,9 @@ class LearnerState(Protocol):
 
     @property
     def device(self) -> torch.device: ...  # the model's
+
+    @property
+    def batch_size(self) -> int: ...  # the current batch's (its first target's length)
 
     @property
     def step_skipped(self) -> bool: ...
