@@ -43,7 +43,15 @@ from mixprec.apex_state import AmpStateView
 from mixprec.checkpoint_checks import check_scaler
 from mixprec.distributed import forward_skips_grad_sync, process_rank
 from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError
-from mixprec.half_model import BATCHNORM, CastInputs, CastOutputs, HalfModel, check_castable, prepare
+from mixprec.half_model import (
+    BATCHNORM,
+    CastInputs,
+    CastOutputs,
+    HalfModel,
+    check_castable,
+    keeps_sparse_grads,
+    prepare,
+)
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer, check_wrappable
 from mixprec.master import MasterWeights, check_params_belong
@@ -427,6 +435,16 @@ def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: R
             f"holds a tensor of shape {tuple(outside[0].shape)} ({outside[0].dtype}) that is no fp32 "
             "parameter of the model, so it stays as it is: the split layout has nothing to split there.",
             "give the optimizer the model's parameters only, or keep O2's fp32 masters (drop split_masters).",
+        )
+    tables = [type(m).__name__ for model in models for m in model.modules()
+              if keeps_sparse_grads(m) and any(id(p) in held for p in m.parameters(recurse=False))]
+    if tables:
+        raise ConfigError(
+            f"split_masters=True completes bf16 weights, but the model's {tables[0]} built with sparse=True "
+            "stays fp32 (its sparse gradient has no dense master): the split layout has nothing to split "
+            "there, and it steps dense gradients only.",
+            "keep O2's fp32 masters (split_masters=False) for a model with sparse-gradient tables, or build "
+            "them with sparse=False.",
         )
     if not recipe.keep_batchnorm_fp32:
         return

@@ -259,6 +259,16 @@ def test_an_optimizer_the_split_layout_cannot_step_is_refused_before_the_model_i
     assert getattr(model, "_mixprec_opt_level", None) is None  # initialize can be called again
 
 
+def test_a_sparse_gradient_table_is_refused_before_the_model_is_cast() -> None:
+    """O2 keeps an EmbeddingBag(sparse=True) fp32 (its own master), which the split layout cannot hold: the
+    wrapper's refusal came after the cast, naming neither the table nor the fix."""
+    model = nn.Sequential(nn.EmbeddingBag(20, 8, mode="sum", sparse=True), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"(?s)EmbeddingBag built with sparse=True.*split_masters=False"):
+        mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16, split_masters=True, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
 
