@@ -350,13 +350,8 @@ def _with_masters(opt: Any, originals: dict[torch.Tensor, torch.Tensor], recipe:
     if recipe.split_masters:
         masters = split_masters_of(inner, originals)
     else:
-        with warnings.catch_warnings():
-            # MasterWeights warns when no parameter is half (a model not cast): here initialize cast the
-            # model, and an optimizer of fp32 parameters alone holds what the recipe kept fp32 on purpose
-            # (BatchNorm, sparse-gradient embeddings: SparseAdam beside the dense part's optimizer)
-            warnings.filterwarnings("ignore", message="MasterWeights: none of", category=UserWarning)
-            masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
-                                    compile_step=recipe.compile_step)
+        masters = MasterWeights(inner, model=None, initial=originals, master_grads=recipe.master_grads,
+                                compile_step=recipe.compile_step)
     if inner is opt:
         return masters
     opt.optim = masters  # the wrapper adjusts the masters' gradients, then steps through MasterWeights
@@ -849,12 +844,13 @@ def _warn_unheld_gradients(state: _AmpState, scaler: GradScaler) -> None:
     held = {id(p) for opt in state.optimizers for p in _held_params(_inner(opt))}
     unheld = [name for h in state.models for name, p in h.model.named_parameters()
               if p.grad is not None and id(p) not in held]
-    if not unheld or not scaler.is_enabled() or scaler.get_scale() == 1.0:
+    scale = scaler.get_scale() if unheld and scaler.is_enabled() else 1.0  # one read, at the first loss
+    if scale == 1.0:
         return
     shown = ", ".join(unheld[:3]) + (f" and {len(unheld) - 3} more" if len(unheld) > 3 else "")
     warnings.warn(
         f"scale_loss: {len(unheld)} model parameter(s) that no optimizer passed to mixprec.initialize holds "
-        f"received gradients ({shown}); they stay multiplied by the loss scale ({scaler.get_scale():g}) and "
+        f"received gradients ({shown}); they stay multiplied by the loss scale ({scale:g}) and "
         "their overflows are not checked. Fix: pass every optimizer that steps them to initialize (a list: "
         "initialize(model, [opt_sparse, opt_dense], ...)) and to scale_loss; a parameter no optimizer should "
         "train takes requires_grad_(False).",

@@ -116,8 +116,9 @@ def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: An
     return result if keep_fp32 else round_result(result, region.dtype)
 
 
-# In-place ops of the fp32 list (index_add_): their result is the first argument, changed.
-_IN_PLACE = frozenset({"index_add_", "scatter_add_"})
+# In-place ops of the fp32 lists (index_add_): their result is the first argument, changed. Derived from the
+# tables' names here, once: Dynamo traces the handler and cannot trace str.endswith there.
+_IN_PLACE = frozenset(name for name in _FP32_OPS if name.endswith("_") and not name.startswith("__"))
 
 
 # One mode per plan (plans are few and long-lived): entering the region every step reuses it, so a

@@ -35,7 +35,7 @@ from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
-from mixprec.tree import cast_floating
+from mixprec.tree import cast_floating, iter_tensors
 from mixprec.warn_site import user_stacklevel
 
 if TYPE_CHECKING:
@@ -137,35 +137,18 @@ def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] |
                 setattr(c.module, c.name, _kept_original(c, tensor).to(tensor.device, c.dtype))
 
 
-def state_to_float(model: nn.Module, dtype: torch.dtype) -> list[str]:
+def state_to_float(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast back to fp32 the ``dtype`` tensors a half forward left in the model's plain attributes, alone or
     in tuples and lists (an RNN's hidden state carried between batches, a cache): the fp32 model's next
     forward would meet them in half precision, and an LSTM's oneDNN kernel then fails with "could not create
     a primitive descriptor". Exact: every half value is an fp32 value. Parameters, buffers and submodules
-    are not plain attributes; a dict or an object holding tensors is left alone (it may be shared). Returns
-    the attributes' qualified names."""
-    cast = []
-    for prefix, module in model.named_modules():
+    are not plain attributes; a dict or an object holding tensors is left alone (it may be shared)."""
+    for module in model.modules():
         for name, value in list(vars(module).items()):
-            if isinstance(value, nn.Parameter) or not _holds_dtype(value, dtype):
+            if isinstance(value, nn.Parameter) or not isinstance(value, (torch.Tensor, tuple, list)):
                 continue
-            setattr(module, name, _to_float(value, dtype))
-            cast.append(f"{prefix}.{name}" if prefix else name)
-    return cast
-
-
-def _holds_dtype(value: Any, dtype: torch.dtype) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.dtype == dtype
-    return isinstance(value, (tuple, list)) and any(_holds_dtype(v, dtype) for v in value)
-
-
-def _to_float(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype == dtype and not isinstance(value, nn.Parameter) else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its own type, by position
-        return type(value)(*(_to_float(v, dtype) for v in value))
-    return type(value)(_to_float(v, dtype) for v in value)
+            if any(t.dtype == dtype for t in iter_tensors(value)):
+                setattr(module, name, cast_floating(value, torch.float32, only=(dtype,)))
 
 
 def _kept_original(c: Converted, now: torch.Tensor) -> torch.Tensor:

@@ -553,7 +553,7 @@ class Learner:
         self.xb = map_tensors(lambda t: t.to(device), xb) if several else xb.to(device)  # type: ignore[union-attr]
         # yb: one target tensor, or a tuple/list of them (CTC's targets and their lengths): fastai v2 calls
         # loss_func(pred, *yb) and metric(pred, *yb)
-        self.yb = map_tensors(lambda t: t.to(device), yb) if isinstance(yb, (tuple, list)) else yb.to(device)
+        self.yb = map_tensors(lambda t: t.to(device), yb)
         if events:
             self._event("on_batch_begin")
         inputs = tuple(self.xb) if several else (self.xb,)  # (a callback's cast keeps the container)
@@ -662,9 +662,10 @@ class Learner:
         takes a batch of them as its loader yields it (``(tokens, lengths)``: ``model(*x)``)."""
         several = isinstance(x, (tuple, list))
         single = not several and tuple(x.shape) == tuple(self.data.input_shape)  # type: ignore[union-attr]
+        if single:
+            x = x.unsqueeze(0)  # type: ignore[union-attr]
         device = self.device
-        inputs = tuple(map_tensors(lambda t: t.to(device), x)) if several else (
-            (x.unsqueeze(0) if single else x).to(device),)  # type: ignore[union-attr]
+        inputs = map_tensors(lambda t: t.to(device), tuple(x) if several else (x,))
         self.model.eval()
         out = self.model(*inputs)
         if self.loss_func is None:

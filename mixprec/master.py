@@ -216,7 +216,8 @@ class MasterWeights(torch.optim.Optimizer):
         compile_step: bool = False,
     ) -> None:
         _check_wrappable(optimizer, model)
-        _warn_if_nothing_is_half(optimizer)
+        if initial is None:  # with initial= the caller cast the model itself (initialize, the Learner)
+            _warn_if_nothing_is_half(optimizer)
         if not master_grads and fused is False:
             raise ConfigError("master_grads=False runs a fused kernel, but fused=False was passed.",
                               "drop fused=False, or keep master_grads=True.")
@@ -666,7 +667,9 @@ def _check_wrappable(optimizer: torch.optim.Optimizer, model: nn.Module | None) 
 
 def _warn_if_nothing_is_half(optimizer: torch.optim.Optimizer) -> None:
     """A wrapper over fp32 parameters only makes no masters: the run is plain fp32, likely not what was
-    meant (the model's cast to half forgotten, or the optimizer built before it)."""
+    meant (the model's cast to half forgotten, or the optimizer built before it). Not said where the caller
+    passed ``initial=`` (the values it cast the model from): there an optimizer of fp32 parameters alone
+    holds what the cast kept fp32 on purpose (BatchNorm; sparse-gradient tables with their SparseAdam)."""
     if not any(p.dtype in HALF_DTYPES for g in optimizer.param_groups for p in g["params"]):
         warnings.warn(
             "MasterWeights: none of the optimizer's parameters is fp16 or bf16, so it keeps no fp32 masters "
