@@ -3,9 +3,10 @@
 Workloads: a GPT-style decoder (d 512, 4 layers, 8 heads, T 128, vocab 4096, batch 16, tied embedding),
 the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512), and a laptop-sized GPT (``gpt-small``: d 128,
 2 layers, 4 heads, T 64, vocab 512, batch 8), where per-op costs (casts, dispatch) weigh most. On request
-(``--workload``), models user trials brought: ``transformer-lm`` and ``lstm-lm`` (pytorch/examples'
-word_language_model: ``nn.TransformerEncoder``, ``nn.LSTM``) and ``vit`` (a small ViT, attention by
-``F.scaled_dot_product_attention``).
+(``--workload``): ``gpt-large`` (d 1024, 6 layers, 16 heads, T 512, vocab 8192, batch 32: a size a GPU's
+arithmetic limits, not the host), and models user trials brought: ``transformer-lm`` and ``lstm-lm``
+(pytorch/examples' word_language_model: ``nn.TransformerEncoder``, ``nn.LSTM``) and ``vit`` (a small ViT,
+attention by ``F.scaled_dot_product_attention``).
 Configurations: fp32; torch.autocast bf16; torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16,
 bf16), O2 fp16 and O2 bf16 (``mixprec.initialize`` + ``scale_loss``; O2 bf16 also at 16 bytes per
 parameter), and fastai's ``Learner(...).to_bf16()``; each eager and ``torch.compile``-d (a configuration
@@ -79,6 +80,9 @@ HAS_RUSAGE = resource is not None
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 # A user trial's size: GEMMs small enough that each cast and dispatched op shows (emulated bf16, eager)
 GPT_SMALL = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128)
+# A GPU's size (84M parameters, 16k tokens a step at batch 32): GEMMs large enough that an H100/H200 waits
+# on its own arithmetic, not on the host's launches, as it does for the 19M-parameter GPT above
+GPT_LARGE = GPTConfig(vocab_size=8192, block_size=512, n_layer=6, n_head=16, n_embd=1024)
 
 
 class GPTLogits(GPT):
@@ -242,6 +246,9 @@ WORKLOADS = {
     "gpt-small": Workload("GPT d128 L2 H4 T64 V512, b8", lambda: GPTLogits(GPT_SMALL),
                           lambda n: _gpt_batch(n, GPT_SMALL), 8, 64, gpt_flops_per_token(GPT_SMALL),
                           slow_batch_size=8),
+    "gpt-large": Workload("GPT d1024 L6 H16 T512 V8192, b32", lambda: GPTLogits(GPT_LARGE),
+                          lambda n: _gpt_batch(n, GPT_LARGE), 32, 512, gpt_flops_per_token(GPT_LARGE),
+                          slow_batch_size=1),
 }
 
 # the default run's (the issue's two and the laptop-sized GPT): the others are asked for by name

@@ -9,6 +9,7 @@
 #     bash tools/gpu_check.sh               # logs into $OUT (the device tool's folder) or ./gpu-check
 #     BATCHES="128 16" bash tools/gpu_check.sh   # the issue's batch too (+170 s)
 #     DIST_S=90 bash tools/gpu_check.sh     # and the distributed tests
+#     LARGE_S=200 bash tools/gpu_check.sh   # and an 84M-parameter GPT the GPU's arithmetic limits
 #     SUITE_S=400 bash tools/gpu_check.sh   # and then the whole suite (over 6 minutes on an H100 machine)
 #
 # Each part has its own time limit (seconds; override by variable) and writes its log as it goes, so a
@@ -49,6 +50,16 @@ echo "== examples/fsdp2_train.py with one rank: on the GPU, with NCCL (two ranks
 timeout "${FSDP_S:-60}" python3 examples/fsdp2_train.py --world-size 1 > "$out/fsdp2_gpu.log" 2>&1
 echo "exit status $? (0: the rank skipped the overflow as the fp32 run did and stayed within 1e-2 of it)"
 tail -n 3 "$out/fsdp2_gpu.log"
+
+if [ "${LARGE_S:-0}" -gt 0 ]; then
+    # The GPT above leaves the GPU waiting on the host at 20-30% MFU; at this size its arithmetic decides.
+    echo "== train_step.py --device cuda --workload gpt-large (84M parameters, 16k tokens a step)"
+    timeout "$LARGE_S" python3 benchmarks/train_step.py --device cuda --workload gpt-large \
+        --steps "${LARGE_STEPS:-10}" --config "torch.autocast bf16" --config "mixprec O2 bf16" \
+        --config "mixprec Learner.to_bf16()" --config "mixprec O2 bf16, split masters (14 B/param)" \
+        > "$out/gpt_large.log" 2>&1
+    grep -E "^hardware|GEMM 8192|configuration|│ (torch|mixprec)|failed" "$out/gpt_large.log"
+fi
 
 if [ "${DIST_S:-0}" -gt 0 ]; then
     echo "== the distributed tests (a 1-GPU machine trains extra ranks on the CPU; 50 s on an H200 machine)"
