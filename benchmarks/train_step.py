@@ -627,6 +627,46 @@ def cast_share(workload: Workload, config_name: str, steps: int) -> tuple[float,
     return casts / total, total / steps / 1e3
 
 
+# ---- where a GPU step's time goes: the GEMMs' share ------------------------------------------------------
+
+# cuBLAS / CUTLASS kernel names on Ampere and Hopper (cuBLAS 12-13 names Hopper's "nvjet_*"): the matrix
+# multiplies torch.autocast and every mixprec configuration run alike, in bf16, on the tensor cores.
+GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|matmul|cublas|sm90_|sm80_", re.IGNORECASE)
+
+
+@dataclass
+class KernelShare:
+    """One configuration's GPU step: wall time, the GPU's busy time and its GEMMs' share of it."""
+
+    step_ms: float  # synchronised wall time per step
+    kernels_ms: float  # every kernel's GPU time per step
+    gemm_ms: float  # the GEMM kernels' GPU time per step
+    top: list[tuple[str, float]]  # the costliest kernels, (name, ms per step)
+
+    @property
+    def bound(self) -> float:
+        """How many times faster the step could be if everything but its GEMMs took no time at all."""
+        return self.step_ms / self.gemm_ms if self.gemm_ms else float("inf")
+
+
+def kernel_share(runner: Runner, steps: int, warmup: int = 3) -> KernelShare:
+    """The GPU kernels of ``steps`` steps of ``runner`` under torch.profiler (after ``warmup`` steps, which
+    compile a compiled runner), summed per kernel name."""
+    for _ in range(warmup):
+        runner.timed_step()
+    cuda = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, cuda]) as prof:
+        wall = sum(runner.timed_step() for _ in range(steps))
+    per_kernel: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or memcpy/memset) on the GPU
+            us = getattr(e, "self_device_time_total", None) or e.self_cuda_time_total
+            per_kernel[e.key] = per_kernel.get(e.key, 0.0) + us / 1e3 / steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
+    gemm = sum(ms for name, ms in per_kernel.items() if GEMM_KERNEL.search(name))
+    return KernelShare(wall * 1e3 / steps, sum(per_kernel.values()), gemm, top)
+
+
 def phase_times(runner: Runner, steps: int, warmup: int = 2) -> dict[str, float]:
     """Median ms of each phase of ``runner``'s step (PHASES that its step marks), each timed from the end
     of the one before with the device synchronised at both ends (so on a GPU a phase's time is its own
@@ -742,6 +782,28 @@ def time_phases(
     return rows
 
 
+def print_kernel_shares(workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int,
+                        device: str, console: Console) -> None:
+    """:func:`kernel_share` of each named configuration in each mode, one after another."""
+    torch.manual_seed(0)
+    state = workload.make().state_dict()
+    for config in (c for c in CONFIGS if c.name in names):
+        for compiled in modes:
+            label = f"{workload.name}, {config.name} ({MODE_NAMES[compiled]})"
+            try:
+                k = kernel_share(make_runner(workload, config, compiled, state, workload.batch_size, device),
+                                 steps)
+            except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
+                console.print(f"{label}: failed: {type(err).__name__}: {err}")
+                continue
+            console.print(f"{label}: step {k.step_ms:.2f} ms, GPU kernels {k.kernels_ms:.2f} ms, GEMMs "
+                          f"{k.gemm_ms:.2f} ms ({k.gemm_ms / k.step_ms:.0%} of the step): at most "
+                          f"{k.bound:.2f}x faster with everything else free")
+            for name, ms in k.top:
+                kind = "GEMM " if GEMM_KERNEL.search(name) else "     "
+                console.print(f"    {ms:7.3f} ms  {kind}{name[:110]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="MLP only, eager, 2 steps: a smoke run")
@@ -764,6 +826,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-check", action="store_true",
                         help="with --phases on a GPU: also list where one step waits for the GPU (torch's "
                         "sync debug mode)")
+    parser.add_argument("--kernels", metavar="CONFIG", action="append", default=None,
+                        choices=[c.name for c in CONFIGS],
+                        help="with --device cuda, instead of the table: CONFIG's GPU kernel time per step, "
+                        "its GEMMs' share, and how much faster the step could be if all else were free")
     parser.add_argument("--phases", metavar="CONFIG", action="append", default=None,
                         choices=[c.name for c in CONFIGS],
                         help="instead of the table, time each phase of CONFIG's step (forward, backward, "
@@ -772,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if args.profile and device != "cpu":
         raise SystemExit("--profile measures the CPU time of casts: leave --device out with it.")
+    if args.kernels and device != "cuda":
+        raise SystemExit("--kernels times GPU kernels: use it with --device cuda.")
     if args.phases and (args.profile or args.config):
         raise SystemExit("--phases names the configurations it times: leave --profile and --config out.")
     if args.sync_check and not (args.phases and device == "cuda"):
@@ -795,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in hardware.HALF_DTYPES:
         d = hardware.half_arithmetic(device, dtype)
         console.print(f"  {dtype}: {d.arithmetic.value} ({d.decided_by.value}: {d.reason})")
-    references = () if args.phases or args.profile else reference_dtypes(configs, device)  # MFU: table only
+    instead_of_table = args.phases or args.profile or args.kernels
+    references = () if instead_of_table else reference_dtypes(configs, device)  # MFU: the table only
     gemm_rates = {dtype: [reference_gemm(dtype, device)] for dtype in references}
     console.print(f"{steps} steps per config ({slow_steps} for those without fast kernels here)")
     for name in names:
@@ -804,6 +873,9 @@ def main(argv: list[str] | None = None) -> int:
             share, ms = cast_share(workload, config_name, steps)
             console.print(f"{workload.name}, {config_name}: casts {share:.1%} of a {ms:.0f} ms step")
         if args.profile:
+            continue
+        if args.kernels:
+            print_kernel_shares(workload, args.kernels, modes, steps, device, console)
             continue
         if args.phases:
             syncs: dict[tuple[str, bool], list[str]] | None = {} if args.sync_check else None
