@@ -14,7 +14,8 @@ A half-precision GEMM can run two ways:
 
 1. an explicit ``override`` argument, else
 2. the ``MIXPREC_HALF_ARITHMETIC`` environment variable (``native`` or ``emulated``, or per dtype:
-   ``fp16=emulated,bf16=native``; read at every call so a test or a launcher can set it), else
+   ``fp16=emulated,bf16=native``, each part optionally for one device type: ``cpu:fp16=emulated``; read
+   at every call so a test or a launcher can set it), else
 3. a query of what torch itself reports (oneDNN's bf16/fp16 support, the CPU's bf16/fp16 units, the CUDA
    compute capability) where that answer is reliable, else
 4. a tiny timed probe: one half GEMM against one fp32 GEMM of the same size, then, if the half GEMM
@@ -122,42 +123,58 @@ def half_arithmetic(
     if override is not None:
         arithmetic = _parse(override, "override")
         return HalfArithmetic(device_type, dtype, arithmetic, Decider.ARGUMENT, "set by the caller")
-    env = _env_choice(dtype)
+    env = _env_choice(device_type, dtype)
     if env is not None:
         reason = f"{ENV_VAR}={os.environ[ENV_VAR].strip()}"
         return HalfArithmetic(device_type, dtype, env, Decider.ENVIRONMENT, reason)
     return _detect(device_type, dtype)
 
 
-def _env_choice(dtype: torch.dtype) -> Arithmetic | None:
-    return _env_choices().get(dtype_label(dtype))
+def _env_choice(device_type: str, dtype: torch.dtype) -> Arithmetic | None:
+    choices, label = _env_choices(), dtype_label(dtype)
+    return choices.get((device_type, label), choices.get((None, label)))
 
 
-def _env_choices() -> dict[str, Arithmetic]:
+def _env_choices() -> dict[tuple[str | None, str], Arithmetic]:
     """``MIXPREC_HALF_ARITHMETIC``: ``native``/``emulated`` for both dtypes, or per dtype
-    (``fp16=emulated,bf16=native``; a dtype not named is detected). Read whole, whichever dtype is asked
-    about: a bad part for the other dtype, or a dtype named twice, is an error now, not ignored."""
+    (``fp16=emulated,bf16=native``; a dtype not named is detected), each part optionally for one device type
+    (``cpu:fp16=emulated``, ``cuda:native``; a device's own part wins over one for every device). Read
+    whole, whichever dtype is asked about: a bad part, or a dtype named twice for a device, is an error now,
+    not ignored."""
     return _read_env(os.environ.get(ENV_VAR, "").strip())
 
 
+_ENV_FIX = ("write native or emulated, or each dtype once, optionally for one device type: "
+            "fp16=emulated,bf16=native or cpu:fp16=emulated")
+
+
 @functools.lru_cache(maxsize=8)  # asked on every forward of a region: parsed once per text (errors re-raise)
-def _read_env(text: str) -> dict[str, Arithmetic]:
+def _read_env(text: str) -> dict[tuple[str | None, str], Arithmetic]:
+    choices: dict[tuple[str | None, str], Arithmetic] = {}
     if not text:
-        return {}
-    if "=" not in text:
-        return dict.fromkeys(_ENV_DTYPES, _parse(text, ENV_VAR))
-    choices: dict[str, Arithmetic] = {}
-    for item in text.split(","):
-        name, sep, value = (part.strip() for part in item.partition("="))
-        name = name.lower()
-        if not sep or name not in _ENV_DTYPES or name in choices:
-            problem = f"names {name} twice" if name in choices else f"cannot read {item.strip()!r}"
-            raise UnknownArithmeticError(
-                f"{ENV_VAR}={text!r}: {problem}",
-                "write native or emulated, or each dtype once: fp16=emulated,bf16=native",
-            )
-        choices[name] = _parse(value, f"{ENV_VAR}={text!r}: {name}")
+        return choices
+    for item in (part.strip() for part in text.split(",")):
+        device, colon, rest = (part.strip() for part in item.rpartition(":"))
+        name, sep, value = (part.strip() for part in rest.partition("="))
+        names = [name.lower()] if sep else list(_ENV_DTYPES)  # no "=": the value, for both dtypes
+        if not item or (colon and not _is_device_type(device)) or not set(names) <= set(_ENV_DTYPES):
+            raise UnknownArithmeticError(f"{ENV_VAR}={text!r}: cannot read {item!r}", _ENV_FIX)
+        what = ":".join(filter(None, (device if colon else "", name.lower() if sep else "")))
+        arithmetic = _parse(value if sep else name, f"{ENV_VAR}={text!r}: {what}" if what else ENV_VAR)
+        for dtype in names:
+            key = (device.lower() if colon else None, dtype)
+            if key in choices:
+                twice = f"names {dtype}{f' on {key[0]}' if key[0] else ''} twice"
+                raise UnknownArithmeticError(f"{ENV_VAR}={text!r}: {twice}", _ENV_FIX)
+            choices[key] = arithmetic
     return choices
+
+
+def _is_device_type(name: str) -> bool:
+    try:
+        return torch.device(name.lower()).index is None  # "cuda", not "cuda:0": the choice is per type
+    except RuntimeError:
+        return False
 
 
 _ENV_DTYPES = ("fp16", "bf16")

@@ -24,10 +24,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.fixture(autouse=True, scope="session")  # session: module-scoped fixtures train models too
 def reference_arithmetic() -> Iterator[None]:
     """The arithmetic the suite was written for (fp16 GEMMs emulated, bf16 native), on any CPU: left to
-    mixprec.hardware, it would depend on the machine (AVX2-only CPUs emulate bf16 too). Tests of the
-    choice itself (test_hardware, test_emulation) set or clear the variable."""
+    mixprec.hardware, it would depend on the machine (AVX2-only CPUs emulate bf16 too). A GPU's is left
+    to detection, so the CUDA tests run the arithmetic a user's GPU gets (native on sm_80 and later). Tests
+    of the choice itself (test_hardware, test_emulation) set or clear the variable."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(hardware.ENV_VAR, "fp16=emulated,bf16=native")
+        patch.setenv(hardware.ENV_VAR, "cpu:fp16=emulated,cpu:bf16=native")
         yield
 
 

@@ -74,6 +74,11 @@ def test_unknown_arithmetic_names_the_choices(monkeypatch: pytest.MonkeyPatch, w
         ("fp16=emulated, FP16 = native", "names fp16 twice"),  # the last one silently won
         ("fp16=bogus", "MIXPREC_HALF_ARITHMETIC='fp16=bogus': fp16 is 'bogus'"),  # it quoted 'bogus' alone
         ("fp16=native,fp8=native", "cannot read 'fp8=native'"),
+        ("gpu:fp16=native", "cannot read 'gpu:fp16=native'"),  # not a torch device type
+        ("cuda:0:fp16=native", "cannot read 'cuda:0:fp16=native'"),  # a device, not a device type
+        ("cpu:fp16=emulated,CPU:fp16=native", "names fp16 on cpu twice"),
+        ("cpu:bogus", "MIXPREC_HALF_ARITHMETIC='cpu:bogus': cpu is 'bogus'"),
+        ("fp16=emulated,", "cannot read ''"),
     ],
 )
 def test_env_var_is_checked_whole_whichever_dtype_is_asked(
@@ -83,6 +88,23 @@ def test_env_var_is_checked_whole_whichever_dtype_is_asked(
     with pytest.raises(ConfigError) as info:
         hardware.half_arithmetic("cpu", torch.float16)
     assert message in str(info.value) and "fix:" in str(info.value)
+
+
+def test_env_var_per_device_type_leaves_other_devices_to_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's own setting (conftest) is CPU-only, so that on a GPU the CUDA tests run the arithmetic a
+    user's GPU gets: a part for one device type wins there, and says nothing for another."""
+    monkeypatch.setenv(hardware.ENV_VAR, "cpu:fp16=emulated, bf16=native, cuda:native")
+    decide = hardware.half_arithmetic
+    assert decide("cpu", torch.float16).emulated
+    assert decide("cpu", torch.float16).decided_by is Decider.ENVIRONMENT
+    assert not decide("cuda", torch.float16).emulated  # its own part, though the CPU's says emulated
+    assert decide("cuda", torch.float16).decided_by is Decider.ENVIRONMENT
+    assert not decide("cpu", torch.bfloat16).emulated  # the part for every device
+    monkeypatch.setenv(hardware.ENV_VAR, "cpu:emulated")
+    assert decide("cpu", torch.bfloat16).emulated and decide("cpu", torch.float16).emulated
+    assert decide("cuda", torch.float16).decided_by is not Decider.ENVIRONMENT  # left to detection
+    monkeypatch.setenv(hardware.ENV_VAR, "emulated, cuda:bf16=native")
+    assert decide("cuda", torch.float16).emulated and not decide("cuda", torch.bfloat16).emulated
 
 
 def test_env_var_per_dtype_leaves_the_other_to_detection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         console.print(_native_lines())
     console.print(
-        f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes) or per dtype, e.g. "
-        f"{hardware.ENV_VAR}=fp16=emulated,bf16=native; or "
+        f"Override: {hardware.ENV_VAR}=native|emulated (both dtypes) or per dtype, each part optionally "
+        f"for one device type, e.g. {hardware.ENV_VAR}=fp16=emulated,bf16=native or cpu:fp16=emulated; or "
         "mixprec.hardware.half_arithmetic(device, dtype, override=...)."
     )
     return 0
