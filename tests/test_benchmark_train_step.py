@@ -351,3 +351,31 @@ def test_the_word_language_model_flops_match_what_runs(bench: ModuleType) -> Non
     lstm = bench.WORKLOADS["lstm-lm"].make()
     gemm_weights = sum(p.numel() for n, p in lstm.named_parameters() if "weight" in n and "embed" not in n)
     assert bench.WORKLOADS["lstm-lm"].flops_per_token == 6.0 * gemm_weights
+
+
+@pytest.mark.parametrize(
+    ("name", "is_gemm"),
+    [
+        # kernel names from the H200's profile (RESULTS.md, "A fourth H200") and cuBLAS/CUTLASS's older ones
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", True),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", True),
+        ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", True),
+        ("triton_per_fused__softmax__to_copy_bitwise_not_div_exp_masked_fill_view_17", False),
+        ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda", False),
+        ("void (anonymous namespace)::softmax_warp_backward<float, float, float, 9, false, false>", False),
+    ],
+)
+def test_kernel_names_are_told_apart_as_gemms_or_not(bench: ModuleType, name: str, is_gemm: bool) -> None:
+    assert bool(bench.GEMM_KERNEL.search(name)) is is_gemm
+
+
+def test_kernel_share_bound_is_the_step_over_its_gemms(bench: ModuleType) -> None:
+    """The most a step could gain if all but its GEMMs took no time: 26.2 ms of which 13.8 are GEMMs, 1.9x."""
+    share = bench.KernelShare(step_ms=26.2, kernels_ms=24.65, gemm_ms=13.79, top=[])
+    assert share.bound == pytest.approx(26.2 / 13.79)
+    assert bench.KernelShare(1.0, 0.0, 0.0, []).bound == float("inf")  # a step with no GEMM kernel seen
+
+
+def test_kernels_asks_for_a_gpu(bench: ModuleType) -> None:
+    with pytest.raises(SystemExit, match="--kernels times GPU kernels: use it with --device cuda"):
+        bench.main(["--kernels", "mixprec O2 bf16"])
