@@ -157,7 +157,12 @@ def _read_env(text: str) -> dict[tuple[str | None, str], Arithmetic]:
         device, colon, rest = (part.strip() for part in item.rpartition(":"))
         name, sep, value = (part.strip() for part in rest.partition("="))
         names = [name.lower()] if sep else list(_ENV_DTYPES)  # no "=": the value, for both dtypes
-        if not item or (colon and not _is_device_type(device)) or not set(names) <= set(_ENV_DTYPES):
+        if colon and not _is_device_type(device):
+            raise UnknownArithmeticError(
+                f"{ENV_VAR}={text!r}: {device!r} in {item!r} is not a torch device type",
+                "name a device type as torch.device does, without an index: cpu, cuda, xpu or mps",
+            )
+        if not item or not set(names) <= set(_ENV_DTYPES):
             raise UnknownArithmeticError(f"{ENV_VAR}={text!r}: cannot read {item!r}", _ENV_FIX)
         what = ":".join(filter(None, (device if colon else "", name.lower() if sep else "")))
         arithmetic = _parse(value if sep else name, f"{ENV_VAR}={text!r}: {what}" if what else ENV_VAR)

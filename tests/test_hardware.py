@@ -74,8 +74,8 @@ def test_unknown_arithmetic_names_the_choices(monkeypatch: pytest.MonkeyPatch, w
         ("fp16=emulated, FP16 = native", "names fp16 twice"),  # the last one silently won
         ("fp16=bogus", "MIXPREC_HALF_ARITHMETIC='fp16=bogus': fp16 is 'bogus'"),  # it quoted 'bogus' alone
         ("fp16=native,fp8=native", "cannot read 'fp8=native'"),
-        ("gpu:fp16=native", "cannot read 'gpu:fp16=native'"),  # not a torch device type
-        ("cuda:0:fp16=native", "cannot read 'cuda:0:fp16=native'"),  # a device, not a device type
+        ("gpu:fp16=native", "'gpu' in 'gpu:fp16=native' is not a torch device type"),
+        ("cuda:0:fp16=native", "'cuda:0' in 'cuda:0:fp16=native' is not a torch device type"),  # has an index
         ("cpu:fp16=emulated,CPU:fp16=native", "names fp16 on cpu twice"),
         ("cpu:bogus", "MIXPREC_HALF_ARITHMETIC='cpu:bogus': cpu is 'bogus'"),
         ("fp16=emulated,", "cannot read ''"),
