@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from torch.utils.data import DataLoader
 
-__all__ = ["Learner", "accuracy", "error_rate", "decay_groups", "DEFAULT_LR", "default_opt_func"]
+__all__ = ["Learner", "accuracy", "error_rate", "decay_groups", "trainable_params", "DEFAULT_LR",
+           "default_opt_func"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]
 LossFunc = Callable[[Tensor, Tensor], Tensor]
@@ -76,13 +77,19 @@ def error_rate(pred: Tensor, targ: Tensor) -> Tensor:
     return 1 - accuracy(pred, targ)
 
 
+def trainable_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters with ``requires_grad``, tied ones once: what the Learner's optimizer is built over
+    (fastai's default splitter of the same name)."""
+    return [p for p in model.parameters() if p.requires_grad]  # model.parameters() yields tied ones once
+
+
 def decay_groups(model: nn.Module, weight_decay: float) -> ParamGroups:
     """Two param groups: tensors of 2 or more dimensions (matmul weights, embeddings) with
     ``weight_decay``, the rest (biases, norm weights) without. Decaying a bias or a LayerNorm gain pulls it
     towards 0, which is no regularisation (it only shifts or shrinks activations); nanoGPT and most
     transformer recipes split this way. Tied and shared parameters appear once; frozen ones not at all.
     Empty groups are left out."""
-    params = [p for p in model.parameters() if p.requires_grad]  # model.parameters() yields tied ones once
+    params = trainable_params(model)
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -242,7 +249,8 @@ class Learner:
             ``configure_optimizers``); every group follows the fit's learning-rate schedule, a group built
             at a multiple of ``lr`` (``{"params": ..., "lr": 10 * lr}``) at that multiple of it.
         wd: when set, ``params`` is :func:`decay_groups` (weight decay ``wd`` on matmul weights and
-            embeddings only) instead of all parameters in one group with ``opt_func``'s weight decay.
+            embeddings only) instead of one group of the trainable parameters (:func:`trainable_params`:
+            frozen ones are left out, as fastai does) with ``opt_func``'s weight decay.
         metrics: ``metric(pred, yb)`` -> scalar tensor, averaged over the validation set (weighted by batch
             size) and shown per epoch under the function's name.
         callbacks: extra callbacks, kept for every fit.
@@ -449,7 +457,16 @@ class Learner:
         return math.ceil(steps / per_epoch), steps
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        params = self.model.parameters() if self.wd is None else decay_groups(self.model, self.wd)
+        # The trainable parameters only, as fastai's default splitter (trainable_params): a frozen one in
+        # the optimizer would get an fp32 master under to_fp16() (4 bytes each: a LoRA's frozen base).
+        params = trainable_params(self.model) if self.wd is None else decay_groups(self.model, self.wd)
+        if not params:
+            raise ConfigError(
+                f"every parameter of the {type(self.model).__name__} is frozen (requires_grad=False): "
+                "fit has nothing to train.",
+                "unfreeze what should train (p.requires_grad_(True)), or use learn.validate() / "
+                "learn.get_preds() to evaluate a frozen model.",
+            )
         opt = self.opt_func(params, lr=lr)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(

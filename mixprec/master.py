@@ -60,6 +60,7 @@ from mixprec.master_storage import GradMirror, GroupMasters, HoleGuard, make_mas
 from mixprec.outside_region import RegionWatch
 from mixprec.skip_step import record_step_called
 from mixprec.unscale_copy import unscale_copy_
+from mixprec.warn_site import user_stacklevel
 
 __all__ = [
     "MasterWeights",
@@ -218,6 +219,7 @@ class MasterWeights(torch.optim.Optimizer):
         _check_wrappable(optimizer, model)
         if initial is None:  # with initial= the caller cast the model itself (initialize, the Learner)
             _warn_if_nothing_is_half(optimizer)
+        _warn_of_frozen_masters(optimizer)
         if not master_grads and fused is False:
             raise ConfigError("master_grads=False runs a fused kernel, but fused=False was passed.",
                               "drop fused=False, or keep master_grads=True.")
@@ -677,6 +679,28 @@ def _warn_if_nothing_is_half(optimizer: torch.optim.Optimizer) -> None:
             "the optimizer from its parameters, or drop MasterWeights.",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def _warn_of_frozen_masters(optimizer: torch.optim.Optimizer) -> None:
+    """Frozen half parameters the optimizer holds get fp32 masters too (master_storage.py: so that
+    unfreezing one later trains it from fp32), 4 bytes per element more than fp32 training, where torch's
+    optimizer holds nothing for a parameter that never gets a gradient, and apex makes no master for it.
+    A LoRA's frozen base passed as ``model.parameters()`` costs more than the whole fp32 run: say so."""
+    frozen = [p for g in optimizer.param_groups for p in g["params"]
+              if p.dtype in HALF_DTYPES and not p.requires_grad]
+    if frozen:
+        n = sum(p.numel() for p in frozen)
+        warnings.warn(
+            f"MasterWeights: the optimizer holds {len(frozen)} frozen parameters (requires_grad=False, "
+            f"{n:,} elements), and each gets an fp32 master, so that unfreezing it later trains it: "
+            f"{4 * n:,} bytes that fp32 training would not spend (apex makes none for them). Fix: "
+            "build the optimizer over the trainable parameters only, e.g. "
+            "torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), and add a param group "
+            "for what you unfreeze later; or ignore this where that later unfreezing is the plan "
+            "(warnings.filterwarnings('ignore', 'MasterWeights: the optimizer holds .* frozen')).",
+            UserWarning,
+            stacklevel=user_stacklevel(),
         )
 
 

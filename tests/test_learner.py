@@ -482,3 +482,46 @@ def test_a_batch_of_several_inputs_is_passed_as_model_star_xb(precision: str) ->
         runs.append([p.detach().clone() for p in model.parameters()])
     assert two.dtypes == ({torch.float16} if precision == "to_fp16" else {torch.float32})
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+class _OptimizerSeen(Callback):
+    """Records the parameters the fit's optimizer holds and, under to_fp16/to_bf16, its fp32 masters."""
+
+    def on_train_begin(self) -> None:
+        self.held: list[torch.Tensor] = []
+        self.masters = 0
+
+    def on_step_end(self) -> None:
+        opt = self.learn.opt
+        if not self.held:
+            model_params = opt.model_params() if hasattr(opt, "model_params") else (
+                p for g in opt.param_groups for p in g["params"])
+            self.held = list(model_params)
+            self.masters = sum(m.numel() for m in getattr(opt, "master_views", list)())
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("wd", [None, 0.01])
+def test_the_optimizer_holds_the_trainable_parameters_only(precision: str | None, wd: float | None) -> None:
+    """fastai builds its optimizer over trainable_params(model) (its default splitter): a frozen base (a
+    LoRA's) is not in it, so to_bf16() makes no fp32 master for it (4 bytes per frozen weight)."""
+    learn = _learner(wd=wd)
+    first, last = learn.model[1], learn.model[-1]  # type: ignore[index]
+    first.requires_grad_(False)
+    if precision == "bf16":
+        learn.to_bf16()
+    seen = _OptimizerSeen()
+    learn.fit(steps=2, callbacks=[seen])
+    trainable = [p for p in learn.model.parameters() if p.requires_grad]
+    assert {id(p) for p in seen.held} == {id(p) for p in trainable}
+    assert last.weight.requires_grad and not first.weight.requires_grad
+    if precision == "bf16":
+        assert seen.masters == sum(p.numel() for p in trainable)
+
+
+def test_a_fit_with_every_parameter_frozen_is_refused_naming_it() -> None:
+    learn = _learner()
+    learn.model.requires_grad_(False)
+    with pytest.raises(ConfigError, match="every parameter of the .* is frozen") as info:
+        learn.fit(steps=1)
+    assert "requires_grad_(True)" in str(info.value)

@@ -16,6 +16,9 @@ from torch import nn
 from mixprec.errors import UnsupportedParameterError
 from mixprec.master import MasterWeights, fp32_originals, model_to_half
 
+# The frozen layer is held by the optimizer on purpose here (its master's rules are under test)
+pytestmark = pytest.mark.filterwarnings("ignore:MasterWeights. the optimizer holds .* frozen:UserWarning")
+
 OPTS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1, foreach=True),
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True),

@@ -562,7 +562,9 @@ def memory_breakdown(
             changed. It may live on the meta device when ``estimate=True``.
         optimizer: an optimizer instance (its class and defaults are rebuilt on the copied parameters; its
             own state is not touched; a ``MasterWeights`` is unwrapped, since the recipe decides about
-            masters), a function ``params -> optimizer``, or None for no state.
+            masters), a function ``params -> optimizer``, or None for no state. Frozen parameters an
+            instance holds are counted with fp32 masters where the recipe has masters, as MasterWeights
+            makes them one (no gradient, no state); a function's optimizer holds the trainable ones.
         batch: an example ``x`` or ``(x, y)``; only shapes and dtypes matter when ``estimate=True``.
         precision: a :class:`~mixprec.recipe.Recipe`, the name of one of :data:`~mixprec.recipe.RECIPES`
             (fp32, pure-fp16, pure-bf16, fp16, bf16, O0-O3, ...), or an apex ``Properties`` (its recipe).
@@ -589,6 +591,8 @@ def memory_breakdown(
     params = list(step_model.parameters())
     trainable = [p for p in params if p.requires_grad]
     masters, stepped = _masters_and_stepped(trainable, recipe, maker)
+    # frozen parameters the optimizer holds get masters too (MasterWeights), never a gradient or state
+    frozen_masters = _masters_and_stepped(_held_frozen(model, step_model, optimizer), recipe, maker)[0]
     if mode is not None:  # the wrapped optimizer steps fp32 views of the half weights
         stepped = [maker.like(p, torch.float32) for p in trainable]
     arithmetic = _counted_arithmetic(recipe, _device_type(x), autocast)  # before any FakeTensorMode
@@ -600,7 +604,7 @@ def memory_breakdown(
         precision=precision_name(recipe, mode),
         extras=extras,
         params=_unique_bytes(params),
-        masters=_nbytes(masters),
+        masters=_nbytes(masters) + _nbytes(frozen_masters),
         buffers=_unique_bytes(step_model.buffers()),
         grads=_nbytes(trainable),
         master_grads=_nbytes(masters) if recipe.master_grads else 0,  # False: the step reads half grads
@@ -633,6 +637,20 @@ def _extra_bytes(trainable: list[Tensor], mode: UpdateMode | None) -> int:
         return 0
     wrapper = LowPrecisionOptimizer(torch.optim.SGD(trainable, lr=0.0), mode)  # lr unused: never stepped
     return _nbytes(wrapper.extra_tensors())
+
+
+def _held_frozen(model: nn.Module, step_model: nn.Module, optimizer: OptimizerLike) -> list[Tensor]:
+    """The parameters of ``step_model`` (the breakdown's copy) whose originals in ``model`` are frozen and
+    held by ``optimizer`` (an instance: a function builds its optimizer over the trainable ones)."""
+    if isinstance(optimizer, MasterWeights):
+        held = {id(p) for p in optimizer.model_params()}
+        held |= {id(p) for g in optimizer.param_groups for p in g["params"]}  # its fp32 ones
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    else:
+        return []
+    pairs = zip(model.parameters(), step_model.parameters(), strict=True)  # deepcopy keeps the order
+    return [copy for p, copy in pairs if id(p) in held and not p.requires_grad]
 
 
 def _masters_and_stepped(
