@@ -50,6 +50,7 @@ from mixprec.half_model import (
     HalfModel,
     check_castable,
     keeps_sparse_grads,
+    outermost_kept_fp32,
     prepare,
 )
 from mixprec.hardware import HALF_DTYPES
@@ -440,6 +441,14 @@ def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: R
             "there, and it steps dense gradients only.",
             "keep O2's fp32 masters (split_masters=False) for a model with sparse-gradient tables, or build "
             "them with sparse=False.",
+        )
+    marked = [type(m).__name__ for model in models for m in outermost_kept_fp32(model)
+              if any(id(p) in held for p in m.parameters())]
+    if marked:
+        raise ConfigError(
+            f"split_masters=True completes bf16 weights, but the model's {marked[0]} is marked with "
+            "mixprec.keep_fp32, so its parameters stay fp32: the split layout has nothing to split there.",
+            "keep O2's fp32 masters (split_masters=False), or leave the module unmarked.",
         )
     if not recipe.keep_batchnorm_fp32:
         return

@@ -18,7 +18,7 @@ from mixprec.policy.devices import DEVICES
 from mixprec.region import Region, is_current
 from mixprec.tensor_args import map_tensors
 
-__all__ = ["ModuleRules", "keep_fp32", "release_fp32"]
+__all__ = ["ModuleRules", "is_kept_fp32", "keep_fp32", "release_fp32"]
 
 
 class _Scopes(threading.local):
@@ -61,6 +61,9 @@ def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:
 
     Works under mixprec.autocast and plain torch.autocast: the module's forward runs with autocast off
     and its floating inputs cast to fp32. Parameter storage is not touched (an fp16 model stays fp16).
+    Marked before mixprec casts a model to half (``initialize(..., "O2")``, ``to_fp16()``), the module's
+    parameters and buffers stay fp32 (stepped as they are, as BatchNorm's), its half inputs are cast to
+    fp32 and its outputs back to the model's dtype (half_model.py).
     """
     if not isinstance(module, torch.nn.Module):
         raise AutocastError(
@@ -72,6 +75,11 @@ def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:
         post = module.register_forward_hook(_exit_fp32, always_call=True)
         object.__setattr__(module, _KEEP_ATTR, (pre, post))
     return module
+
+
+def is_kept_fp32(module: torch.nn.Module) -> bool:
+    """Whether :func:`keep_fp32` marked ``module``."""
+    return getattr(module, _KEEP_ATTR, None) is not None
 
 
 def release_fp32(module: torch.nn.Module) -> torch.nn.Module:

@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from mixprec.autocast import autocast, half_compute
 from mixprec.distributed import is_sharded
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
+from mixprec.fp32_modules import is_kept_fp32
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
@@ -71,6 +72,23 @@ def keeps_sparse_grads(module: nn.Module) -> bool:
     return isinstance(module, EMBEDDINGS) and bool(getattr(module, "sparse", False))
 
 
+def fp32_kept(model: nn.Module, keep_bn_fp32: bool = True) -> set[int]:
+    """The ids of the modules whose own tensors a cast to half leaves fp32: BatchNorm's (with
+    ``keep_bn_fp32``), sparse-gradient embeddings (:func:`keeps_sparse_grads`), and the modules
+    :func:`~mixprec.fp32_modules.keep_fp32` marked, with everything inside them (a hand-written RMSNorm
+    whose rsqrt's backward, 0.5 * rsqrt(x)**3, overflows fp16 where x is small)."""
+    kept = {id(m) for m in model.modules()
+            if (keep_bn_fp32 and isinstance(m, BATCHNORM)) or keeps_sparse_grads(m)}
+    return kept | {id(inner) for m in model.modules() if is_kept_fp32(m) for inner in m.modules()}
+
+
+def outermost_kept_fp32(model: nn.Module) -> list[nn.Module]:
+    """The :func:`~mixprec.fp32_modules.keep_fp32` modules not inside another: where a half model's
+    activations go to fp32 and come back."""
+    inner = {id(i) for m in model.modules() if is_kept_fp32(m) for i in m.modules() if i is not m}
+    return [m for m in model.modules() if is_kept_fp32(m) and id(m) not in inner]
+
+
 @dataclass(frozen=True)
 class Converted:
     """One tensor :func:`model_to_half` turned to half precision, and how to turn it back."""
@@ -90,17 +108,17 @@ class Converted:
 
 def model_to_half(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool = True) -> list[Converted]:
     """Cast the model's floating parameters and buffers to ``dtype`` in place (the Parameter objects stay
-    the same, so an optimizer built over them still holds them), except BatchNorm's when ``keep_bn_fp32``
-    and sparse-gradient embeddings' (:func:`keeps_sparse_grads`).
+    the same, so an optimizer built over them still holds them), except those of :func:`fp32_kept`:
+    BatchNorm's when ``keep_bn_fp32``, sparse-gradient embeddings', and keep_fp32 modules'.
 
     BatchNorm stays fp32 because its batch statistics are reductions over many values (a variance in fp16
     loses most of its bits) and its affine parameters are few: fp32 costs nothing there. Returns what was
     converted: to undo it, and to seed fp32 masters from the values before rounding (:func:`fp32_originals`).
     """
-    converted = []
+    converted, kept = [], fp32_kept(model, keep_bn_fp32)
     with torch.no_grad():
         for prefix, module in model.named_modules():
-            if (keep_bn_fp32 and isinstance(module, BATCHNORM)) or keeps_sparse_grads(module):
+            if id(module) in kept:
                 continue
             dotted = prefix + "." if prefix else ""
             for name, param in module.named_parameters(recurse=False):
@@ -724,6 +742,10 @@ def prepare(
         # the lookup reads them exactly, the cast rounds them once (a GEMM after it would round them anyway)
         tables = [m for m in model.modules() if keeps_sparse_grads(m)]
         hooks += [m.register_forward_hook(CastOutputs(dtype)) for m in tables]
+        # a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back
+        for m in outermost_kept_fp32(model):
+            hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
+            hooks.append(m.register_forward_hook(CastOutputs(dtype)))
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)
         hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe), with_kwargs=True))
         if fp32_state_dict:

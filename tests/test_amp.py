@@ -1468,3 +1468,61 @@ def test_no_warning_where_every_gradient_is_unscaled(case: str) -> None:
         warnings.simplefilter("error")
         with mixprec.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
             scaled.backward()
+
+
+class _HandRMSNorm(nn.Module):
+    """mamba-minimal's RMSNorm, written with elementwise ops: no fp32 cast of its own."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.seen: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+def _quiet_net() -> nn.Module:
+    """Small activations before the norm: mean(x**2) ~ 1e-6, so rsqrt ~ 300 and its backward's
+    0.5 * rsqrt**3 ~ 1.3e7, past fp16's 65504 even at a loss scale of 1."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), _HandRMSNorm(16), nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.mul_(1e-3)
+        net[0].bias.zero_()
+    return net
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_keep_fp32_keeps_a_module_fp32_in_an_o2_model(kept: bool) -> None:
+    """keep_fp32 said "under any autocast", and a half model is none: marked before O2, the module ran in
+    fp16 anyway and a hand-written RMSNorm's backward overflowed at every step, at any loss scale (a
+    Mamba trial skipped 300 of 300 steps). Now its tensors stay fp32, it computes in fp32 between casts,
+    and the gradients are the fp32 model's within fp16's rounding. The reference: the fp32 model."""
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    ref = _quiet_net()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    net = _quiet_net()
+    if kept:
+        mixprec.keep_fp32(net[1])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = amp.initialize(net, opt, opt_level="O2", loss_scale=1.0, verbosity=0)
+    out = model(x)
+    with amp.scale_loss(nn.functional.cross_entropy(out, y), opt) as scaled:
+        scaled.backward()
+    grad = model[0].weight.grad
+    if not kept:
+        assert model[1].seen is torch.float16 and not torch.isfinite(grad).all()  # what was fixed
+        return
+    assert model[1].seen is torch.float32 and model[1].weight.dtype is torch.float32
+    assert model[0].weight.dtype is torch.float16 and model[2].weight.dtype is torch.float16
+    assert out.dtype is torch.float32  # O2's outputs, as before
+    # fp16 rounds the first layer's small outputs (relative 2**-11) before the norm divides by their rms
+    error = (grad.float() - ref[0].weight.grad).norm() / ref[0].weight.grad.norm()
+    assert error < 5e-3, error  # 5e-4 measured
+    masters = {id(p) for p in opt.model_params()}
+    assert id(model[1].weight) not in masters  # fp32: stepped as it is, as BatchNorm's under O2
+    before = model[1].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[1].weight, before)

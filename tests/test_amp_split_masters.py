@@ -158,6 +158,14 @@ def test_a_model_with_batchnorm_is_refused_before_it_is_cast_and_trains_with_bf1
     assert all(not torch.equal(a, b) for a, b in zip(before, opt.master_values(), strict=True))  # type: ignore[attr-defined]
 
 
+def test_a_module_marked_keep_fp32_is_refused_before_the_cast_naming_the_mark() -> None:
+    model = _model()
+    mixprec.keep_fp32(model[2])
+    with pytest.raises(ConfigError, match="Linear is marked with mixprec.keep_fp32"):
+        _initialize(model, split_masters=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # untouched
+
+
 def test_restore_of_two_models_of_one_initialize_gives_each_its_own_masters() -> None:
     """restore read every split optimizer's values, also a model already restored (fp32 again), and the
     second restore failed on its weights' size."""

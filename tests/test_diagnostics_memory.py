@@ -183,6 +183,23 @@ def test_frozen_parameters_an_optimizer_holds_are_counted_with_the_masters_maste
     assert memory_breakdown(model, torch.optim.AdamW, batch, "O2").masters == trainable_only.masters
 
 
+def test_a_keep_fp32_module_is_counted_fp32_under_o2_as_initialize_keeps_it() -> None:
+    """Reference: the model initialize casts, tensor by tensor."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = mlp(16, 8, 4)
+    mixprec.keep_fp32(model[1])  # type: ignore[index]
+    batch = _batch(2, (16,), 4)
+    counted = memory_breakdown(model, torch.optim.AdamW, batch, "O2")
+    fresh = copy.deepcopy(model)
+    cast, _ = mixprec.initialize(fresh, torch.optim.AdamW(fresh.parameters()), "O2", verbosity=0)
+    assert counted.params == sum(p.numel() * p.element_size() for p in cast.parameters())
+    assert next(cast[1].parameters()).dtype is torch.float32  # type: ignore[index]
+    half = sum(p.numel() for p in cast.parameters() if p.dtype is torch.float16)
+    assert counted.masters == 4 * half  # the kept module's fp32 parameters are stepped as they are
+
+
 def test_unique_storages_tied_weights_and_shared_saved_tensors() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -53,10 +53,10 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
-from mixprec.half_model import keeps_sparse_grads
+from mixprec.half_model import fp32_kept
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
-from mixprec.master import BATCHNORM, MasterWeights
+from mixprec.master import MasterWeights
 from mixprec.recipe import RECIPES, Recipe, get_recipe
 from mixprec.tree import cast_floating
 
@@ -290,27 +290,26 @@ class _Maker:
             yield
 
 
-def _param_dtype(module: nn.Module, t: Tensor, recipe: Recipe) -> torch.dtype:
+def _param_dtype(t: Tensor, recipe: Recipe, kept_fp32: bool) -> torch.dtype:
     if not t.is_floating_point():
         return t.dtype  # e.g. BatchNorm's num_batches_tracked
-    # The library's definitions of what model_to_half keeps fp32: BatchNorm (keep_batchnorm_fp32), and
-    # embeddings built with sparse=True (their own masters).
-    if (recipe.keep_batchnorm_fp32 and isinstance(module, BATCHNORM)) or keeps_sparse_grads(module):
-        return torch.float32
-    return recipe.model_dtype
+    # kept_fp32: the library's definition of what model_to_half keeps fp32 (half_model.fp32_kept)
+    return torch.float32 if kept_fp32 else recipe.model_dtype
 
 
 def _copy_model(model: nn.Module, precision: Recipe, maker: _Maker) -> nn.Module:
     # deepcopy with the memo pre-filled: every parameter and buffer is replaced by its converted copy (made
     # once, so tied weights stay tied); everything else about the model is copied as usual.
     memo: dict[int, Any] = {}
+    kept = fp32_kept(model, precision.keep_batchnorm_fp32)
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(maker.like(p, _param_dtype(module, p, precision)), p.requires_grad)
+                dtype = _param_dtype(p, precision, id(module) in kept)
+                memo[id(p)] = nn.Parameter(maker.like(p, dtype), p.requires_grad)
         for b in module.buffers(recurse=False):
             if id(b) not in memo:
-                memo[id(b)] = maker.like(b, _param_dtype(module, b, precision))
+                memo[id(b)] = maker.like(b, _param_dtype(b, precision, id(module) in kept))
     return copy.deepcopy(model, memo)
 
 
