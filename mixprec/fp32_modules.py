@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from mixprec.errors import AutocastError
+from mixprec.hardware import HALF_DTYPES
+from mixprec.outside_region import is_prepared
 from mixprec.policy.devices import DEVICES
 from mixprec.region import Region, is_current
 from mixprec.tensor_args import map_tensors
@@ -69,6 +71,15 @@ def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:
         raise AutocastError(
             f"keep_fp32 needs an nn.Module, got {type(module).__name__}",
             "for a function use mixprec.policy.register_float_function",
+        )
+    cast = [p for p in module.parameters() if p.dtype in HALF_DTYPES and is_prepared(p)]
+    if cast:
+        raise AutocastError(
+            f"keep_fp32 marks a module before mixprec casts the model to half, and this "
+            f"{type(module).__name__}'s parameters are {cast[0].dtype} already (initialize(..., 'O2'), "
+            "to_fp16() ran): its fp32 values are gone",
+            "call mixprec.keep_fp32(module) on the fp32 model, before initialize or fit; or compute the "
+            "module from .float() tensors in its forward",
         )
     if getattr(module, _KEEP_ATTR, None) is None:
         pre = module.register_forward_pre_hook(_enter_fp32, with_kwargs=True)

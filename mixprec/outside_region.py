@@ -27,7 +27,7 @@ from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.region import STATE
 from mixprec.warn_site import user_stacklevel
 
-__all__ = ["RegionWatch", "mark_prepared"]
+__all__ = ["RegionWatch", "is_prepared", "mark_prepared"]
 
 # Parameters of models whose forward mixprec put in a region (half_model.prepare), by identity: a WeakSet
 # would compare two tensors with == (elementwise) when their hashes collide.
@@ -37,6 +37,11 @@ _PREPARED = WeakIdKeyDictionary()
 def mark_prepared(params: Iterable[torch.Tensor]) -> None:
     """These parameters' model runs its forward in a mixprec region: no warning for them."""
     _PREPARED.update(dict.fromkeys(params, True))
+
+
+def is_prepared(param: torch.Tensor) -> bool:
+    """Whether ``param``'s model was prepared (half_model.prepare: cast, and its forward in a region)."""
+    return param in _PREPARED
 
 
 class RegionWatch:

@@ -738,8 +738,13 @@ class GradScaler:
             return (False, f"A static scale of {scale:g} may itself overflow the gradients. {others}",
                     f"lower the static scale (loss_scale=, init_scale=) or use a dynamic one; or {find}")
         at = "its floor" if self._config.dynamic else "a static scale"
-        return (False, f"At {at} ({scale:g}) a lower scale cannot help, so the inf/NaN does not come from "
-                f"gradient overflow. {others}", find)
+        # At a scale of 1 a gradient can still overflow: an op's backward whose intermediate exceeds the half
+        # range whatever the loss was multiplied by (a hand-written RMSNorm's 0.5 * rsqrt(v)**3 in fp16).
+        return (False, f"At {at} ({scale:g}) a lower scale cannot help: the inf/NaN comes from the data, "
+                f"the forward, or a backward that overflows the half dtype at any scale (an op computed in "
+                f"half whose gradient is huge: a norm or a scan written by hand). {others}",
+                f"{find}; keep the part it names in fp32 (mixprec.keep_fp32(module) before initialize or "
+                "to_fp16(), or compute it from .float() tensors)")
 
     def _check_skip_limit(self) -> None:
         dev = cast(DeviceCounters, self._state.device)

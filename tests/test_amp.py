@@ -1526,3 +1526,13 @@ def test_keep_fp32_keeps_a_module_fp32_in_an_o2_model(kept: bool) -> None:
     before = model[1].weight.detach().clone()
     opt.step()
     assert not torch.equal(model[1].weight, before)
+
+
+def test_keep_fp32_after_the_cast_is_refused_naming_the_order() -> None:
+    """Marked after initialize had cast it, the module stayed half and ran half, silently (a trial tried
+    both orders). Its fp32 values are gone by then: refused, saying to mark it first."""
+    net = _quiet_net()
+    model, _ = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    with pytest.raises(mixprec.errors.AutocastError, match="before mixprec casts the model") as info:
+        mixprec.keep_fp32(model[1])
+    assert "before initialize or fit" in str(info.value)

@@ -416,6 +416,11 @@ def test_skip_limit_says_overflow_is_ruled_out_only_at_the_floor() -> None:
     with pytest.raises(PersistentOverflowError, match=floor_said) as raised:
         _run(floored, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     assert "raise skip_limit" not in str(raised.value)
+    # A Mamba trial: at the floor a hand-written RMSNorm's backward still overflowed fp16; the message had
+    # ruled gradient overflow out. It names that cause now, and where to keep the part in fp32.
+    said = str(raised.value)
+    assert "does not come from gradient overflow" not in said
+    assert "a backward that overflows the half dtype at any scale" in said and "mixprec.keep_fp32" in said
 
 
 def test_a_static_scale_above_the_floor_is_named_as_a_cause_and_fp32_floors_are_reached() -> None:

@@ -329,7 +329,9 @@ class BackwardEvent:
                 f"({_counts(self.grad)}), and the one w.r.t. {self.after}'s output, computed just before it, "
                 f"was finite: the backward of what the forward ran after {self.label} and up to {self.after} "
                 f"(that module, and code between them) overflowed {name}{at_scale}. A GradScaler skips such "
-                "a step and lowers the scale; if it keeps happening, keep that part in fp32.")
+                "a step and lowers the scale; if it keeps happening (at a scale of 1 too), keep that part in "
+                "fp32: mixprec.keep_fp32(module) before initialize or to_fp16() (a half model), or compute "
+                "it from .float() tensors and cast the result back.")
 
     def report(self) -> str:
         return "\n".join([f"first non-finite gradient: w.r.t. the output of {self.label}",
