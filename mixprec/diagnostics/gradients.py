@@ -196,7 +196,8 @@ class GradientReport:
         return stats.outcome(scale, format) if stats is not None else None
 
     def table(self, scale: float | None = None) -> Table:
-        """A rich table, one row per parameter plus "all": fp16 outcomes unscaled and at ``scale``."""
+        """A rich table, one row per parameter plus "all": fp16 outcomes unscaled and at ``scale``. Show it
+        with rich (``rich.print(report.table())``): the built-in ``print`` shows the object's repr."""
         return _report_table(self, self._other_scale(scale))
 
     def summary(self, scale: float | None = None) -> str:
