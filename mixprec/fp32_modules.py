@@ -8,6 +8,7 @@ not touched (an fp16 model stays fp16).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,10 @@ from mixprec.errors import AutocastError
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import is_prepared
 from mixprec.policy.devices import DEVICES
-from mixprec.region import Region, is_current
+from mixprec.region import Region, in_any_region, is_current
 from mixprec.tensor_args import map_tensors
+from mixprec.tree import iter_tensors
+from mixprec.warn_site import user_stacklevel
 
 __all__ = ["ModuleRules", "is_kept_fp32", "keep_fp32", "release_fp32"]
 
@@ -36,6 +39,7 @@ def _enter_fp32(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     devices = tuple(d for d in DEVICES if torch.is_autocast_enabled(d))
     _SCOPES.stack.append((id(module), devices))
     if not devices:
+        _warn_if_half_model_runs_it_half(module, args, kwargs)
         return None
     for device_type in devices:
         torch.set_autocast_enabled(device_type, False)
@@ -56,6 +60,30 @@ def _exit_fp32(module: torch.nn.Module, *_: Any) -> None:
 
 
 _KEEP_ATTR = "_mixprec_keep_fp32_handles"
+# set by half_model.prepare on the marked modules whose tensors it kept fp32 (their inputs go to fp32 there)
+HANDLED_ATTR = "_mixprec_fp32_in_half_model"
+_WARNED_ATTR = "_mixprec_keep_fp32_warned"
+
+
+def _warn_if_half_model_runs_it_half(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    """A half model's region (O2, to_fp16(), half_compute) has no torch autocast to switch off: there a
+    marked module runs in fp32 only where prepare saw the mark before the cast. Elsewhere (marked after
+    it, a parameterless module; a model cast by hand in half_compute) its half inputs would run it in
+    half, silently: said once per module."""
+    if (getattr(module, HANDLED_ATTR, False) or getattr(module, _WARNED_ATTR, False)
+            or torch.compiler.is_compiling() or not in_any_region()):
+        return
+    half = [t for t in iter_tensors((args, kwargs)) if t.dtype in HALF_DTYPES]
+    if half:
+        object.__setattr__(module, _WARNED_ATTR, True)
+        warnings.warn(
+            f"mixprec.keep_fp32: this {type(module).__name__} gets {half[0].dtype} inputs in a half model's "
+            "region, which keep_fp32 does not switch off: it runs in half. Fix: mark it before "
+            "initialize(..., 'O2') or fit with to_fp16() (mixprec then keeps it fp32 and casts its inputs), "
+            "or compute it from .float() tensors in its forward.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def keep_fp32(module: torch.nn.Module) -> torch.nn.Module:

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from mixprec.autocast import autocast, half_compute
 from mixprec.distributed import is_sharded
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
-from mixprec.fp32_modules import is_kept_fp32
+from mixprec.fp32_modules import HANDLED_ATTR, is_kept_fp32
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
@@ -744,6 +744,7 @@ def prepare(
         hooks += [m.register_forward_hook(CastOutputs(dtype)) for m in tables]
         # a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back
         for m in outermost_kept_fp32(model):
+            object.__setattr__(m, HANDLED_ATTR, True)  # its keep_fp32 hook need not warn: fp32 here
             hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
             hooks.append(m.register_forward_hook(CastOutputs(dtype)))
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)

@@ -1536,3 +1536,37 @@ def test_keep_fp32_after_the_cast_is_refused_naming_the_order() -> None:
     with pytest.raises(mixprec.errors.AutocastError, match="before mixprec casts the model") as info:
         mixprec.keep_fp32(model[1])
     assert "before initialize or fit" in str(info.value)
+
+
+class _ParameterlessNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+def test_keep_fp32_on_a_parameterless_module_works_before_the_cast_and_is_warned_of_after() -> None:
+    """A re-trial: a parameterless norm marked after initialize was accepted and ran in half, silently (the
+    refusal reads parameters). Marked before, it runs in fp32; after, its first half forward warns."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), _ParameterlessNorm(), nn.Linear(8, 4))
+
+    before = net()
+    mixprec.keep_fp32(before[1])
+    model, _ = amp.initialize(before, torch.optim.SGD(before.parameters(), lr=0.1), opt_level="O2",
+                              verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(4, 8))
+    assert model[1].seen is torch.float32
+    amp.reset()
+    after = net()
+    model, _ = amp.initialize(after, torch.optim.SGD(after.parameters(), lr=0.1), opt_level="O2",
+                              verbosity=0)
+    mixprec.keep_fp32(model[1])
+    with pytest.warns(UserWarning, match="keep_fp32: this _ParameterlessNorm gets torch.float16 inputs"):
+        model(torch.randn(4, 8))
+    assert model[1].seen is torch.float16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(4, 8))  # once per module
