@@ -44,13 +44,14 @@ from mixprec.checkpoint_checks import check_scaler
 from mixprec.distributed import forward_skips_grad_sync, process_rank
 from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError
 from mixprec.half_model import (
-    BATCHNORM,
+    BATCHNORM_KEPT,
+    MARKED,
+    SPARSE,
     CastInputs,
     CastOutputs,
     HalfModel,
     check_castable,
-    keeps_sparse_grads,
-    outermost_kept_fp32,
+    fp32_roots,
     prepare,
 )
 from mixprec.hardware import HALF_DTYPES
@@ -418,8 +419,9 @@ def split_masters_of(optimizer: torch.optim.Optimizer,
 
 
 def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: Recipe) -> None:
-    """Split masters complete bf16 weights; O2 keeps BatchNorm's parameters fp32 (keep_batchnorm_fp32),
-    which the split wrapper would refuse once the model is cast: refuse before anything changes."""
+    """Split masters complete bf16 weights; O2 keeps some modules' parameters fp32 (half_model.fp32_roots:
+    BatchNorm, sparse tables, keep_fp32 modules), which the split wrapper would refuse once the model is
+    cast: refuse before anything changes."""
     for opt in optimizers:
         check_wrappable(_inner(opt))  # the optimizers the split layout cannot step (LBFGS), named now
     held = {id(p): p for opt in optimizers for g in _inner(opt).param_groups for p in g["params"]}
@@ -432,35 +434,28 @@ def check_split_params(models: list[nn.Module], optimizers: list[Any], recipe: R
             "parameter of the model, so it stays as it is: the split layout has nothing to split there.",
             "give the optimizer the model's parameters only, or keep O2's fp32 masters (drop split_masters).",
         )
-    tables = [type(m).__name__ for model in models for m in model.modules()
-              if keeps_sparse_grads(m) and any(id(p) in held for p in m.parameters(recurse=False))]
-    if tables:
-        raise ConfigError(
-            f"split_masters=True completes bf16 weights, but the model's {tables[0]} built with sparse=True "
-            "stays fp32 (its sparse gradient has no dense master): the split layout has nothing to split "
-            "there, and it steps dense gradients only.",
-            "keep O2's fp32 masters (split_masters=False) for a model with sparse-gradient tables, or build "
-            "them with sparse=False.",
-        )
-    marked = [type(m).__name__ for model in models for m in outermost_kept_fp32(model)
-              if any(id(p) in held for p in m.parameters())]
-    if marked:
-        raise ConfigError(
-            f"split_masters=True completes bf16 weights, but the model's {marked[0]} is marked with "
-            "mixprec.keep_fp32, so its parameters stay fp32: the split layout has nothing to split there.",
-            "keep O2's fp32 masters (split_masters=False), or leave the module unmarked.",
-        )
-    if not recipe.keep_batchnorm_fp32:
-        return
-    kept = [type(m).__name__ for model in models for m in model.modules()
-            if isinstance(m, BATCHNORM) and any(id(p) in held for p in m.parameters(recurse=False))]
-    if kept:
-        raise ConfigError(
-            f"split_masters=True completes bf16 weights, but O2 keeps the {kept[0]} parameters fp32 "
-            "(keep_batchnorm_fp32): the split layout has nothing to split there.",
-            "pass keep_batchnorm_fp32=False as well (to the Learner: recipe.replace(keep_batchnorm_fp32="
-            "False)), or keep O2's fp32 masters (split_masters=False) for a model with BatchNorm.",
-        )
+    for model in models:
+        for module, why in fp32_roots(model, recipe.keep_batchnorm_fp32):
+            if any(id(p) in held for p in module.parameters()):
+                problem, fix = _SPLIT_REFUSALS[why]
+                raise ConfigError(f"split_masters=True completes bf16 weights, but the model's "
+                                  f"{type(module).__name__} {problem}: the split layout has nothing to split "
+                                  "there.", fix)
+
+
+# Why a module the cast keeps fp32 (half_model.fp32_roots) cannot be held as split masters, and the fix
+_SPLIT_REFUSALS: dict[str, tuple[str, str]] = {
+    MARKED: ("is marked with mixprec.keep_fp32, so its parameters stay fp32",
+             "keep O2's fp32 masters (split_masters=False), or leave the module unmarked."),
+    SPARSE: ("built with sparse=True stays fp32 (its sparse gradient has no dense master; the split step "
+             "takes dense gradients only)",
+             "keep O2's fp32 masters (split_masters=False) for a model with sparse-gradient tables, or build "
+             "them with sparse=False."),
+    BATCHNORM_KEPT: ("parameters stay fp32 under O2 (keep_batchnorm_fp32)",
+                     "pass keep_batchnorm_fp32=False as well (to the Learner: recipe.replace("
+                     "keep_batchnorm_fp32=False)), or keep O2's fp32 masters (split_masters=False) for a "
+                     "model with BatchNorm."),
+}
 
 
 def _check_fp32(model: nn.Module, held: set[int]) -> None:

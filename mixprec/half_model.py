@@ -72,21 +72,37 @@ def keeps_sparse_grads(module: nn.Module) -> bool:
     return isinstance(module, EMBEDDINGS) and bool(getattr(module, "sparse", False))
 
 
+# Why a cast to half leaves a module's tensors fp32, strongest first (a module inside a kept one is kept with
+# it): keep_fp32 marked it (a hand-written RMSNorm, whose rsqrt backward, 0.5 * rsqrt(x)**3, overflows fp16
+# where x is small); an embedding with sparse gradients (no dense master); BatchNorm (keep_batchnorm_fp32).
+MARKED, SPARSE, BATCHNORM_KEPT = "marked with mixprec.keep_fp32", "sparse", "batchnorm"
+
+
+def _kept_why(module: nn.Module, keep_bn_fp32: bool) -> str | None:
+    if is_kept_fp32(module):
+        return MARKED
+    if keeps_sparse_grads(module):
+        return SPARSE
+    return BATCHNORM_KEPT if keep_bn_fp32 and isinstance(module, BATCHNORM) else None
+
+
+def fp32_roots(model: nn.Module, keep_bn_fp32: bool = True) -> list[tuple[nn.Module, str]]:
+    """The outermost modules whose tensors a cast to half leaves fp32, each with why (MARKED, SPARSE or
+    BATCHNORM_KEPT); everything inside one stays fp32 with it."""
+    roots: list[tuple[nn.Module, str]] = []
+    inside: set[int] = set()
+    for m in model.modules():  # parents before children
+        why = None if id(m) in inside else _kept_why(m, keep_bn_fp32)
+        if why is not None:
+            roots.append((m, why))
+            inside.update(id(i) for i in m.modules())
+    return roots
+
+
 def fp32_kept(model: nn.Module, keep_bn_fp32: bool = True) -> set[int]:
-    """The ids of the modules whose own tensors a cast to half leaves fp32: BatchNorm's (with
-    ``keep_bn_fp32``), sparse-gradient embeddings (:func:`keeps_sparse_grads`), and the modules
-    :func:`~mixprec.fp32_modules.keep_fp32` marked, with everything inside them (a hand-written RMSNorm
-    whose rsqrt's backward, 0.5 * rsqrt(x)**3, overflows fp16 where x is small)."""
-    kept = {id(m) for m in model.modules()
-            if (keep_bn_fp32 and isinstance(m, BATCHNORM)) or keeps_sparse_grads(m)}
-    return kept | {id(inner) for m in model.modules() if is_kept_fp32(m) for inner in m.modules()}
-
-
-def outermost_kept_fp32(model: nn.Module) -> list[nn.Module]:
-    """The :func:`~mixprec.fp32_modules.keep_fp32` modules not inside another: where a half model's
-    activations go to fp32 and come back."""
-    inner = {id(i) for m in model.modules() if is_kept_fp32(m) for i in m.modules() if i is not m}
-    return [m for m in model.modules() if is_kept_fp32(m) and id(m) not in inner]
+    """The ids of every module whose own tensors a cast to half leaves fp32 (:func:`fp32_roots` and all
+    inside them)."""
+    return {id(i) for m, _ in fp32_roots(model, keep_bn_fp32) for i in m.modules()}
 
 
 @dataclass(frozen=True)
@@ -246,6 +262,18 @@ def _warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype
         warnings.warn(f"The model's input {i} {problem}. Fix: {fix}.", UserWarning,
                       stacklevel=user_stacklevel())
         return
+
+
+class _Flag:
+    """A module attribute (fp32_modules.HANDLED_ATTR) set while the model is prepared, taken off with the
+    hooks (restore), so an fp32 model run later by hand under half_compute is warned about again."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+        object.__setattr__(module, name, True)
+
+    def remove(self) -> None:
+        self.module.__dict__.pop(self.name, None)
 
 
 class CastOutputs:
@@ -740,11 +768,11 @@ def prepare(
         _warn_computed_buffers_rounded(half.converted, dtype)
         # a sparse-gradient table kept fp32 hands on its rows in the model's dtype, as a half table would:
         # the lookup reads them exactly, the cast rounds them once (a GEMM after it would round them anyway)
-        tables = [m for m in model.modules() if keeps_sparse_grads(m)]
-        hooks += [m.register_forward_hook(CastOutputs(dtype)) for m in tables]
+        roots = fp32_roots(model, recipe.keep_batchnorm_fp32)
+        hooks += [m.register_forward_hook(CastOutputs(dtype)) for m, why in roots if why == SPARSE]
         # a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back
-        for m in outermost_kept_fp32(model):
-            object.__setattr__(m, HANDLED_ATTR, True)  # its keep_fp32 hook need not warn: fp32 here
+        for m in (m for m, why in roots if why == MARKED):
+            hooks.append(_Flag(m, HANDLED_ATTR))  # type: ignore[arg-type]  # its keep_fp32 hook: no warning
             hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
             hooks.append(m.register_forward_hook(CastOutputs(dtype)))
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)

@@ -1570,3 +1570,16 @@ def test_keep_fp32_on_a_parameterless_module_works_before_the_cast_and_is_warned
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(torch.randn(4, 8))  # once per module
+
+
+def test_after_restore_a_kept_module_run_by_hand_in_half_is_warned_of_again() -> None:
+    """prepare marks the keep_fp32 modules it keeps fp32 (no warning there); restore takes the mark off, so
+    the same model cast by hand and run under half_compute, where the module runs in half, says so."""
+    net = nn.Sequential(nn.Linear(8, 8), _ParameterlessNorm(), nn.Linear(8, 4))
+    mixprec.keep_fp32(net[1])
+    model, _ = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.restore(model)
+    model.half()
+    with pytest.warns(UserWarning, match="keep_fp32: this _ParameterlessNorm gets torch.float16"):
+        with mixprec.half_compute("cpu", torch.float16):
+            model(torch.randn(4, 8).half())
