@@ -43,9 +43,10 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -76,6 +77,8 @@ try:
 except ImportError:
     resource = None  # type: ignore[assignment]
 HAS_RUSAGE = resource is not None
+
+T = TypeVar("T")  # what a measurement of one runner returns (measure_each)
 
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 # A user trial's size: GEMMs small enough that each cast and dispatched op shows (emulated bf16, eager)
@@ -755,53 +758,65 @@ def reference_gemm(dtype: torch.dtype, device: str = "cpu", repeats: int = 3) ->
     return hardware.gemm_gflops(device, dtype, REFERENCE_SIZE[device][dtype], repeats=repeats)
 
 
+def measure_each(
+    workload: Workload, names: list[str], modes: tuple[bool, ...], device: str,
+    measure: Callable[[Runner], T],
+) -> Iterator[tuple[tuple[str, bool], T | str]]:
+    """``measure`` of each named configuration in each mode, one after another from one initial state:
+    (key, its result), or (key, why there is none): skipped where it has no fast kernels here, as in the main
+    table, or the error it raised, after leaving any region the failed step left entered (:func:`_failed`),
+    so the next configuration runs clean."""
+    torch.manual_seed(0)
+    state = workload.make().state_dict()
+    for config in (c for c in CONFIGS if c.name in names):
+        for compiled in modes:
+            key = (config.name, compiled)
+            result: T | str = "skipped: no fast kernels here"
+            if not is_slow(config, device):
+                try:
+                    runner = make_runner(workload, config, compiled, state, workload.batch_size, device)
+                    result = measure(runner)
+                except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
+                    result = _failed(key, workload.batch_size, err, Console(quiet=True), device).error
+            yield key, result
+
+
 def time_phases(
     workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int, device: str = "cpu",
     syncs: dict[tuple[str, bool], list[str]] | None = None,
 ) -> dict[tuple[str, bool], dict[str, float] | str]:
-    """:func:`phase_times` of each named configuration in each mode, one after another (not round-robin:
-    a phase table compares phases within a step; the main table compares steps). A configuration with no
-    fast kernels here is skipped, as in the main table. With ``syncs`` (a GPU), also :func:`host_syncs`
-    of each runner, into it."""
-    torch.manual_seed(0)
-    state = workload.make().state_dict()
+    """:func:`phase_times` of each named configuration in each mode (:func:`measure_each`; not round-robin:
+    a phase table compares phases within a step; the main table compares steps). With ``syncs`` (a GPU),
+    also :func:`host_syncs` of each runner, into it."""
+    def measure(runner: Runner) -> tuple[dict[str, float], list[str] | None]:
+        return phase_times(runner, steps), (None if syncs is None else host_syncs(runner))
+
     rows: dict[tuple[str, bool], dict[str, float] | str] = {}
-    for config in (c for c in CONFIGS if c.name in names):
-        for compiled in modes:
-            if is_slow(config, device):
-                rows[(config.name, compiled)] = "skipped: no fast kernels here"
-                continue
-            try:
-                runner = make_runner(workload, config, compiled, state, workload.batch_size, device)
-                rows[(config.name, compiled)] = phase_times(runner, steps)
-                if syncs is not None:
-                    syncs[(config.name, compiled)] = host_syncs(runner)
-            except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
-                rows[(config.name, compiled)] = _failed((config.name, compiled), workload.batch_size, err,
-                                                        Console(quiet=True), device).error
+    for key, result in measure_each(workload, names, modes, device, measure):
+        if isinstance(result, str):
+            rows[key] = result
+            continue
+        rows[key], waits = result
+        if syncs is not None and waits is not None:
+            syncs[key] = waits
     return rows
 
 
 def print_kernel_shares(workload: Workload, names: list[str], modes: tuple[bool, ...], steps: int,
                         device: str, console: Console) -> None:
-    """:func:`kernel_share` of each named configuration in each mode, one after another."""
-    torch.manual_seed(0)
-    state = workload.make().state_dict()
-    for config in (c for c in CONFIGS if c.name in names):
-        for compiled in modes:
-            label = f"{workload.name}, {config.name} ({MODE_NAMES[compiled]})"
-            try:
-                k = kernel_share(make_runner(workload, config, compiled, state, workload.batch_size, device),
-                                 steps)
-            except Exception as err:  # noqa: BLE001 - a failing configuration is a result, not a crash
-                console.print(f"{label}: failed: {type(err).__name__}: {err}")
-                continue
-            console.print(f"{label}: step {k.step_ms:.2f} ms, GPU kernels {k.kernels_ms:.2f} ms, GEMMs "
-                          f"{k.gemm_ms:.2f} ms ({k.gemm_ms / k.step_ms:.0%} of the step): at most "
-                          f"{k.bound:.2f}x faster with everything else free")
-            for name, ms in k.top:
-                kind = "GEMM " if GEMM_KERNEL.search(name) else "     "
-                console.print(f"    {ms:7.3f} ms  {kind}{name[:110]}")
+    """:func:`kernel_share` of each named configuration in each mode (:func:`measure_each`)."""
+    for (name, compiled), k in measure_each(workload, names, modes, device,
+                                            lambda runner: kernel_share(runner, steps)):
+        label = f"{workload.name}, {name} ({MODE_NAMES[compiled]})"
+        if isinstance(k, str):
+            console.print(f"{label}: {k}")
+            continue
+        console.print(f"{label}: step {k.step_ms:.2f} ms, GPU kernels {k.kernels_ms:.2f} ms, GEMMs "
+                      f"{k.gemm_ms:.2f} ms ({k.gemm_ms / k.step_ms:.0%} of the step): at most "
+                      f"{k.bound:.2f}x faster with everything else free")
+        for kernel, ms in k.top:
+            kind = "GEMM " if GEMM_KERNEL.search(kernel) else "     "
+            console.print(f"    {ms:7.3f} ms  {kind}{kernel[:110]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
+import mixprec
 from mixprec import hardware
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
@@ -379,3 +380,27 @@ def test_kernel_share_bound_is_the_step_over_its_gemms(bench: ModuleType) -> Non
 def test_kernels_asks_for_a_gpu(bench: ModuleType) -> None:
     with pytest.raises(SystemExit, match="--kernels times GPU kernels: use it with --device cuda"):
         bench.main(["--kernels", "mixprec O2 bf16"])
+
+
+def test_kernel_shares_after_a_failed_configuration_run_the_next_outside_its_region(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A configuration whose step raises inside a region is a printed result, and the next one is measured
+    with no region left entered (as the main table and the phase table do)."""
+    seen: list[tuple[int, bool, int]] = []
+
+    def share(runner: object, steps: int) -> object:
+        seen.append((torch._C._len_torch_function_stack(), torch.is_autocast_enabled("cpu"),
+                     len(bench.STATE.regions)))
+        if len(seen) == 1:
+            mixprec.autocast("cpu", torch.float16).__enter__()  # a step that fails inside its region
+            raise RuntimeError("step failed inside the region")
+        return bench.KernelShare(2.0, 1.5, 1.0, [("gemm_kernel", 1.0)])
+
+    monkeypatch.setattr(bench, "kernel_share", share)
+    console = Console(width=200, record=True)
+    bench.print_kernel_shares(_tiny(bench), ["fp32", "mixprec O1 fp16"], (False,), 1, "cpu", console)
+    text = console.export_text()
+    assert "fp32 (eager): " in text and "RuntimeError: step failed inside the region" in text
+    assert "mixprec O1 fp16 (eager): step 2.00 ms" in text
+    assert seen[1] == (0, False, 0)  # nothing of the failed step's region left
