@@ -39,12 +39,16 @@ __all__ = ["RELU_NAMES", "half_relu", "relu"]
 RELU_NAMES = frozenset({"relu"})
 
 
-class _HalfRelu(torch.autograd.Function):
+class _TracedHalfRelu(torch.autograd.Function):
+    generate_vmap_rule = True  # torch.func's vmap batches forward and backward as written
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(x)
-        ctx.save_for_backward(out)  # what torch's ReLU saves: the half output
-        return out
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)  # what torch's ReLU saves: the half output
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -55,6 +59,21 @@ class _HalfRelu(torch.autograd.Function):
         # threshold_backward's rule, written out so that its comparison can read the fp32 copy.
         return torch.where(out.float() <= 0, 0, grad)
 
+
+
+class _HalfRelu(_TracedHalfRelu):
+    """:class:`_TracedHalfRelu` with forward-mode AD (torch.func.jvp, jacfwd), for eager code: Dynamo does
+    not trace an autograd function that defines a jvp, so compiled code applies the parent."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        _TracedHalfRelu.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(x_t, out, 0)  # torch's ReLU tangent: zero where out <= 0
 
 def half_relu(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str
@@ -67,7 +86,7 @@ def half_relu(
         return None
     if inplace or not (x.requires_grad and torch.is_grad_enabled()):
         return None
-    return _HalfRelu.apply(x)
+    return (_TracedHalfRelu if torch.compiler.is_compiling() else _HalfRelu).apply(x)
 
 
 def relu(

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mixprec
+from mixprec import hardware
 from mixprec.emulation import emulated
 from mixprec.half_compute import half_compute
 
@@ -298,3 +300,76 @@ def test_an_fp32_activation_is_saved_as_its_half_rounding(form: str, dtype: torc
         out.float().square().sum().backward()
         results.append((out, leaf.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+# ---- torch.func -------------------------------------------------------------------------------------------
+
+
+class _FuncNet(nn.Module):
+    """A convolution, a ReLU, linears, a causal attention and matrix products: every autograd function of
+    the emulated path (the attention's where no vmap batches it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.qkv, self.out = nn.Conv1d(2, 4, 3, padding=1), nn.Linear(4, 12), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x)).transpose(1, 2)
+        q, k, v = self.qkv(h).unsqueeze(1).chunk(3, -1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+        return self.out(a @ a.transpose(1, 2) @ h).mean(1)
+
+
+@pytest.fixture
+def func_net(monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    monkeypatch.setenv(hardware.ENV_VAR, "cpu:emulated")  # both half dtypes through the emulated path
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _FuncNet(), torch.randn(4, 2, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_torch_func_grad_and_vmap_give_the_gradients_backward_gives(
+    func_net: tuple[nn.Module, torch.Tensor, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """torch.func's transforms (per-sample gradients with vmap(grad), MAML-style functional_call) raised
+    "an autograd.Function ... must override the setup_context staticmethod" under every interface on a
+    CPU without half units. grad gives backward's gradients bit for bit; vmap batches them within a half
+    rounding (its attention takes the generic path)."""
+    net, x, y = func_net
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(net, p, (xi[None],)).float(), yi[None])
+
+    with mixprec.autocast("cpu", dtype):
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        for i in range(len(x)):
+            one = torch.func.grad(loss)(params, x[i], y[i])
+            net.zero_grad()
+            loss(dict(net.named_parameters()), x[i], y[i]).backward()
+            for name, p in net.named_parameters():
+                assert torch.equal(one[name], p.grad), name
+                torch.testing.assert_close(per_sample[name][i], p.grad, rtol=0,
+                                           atol=4 * torch.finfo(dtype).eps * p.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_torch_func_jvp_is_the_fp32_tangent_within_half_roundings(
+    func_net: tuple[nn.Module, torch.Tensor, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """Forward-mode AD (jvp, jacfwd) raised "You must implement the jvp function". The tangent is fp32's
+    (torch's math attention: its CPU flash kernel has no forward AD of its own) within a few roundings to
+    the half dtype, and jacrev's Jacobian times the same direction."""
+    net, x, _ = func_net
+    direction = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    with mixprec.autocast("cpu", dtype):
+        _, tangent = torch.func.jvp(net, (x,), (direction,))
+        jacobian = torch.func.jacrev(net)(x)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        _, fp32 = torch.func.jvp(net, (x,), (direction,))
+    assert tangent.dtype is dtype  # the output's dtype, as torch's own half ops give it
+    bound = 8 * torch.finfo(dtype).eps * fp32.abs().max().item()
+    torch.testing.assert_close(tangent.float(), fp32, rtol=0, atol=bound)
+    torch.testing.assert_close(tangent.float(), torch.einsum("abcde,cde->ab", jacobian.float(), direction),
+                               rtol=0, atol=2 * bound)
