@@ -374,8 +374,29 @@ class _ModelForward(functools.partial):
         return _forward_after_load, (self.args[0],)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _ModelForward:
+        _warn_of_a_half_copy(self.args[0])
         # the copy's submodules keep their wrapped forwards (deepcopy rebinds bound methods): no re-wrap
         return _ModelForward(self.func, copy.deepcopy(self.args[0], memo))
+
+
+HALF_COPY_WARNING = (
+    "copy.deepcopy of a half model (O2, to_fp16()/to_bf16()): the copy holds its {dtype} weights, not "
+    "the fp32 masters the optimizer steps, and its state_dict() gives fp32 copies of them (apex's rule), "
+    "not the tensors themselves. An EMA updated in place through the copy's state_dict() (timm's "
+    "ModelEmaV2) never moves; one updated through its parameters() (lerp_, AveragedModel) averages in "
+    "{dtype} and rounds most updates away; a best-model snapshot keeps the rounded weights. Keep an EMA or "
+    "a snapshot of the fp32 masters: docs/recipes.md, 'An exponential moving average (EMA) of a half "
+    "model'. (To evaluate the copy or train it on its own, this does not matter.)"
+)
+
+
+def _warn_of_a_half_copy(model: nn.Module) -> None:
+    """Warn where a half model is deep-copied: the EMA and snapshot patterns that copy a model fail on it
+    silently (an EMA through state_dict() never moves: its values are fp32 copies, not the weights)."""
+    dtype = next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
+    if dtype is not None:
+        warnings.warn(HALF_COPY_WARNING.format(dtype=str(dtype).removeprefix("torch.")),
+                      stacklevel=user_stacklevel())
 
 
 def _forward_after_load(model: nn.Module) -> _ModelForward:

@@ -10,6 +10,7 @@ module call): a fixed level pointed into mixprec's or torch's files on the other
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 
@@ -19,7 +20,8 @@ __all__ = ["user_stacklevel"]
 
 # with the separator: torchvision's files start with torch's folder name, a user's mixprec_x/ with ours
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
-_SKIPPED_FILES = (contextlib.__file__,)  # `with scale_loss(...)`: contextlib's __exit__ calls ours
+# `with scale_loss(...)`: contextlib's __exit__ calls ours; `copy.deepcopy(model)`: copy's functions do
+_SKIPPED_FILES = (contextlib.__file__, copy.__file__)
 
 
 def user_stacklevel() -> int:

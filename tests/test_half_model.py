@@ -835,3 +835,31 @@ def test_sparse_gradient_embeddings_stay_fp32_and_hand_on_half_rows() -> None:
     ids = torch.tensor([1, 5, 7])
     rows = model[0](ids)
     assert rows.dtype == torch.float16 and torch.equal(rows, table[ids].half())
+
+
+def test_a_deep_copy_of_a_half_model_warns_where_it_is_made_and_names_the_fix() -> None:
+    """An EMA or snapshot made by deepcopy of a half model failed silently: timm's ModelEmaV2 updates the
+    copy through state_dict(), whose values are fp32 copies under apex's rule, so the average never moved;
+    one through parameters() averages in half. The copy warns at the user's line; an O1 model's (fp32
+    weights) and a restored model's copies do not."""
+    half = _net()
+    prepare(half, RECIPES["O2"].with_half_dtype(torch.bfloat16), "cpu", fp32_state_dict=True)
+    with pytest.warns(UserWarning, match="deepcopy of a half model") as caught:
+        copied = deepcopy(half)
+    assert caught[0].filename == __file__  # the user's line, not copy.py or mixprec's
+    message = str(caught[0].message)
+    assert "bfloat16" in message and "state_dict()" in message and "docs/recipes.md" in message
+    with torch.no_grad():  # what the warning says of a state_dict() update: it reaches no weight
+        before = copied[0].weight.clone()
+        for value in copied.state_dict().values():
+            if value.is_floating_point():
+                value.add_(1.0)
+        assert torch.equal(copied[0].weight, before)
+    o1 = _net()
+    prepare(o1, RECIPES["O1"], "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        deepcopy(o1)
+        handle = prepare(half := _net(), RECIPES["O2"], "cpu")
+        handle.restore()
+        deepcopy(half)
