@@ -44,7 +44,7 @@ from mixprec.callbacks import (
 from mixprec.callbacks.core import check_callback, check_event_result
 from mixprec.data import DataBunch
 from mixprec.errors import ConfigError
-from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
+from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, get_recipe
 from mixprec.scaler import GradScaler, OptState
 from mixprec.tree import map_tensors
 
@@ -322,7 +322,7 @@ class Learner:
     # ------------------------------------------------------------------ precision
     def to_fp16(
         self,
-        loss_scale: float = FASTAI_LOSS_SCALE,
+        loss_scale: float | None = None,
         max_noskip: int = FASTAI_MAX_NOSKIP,
         dynamic: bool = True,
         clip: float | None = None,
@@ -338,19 +338,15 @@ class Learner:
         ``to_fp16``, in its order; mixprec's extras are keyword-only. The recipe is
         :meth:`Recipe.fastai <mixprec.recipe.Recipe.fastai>` (its defaults and their reasons live there).
 
-        ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (512 by default), halves it on an
-        overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
-        ``max_scale`` (and down to ``min_scale``). ``dynamic=False`` keeps ``loss_scale`` fixed (steps with
-        inf/NaN gradients are still skipped). ``clip`` bounds the fp32 gradient norm after unscaling.
-        ``skip_limit`` stops training with :class:`~mixprec.errors.PersistentOverflowError` after that many
-        consecutive skipped steps, instead of skipping for ever when every batch overflows (e.g. NaN in
-        the data).
+        ``dynamic=True`` starts the dynamic scale at ``loss_scale`` (by default 2**16, fastai's), halves it
+        on an overflowing step (which is skipped) and doubles it after ``max_noskip`` clean steps, up to
+        ``max_scale`` (and down to ``min_scale``). ``dynamic=False`` keeps ``loss_scale`` fixed (by default
+        512, fastai's; steps with inf/NaN gradients are still skipped). ``clip`` bounds the fp32 gradient
+        norm after unscaling. ``skip_limit`` stops training with
+        :class:`~mixprec.errors.PersistentOverflowError` after that many consecutive skipped steps, instead
+        of skipping for ever when every batch overflows (e.g. NaN in the data).
 
         Where this differs from fastai v1's ``to_fp16``, on purpose:
-            * the default starting scale: fastai's default ``loss_scale=None`` starts a dynamic scale at
-              2**16 and a static one at 512; here the default is 512 in both modes (512 already lifts the
-              gradients that underflow in practice, without the first steps being skipped while a 2**16
-              scale backs off). An explicit ``None`` follows fastai's rule;
             * the masters start from the model's fp32 values, and ``fit`` ends with the model fp32 again,
               holding them; fastai cast the model to fp16 in ``to_fp16`` and made the masters from that
               rounding, again at every ``fit``;

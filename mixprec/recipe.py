@@ -12,17 +12,20 @@ fp32 / O0               fp32         fp32        (are fp32)   -         none
 pure-fp16 / pure-bf16   half         half        no           -         none
 fp16-master             fp16         fp32        yes          -         none
 fp16-static             fp16         fp32        yes          -         static 512
-fp16 / fp16-dynamic     fp16         fp32        yes          -         dynamic from 512 (fastai)
+fp16-dynamic            fp16         fp32        yes          -         dynamic from 512
+fp16                    fp16         fp32        yes          -         dynamic from 2**16 (fastai v1)
 O1                      fp32         fp32        (are fp32)   fp16      dynamic from 2**16 (apex)
 O2                      fp16         fp32        yes          -         dynamic from 2**16 (apex)
 O3                      fp16         fp16        no           -         static 1 (apex)
 bf16                    bf16         fp32        yes          -         none (fp32's exponent range)
 ======================  ===========  ==========  ===========  ========  =============================
 
-Why two starting scales: apex and torch.amp start at 2**16 and let the first few overflowing steps find the
-level (each costs a skipped step); the fastai-style recipes start at 512 (fastai v1's static scale; its
-dynamic one starts at 2**16), which already moves fp16's underflow threshold from 2**-24 to 2**-33 and
-rarely overflows, so their first steps are not skipped. Both converge to the same level.
+Starting scales: apex, torch.amp and fastai (v1's ``to_fp16``, v2's ``MixedPrecision``) start a dynamic
+scale at 2**16 and let the first few overflowing steps find the level (each costs a skipped step). The
+ladder's ``fp16-dynamic`` rung starts at 512, fastai v1's static scale, which moves fp16's underflow
+threshold from 2**-24 to 2**-33 and rarely overflows; but it grows only once per 1000 clean steps, so a
+model whose gradients need more (a layer scale of 1e-6: 98% of a ConvNeXt block's first gradients were
+zeros at 512, none at 2**16) waits thousands of steps for it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from mixprec.errors import ApexPropertyError, ConfigError
 from mixprec.hardware import HALF_DTYPES
-from mixprec.scale_state import ScaleConfig  # the scaler's own record of its settings: one definition
+from mixprec.scale_state import DEFAULT_INIT_SCALE, ScaleConfig  # the scaler's own record: one definition
 from mixprec.scaler import GradScaler
 
 __all__ = [
@@ -49,9 +52,9 @@ __all__ = [
     "APEX_MAX_LOSS_SCALE",
 ]
 
-# fastai v1's static loss scale (its dynamic one starts at 2**16 unless given; mixprec starts both here,
-# learner.py says why): moves fp16's underflow threshold from 2**-24 to 2**-33, while a logit
-# gradient (at most 1 per sample, divided by the batch size) times 512 stays far below fp16's max 65504.
+# fastai v1's static loss scale (its dynamic one starts at 2**16 unless given): moves fp16's underflow
+# threshold from 2**-24 to 2**-33, while a logit gradient (at most 1 per sample, divided by the batch
+# size) times 512 stays far below fp16's max 65504.
 FASTAI_LOSS_SCALE = 512.0
 # fastai v1's clean steps before a dynamic scale doubles: overflow is rare once the scale is tuned.
 FASTAI_MAX_NOSKIP = 1000
@@ -223,19 +226,24 @@ class Recipe:
     def fastai(
         cls,
         dtype: torch.dtype = torch.float16,
-        loss_scale: float | None = FASTAI_LOSS_SCALE,
+        loss_scale: float | None = None,
         max_noskip: int = FASTAI_MAX_NOSKIP,
         dynamic: bool = True,
         flat_master: bool = False,
-        max_scale: float = APEX_MAX_LOSS_SCALE,
+        max_scale: float | None = APEX_MAX_LOSS_SCALE,
         loss_fp32: bool = True,
         **scale_extras: Any,
     ) -> Recipe:
         """fastai v1's ``to_fp16`` (and ``to_bf16``): a half model with BatchNorm fp32, fp32 masters, and
-        (fp16 only, when ``loss_scale`` is set) loss scaling from 512. bf16 has fp32's exponent range:
-        no scaling."""
+        (fp16 only) loss scaling from ``loss_scale``; None is fastai's rule, its default: a dynamic scale
+        from 2**16 (at most ``max_scale``), a static one at 512. bf16 has fp32's exponent range: no
+        scaling (for fp16 without it: the ``fp16-master`` preset)."""
         scale = None
-        if dtype == torch.float16 and loss_scale is not None:
+        if loss_scale is None:  # fastai v1's rule (mixprec started at 512 once: see the module docstring)
+            loss_scale = DEFAULT_INIT_SCALE if dynamic else FASTAI_LOSS_SCALE
+            if dynamic and max_scale is not None:
+                loss_scale = min(loss_scale, max_scale)  # never above the ceiling (fastai would start above)
+        if dtype == torch.float16:
             bounds = {"max_scale": max_scale} if dynamic else {}
             scale = ScaleConfig(init_scale=loss_scale, dynamic=dynamic, growth_interval=max_noskip,
                                 **bounds, **scale_extras)  # fmt: skip

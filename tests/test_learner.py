@@ -239,14 +239,19 @@ def test_precision_switches_keep_one_callback() -> None:
 
 
 def test_to_fp16_keeps_fastais_signature_and_documented_scaling() -> None:
+    """fastai v1.0.61's to_fp16(loss_scale=None, max_noskip=1000, dynamic=True, clip=None, ...): None starts
+    a dynamic scale at 2**16, as fastai v2's (torch's GradScaler) does. mixprec started at 512, where a
+    ConvNeXt's layer-scale gradients (gamma 1e-6) were 98% zeros in fp16 and the scale took 1000 clean
+    steps per doubling to lift them."""
     learn = _learner().to_fp16()
     mp = learn.mp_cb
     assert isinstance(mp, MixedPrecision)
     settings = (mp.loss_scale, mp.dynamic, mp.flat_master, mp.max_noskip, mp.clip)
-    assert settings == (512.0, True, False, 1000, None)
+    assert settings == (2.0**16, True, False, 1000, None)
+    assert _learner().to_fp16(dynamic=False).mp_cb.loss_scale == 512.0  # fastai's static default
     learn.fit(1)
     assert learn.scaler is not None and learn.scaler.is_dynamic
-    assert learn.recorder.loss_scales[0] == 512.0  # dynamic scaling starts at loss_scale
+    assert learn.recorder.loss_scales[0] == 2.0**16  # dynamic scaling starts at loss_scale
 
 
 class MomentumLog(Callback):

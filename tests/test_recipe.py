@@ -12,11 +12,13 @@ from mixprec.recipe import RECIPES, Recipe, ScaleConfig, get_recipe
 
 
 def test_fastai_to_fp16_defaults_are_fastai_v1s() -> None:
-    # fastai v1 docs: to_fp16(loss_scale=512, flat_master=False, max_noskip=1000, dynamic=True,
-    # clip=None, max_scale=2**24, loss_fp32=True)
+    # fastai 1.0.61: to_fp16(loss_scale=None, max_noskip=1000, dynamic=True, clip=None, flat_master=False,
+    # max_scale=2**24, loss_fp32=True); MixedPrecision reads None as 2**16 dynamic, 512 static
     r = Recipe.fastai()
     assert r.model_dtype == torch.float16 and r.master_weights and r.keep_batchnorm_fp32 and r.loss_fp32
-    assert r.scale == ScaleConfig(init_scale=512.0, dynamic=True, growth_interval=1000, max_scale=2.0**24)
+    assert r.scale == ScaleConfig(init_scale=2.0**16, dynamic=True, growth_interval=1000, max_scale=2.0**24)
+    static = Recipe.fastai(dynamic=False).scale
+    assert static is not None and (static.init_scale, static.dynamic) == (512.0, False)
 
 
 def test_bf16_needs_no_loss_scale() -> None:

@@ -26,7 +26,7 @@ from mixprec.half_model import HalfModel, model_to_float, model_to_half, prepare
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
-from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
+from mixprec.recipe import APEX_MAX_LOSS_SCALE, FASTAI_MAX_NOSKIP, Recipe, ScaleConfig
 from mixprec.scaler import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, GradScaler, HasMasterGrads
 from mixprec.skip_step import BufferWatch
 from mixprec.split_state_dict import hook_split_state_dict
@@ -118,7 +118,7 @@ class MixedPrecision(Callback):
     def __init__(
         self,
         dtype: torch.dtype = torch.float16,
-        loss_scale: float | None = FASTAI_LOSS_SCALE,
+        loss_scale: float | None = None,
         max_noskip: int = FASTAI_MAX_NOSKIP,
         dynamic: bool = True,
         clip: float | None = None,
@@ -276,7 +276,7 @@ class AutocastMixedPrecision(MixedPrecision):
 
 def fastai_recipe(
     dtype: torch.dtype = torch.float16,
-    loss_scale: float | None = FASTAI_LOSS_SCALE,
+    loss_scale: float | None = None,
     max_noskip: int = FASTAI_MAX_NOSKIP,
     dynamic: bool = True,
     flat_master: bool = False,
@@ -303,13 +303,8 @@ def fastai_recipe(
     check_scaling_arguments(loss_scale=loss_scale, max_noskip=max_noskip, max_scale=max_scale,
                             min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
     extras = {k: v for k, v in (("min_scale", min_scale), ("skip_limit", skip_limit)) if v is not None}
-    if loss_scale is None:
-        # fastai v1's rule for None (its own default): a dynamic scale from 2**16, a static one at 512.
-        # (None meant "no scaling" here once: an explicit None from fastai code then trained fp16 unscaled,
-        # with no inf/NaN check.)
-        loss_scale = DEFAULT_INIT_SCALE if dynamic else FASTAI_LOSS_SCALE
-        if dynamic and max_scale is not None:
-            loss_scale = min(loss_scale, max_scale)  # never above the ceiling (fastai would start above it)
+    # None: fastai v1's rule, its default (Recipe.fastai). None meant "no scaling" here once: an explicit None
+    # from fastai code then trained fp16 unscaled, with no inf/NaN check.
     return Recipe.fastai(dtype, loss_scale, max_noskip, dynamic, flat_master, max_scale, loss_fp32, **extras)
 
 
