@@ -9,9 +9,11 @@ penalty inf, the final gradients inf, and the step is skipped.
 
 With opt levels: ``scale_loss(loss, opt, delay_unscale=True)`` yields the scaled loss for
 ``autograd.grad`` without touching ``.grad``; the scale to divide by is
-``mixprec.amp.loss_scaler().get_scale()``.
+``mixprec.amp.loss_scaler().get_scale()``. Under O2 (and ``to_fp16()``) the gradients ``autograd.grad``
+returns are the half model's dtype: upcast them before multiplying by 1/scale, or the small ones fall
+below fp16's range again (a user trial: 44% of a penalty's squared terms were zeros computed in fp16).
 
-Run:  python examples/grad_penalty.py --api scaler --precision fp16
+Run:  python examples/grad_penalty.py --api amp --opt-level O2 --precision fp16
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def train_scaler(half: bool, steps: int) -> dict[str, Any]:
             loss = F.cross_entropy(model(x), y)
         scaled_grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
         inv_scale = 1.0 / scaler.get_scale()  # a Python float: a constant in the graph (syncs once)
-        grads = [g * inv_scale for g in scaled_grads]  # out of place: keep the graph
+        grads = [g * inv_scale for g in scaled_grads]  # out of place: keep the graph (fp32 gradients here)
         with mixprec.autocast("cpu", torch.float16, enabled=half):
             penalty = grad_norm(grads)
             total = loss + PENALTY * penalty
@@ -65,9 +67,9 @@ def train_scaler(half: bool, steps: int) -> dict[str, Any]:
     return {"model": model, "losses": losses, "penalties": penalties}
 
 
-def train_amp(half: bool, steps: int) -> dict[str, Any]:
+def train_amp(half: bool, steps: int, opt_level: str = "O1") -> dict[str, Any]:
     model, opt, data = setup()
-    model, opt = mixprec.initialize(model, opt, opt_level="O1" if half else "O0", verbosity=0)
+    model, opt = mixprec.initialize(model, opt, opt_level=opt_level if half else "O0", verbosity=0)
     params = list(model.parameters())
     losses, penalties = [], []
     for x, y in itertools.islice(itertools.cycle(data.train), steps):
@@ -76,7 +78,8 @@ def train_amp(half: bool, steps: int) -> dict[str, Any]:
         with mixprec.scale_loss(loss, opt, delay_unscale=True) as scaled_loss:
             scaled_grads = torch.autograd.grad(scaled_loss, params, create_graph=True)
         inv_scale = 1.0 / mixprec.amp.loss_scaler().get_scale()
-        grads = [g * inv_scale for g in scaled_grads]
+        # fp32 before 1/scale: under O2 the gradients are fp16, like the half parameters they belong to
+        grads = [g.float() * inv_scale for g in scaled_grads]
         with mixprec.autocast("cpu", torch.float16, enabled=half):  # apex's O1 patched these ops too
             penalty = grad_norm(grads)
             total = loss + PENALTY * penalty
@@ -89,10 +92,14 @@ def train_amp(half: bool, steps: int) -> dict[str, Any]:
     return {"model": model, "losses": losses, "penalties": penalties}
 
 
-def main(api: str = "scaler", precision: str = "fp16", steps: int = 30) -> dict[str, Any]:
-    """Train with a gradient penalty; returns the model, the losses and the penalties."""
-    train = {"scaler": train_scaler, "amp": train_amp}[api]
-    return train(precision == "fp16", steps)
+def main(
+    api: str = "scaler", precision: str = "fp16", steps: int = 30, opt_level: str = "O1"
+) -> dict[str, Any]:
+    """Train with a gradient penalty; returns the model, the losses and the penalties. ``opt_level`` is
+    for ``api="amp"``."""
+    if api == "amp":
+        return train_amp(precision == "fp16", steps, opt_level)
+    return train_scaler(precision == "fp16", steps)
 
 
 if __name__ == "__main__":
@@ -100,6 +107,7 @@ if __name__ == "__main__":
     parser.add_argument("--api", choices=["scaler", "amp"], default="scaler")
     parser.add_argument("--precision", choices=["fp16", "fp32"], default="fp16")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--opt-level", choices=["O1", "O2"], default="O1", help="with --api amp")
     args = parser.parse_args()
-    result = main(args.api, args.precision, args.steps)
+    result = main(args.api, args.precision, args.steps, args.opt_level)
     print(f"final loss {result['losses'][-1]:.4f}, final penalty {result['penalties'][-1]:.4f}")

@@ -64,10 +64,10 @@ def test_accumulation_overflow_skips_whole_effective_step(api: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- penalty
-@pytest.mark.parametrize("api", APIS)
-def test_gradient_penalty_matches_fp32(api: str) -> None:
+@pytest.mark.parametrize(("api", "opt_level"), [*((api, "O1") for api in APIS), ("amp", "O2")])
+def test_gradient_penalty_matches_fp32(api: str, opt_level: str) -> None:
     recipe = example("grad_penalty")
-    half, ref = recipe.main(api, "fp16"), recipe.main(api, "fp32")
+    half, ref = recipe.main(api, "fp16", opt_level=opt_level), recipe.main(api, "fp32")
     # The penalty is computed from unscaled gradients: the first one (same weights) agrees with fp32's.
     assert half["penalties"][0] == pytest.approx(ref["penalties"][0], rel=1e-2)
     losses, ref_losses = torch.tensor(half["losses"]), torch.tensor(ref["losses"])
