@@ -51,6 +51,7 @@ __all__ = [
     "model_to_float",
     "fp32_originals",
     "prepare",
+    "warn_if_inputs_lost",
 ]
 
 # The dtypes that get an fp32 master (hardware.HALF_DTYPES). Everything else floating (fp32, fp64) is
@@ -202,7 +203,7 @@ class CastInputs:
 
     def __init__(self, dtype: torch.dtype, probe: tuple[nn.Module, str] | None = None) -> None:
         self.dtype = dtype
-        self.checked = False  # the first call's inputs were looked at (_warn_if_inputs_lost)
+        self.checked = False  # the first call's inputs were looked at (warn_if_inputs_lost)
         # (module, name) of one parameter the cast made ``dtype``: a forward finding it another dtype (the
         # user's model.float()) is refused, where half inputs would silently meet fp32 weights
         self.probe = probe
@@ -216,7 +217,7 @@ class CastInputs:
         cast = cast_floating((args, kwargs), self.dtype)
         if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
             self.checked = True  # once: it reads every floating input
-            _warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
+            warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
         return cast
 
 
@@ -232,7 +233,7 @@ def _refuse_recast(now: torch.dtype, cast_to: torch.dtype) -> None:
     )
 
 
-def _warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
+def warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype) -> None:
     """Say so where the input cast lost what a floating input meant: finite values that became inf (an
     additive mask filled with fp32's finfo.min: -inf in half), or whole numbers rounded (a diffusion
     model's timesteps: bf16 holds integers exactly only up to 256, so 998 and 999 both became 1000,

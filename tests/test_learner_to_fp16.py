@@ -8,9 +8,12 @@ import math
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
 import mixprec
 from mixprec.callbacks import Callback, CancelTrainException, MixedPrecision
+from mixprec.data import DataBunch
 from mixprec.errors import ConfigError, PersistentOverflowError
 from mixprec.learner import Learner
 
@@ -19,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # fastai v1's final signature (fastai/train.py, 1.0.6x): to_fp16(learn, loss_scale=None, max_noskip=1000,
 # dynamic=True, clip=None, flat_master=False, max_scale=2**24, loss_fp32=True).
 FASTAI_V1_ORDER = ["loss_scale", "max_noskip", "dynamic", "clip", "flat_master", "max_scale", "loss_fp32"]
-FASTAI_V1_DEFAULTS = {"max_noskip": 1000, "dynamic": True, "clip": None, "flat_master": False,
-                      "max_scale": 2**24, "loss_fp32": True}  # fmt: skip
+FASTAI_V1_DEFAULTS = {"loss_scale": None, "max_noskip": 1000, "dynamic": True, "clip": None,
+                      "flat_master": False, "max_scale": 2**24, "loss_fp32": True}  # fmt: skip
 
 
 def _learner() -> Learner:
@@ -183,3 +186,27 @@ def test_fastai_v2s_keywords_are_refused_with_their_v1_names() -> None:
         _learner().to_fp16(init_scale=1024.0, growth_interval=100)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'loss_scal'"):
         _learner().to_fp16(loss_scal=1024.0)
+
+
+def test_whole_number_inputs_the_learners_cast_rounds_are_named_once() -> None:
+    """The Learner casts a batch itself (fastai v1's callback does), so the model's input hook saw half
+    inputs and the warning initialize's models give (bf16 rounds 998 and 999 to 1000) never came: a user
+    trial's float timesteps reached a to_bf16() model rounded, silently."""
+    t = torch.tensor([998.0, 999.0, 361.0, 5.0])
+
+    class Timed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(1, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.lin(t[:, None] / 1000)
+
+    batches = [(t, torch.tensor([0, 1, 2, 3]))] * 2
+    loader = DataLoader(batches, batch_size=None)
+    data = DataBunch(loader, loader, None, (1,), "t")
+    learn = Learner(data, Timed(), silent=True).to_bf16()
+    with pytest.warns(UserWarning, match="input 0 holds whole numbers .* 998 became 1000") as said:
+        learn.fit(1)
+    assert said[0].filename == __file__
+    assert sum("whole numbers" in str(w.message) for w in said) == 1  # once per fit, not per batch

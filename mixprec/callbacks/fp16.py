@@ -16,13 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from mixprec.amp import check_split_params, split_master_values, split_masters_of
 from mixprec.apex_properties import Properties
 from mixprec.callbacks.clip import check_max_norm, clip_master_grads
 from mixprec.callbacks.core import Callback, positive_finite, positive_int, scaler_saw_step
 from mixprec.errors import ConfigError
-from mixprec.half_model import HalfModel, model_to_float, model_to_half, prepare
+from mixprec.half_model import HalfModel, model_to_float, model_to_half, prepare, warn_if_inputs_lost
 from mixprec.hardware import HALF_DTYPES
 from mixprec.low_precision import LowPrecisionOptimizer
 from mixprec.master import MasterWeights
@@ -155,6 +156,7 @@ class MixedPrecision(Callback):
         self.split: LowPrecisionOptimizer | None = None  # the recipe's split_masters, instead of masters
         self.scaler: GradScaler | None = None
         self.watch: BufferWatch | None = None
+        self.inputs_checked = False  # the fit's first batch was looked at (warn_if_inputs_lost)
 
     # ---- the recipe's settings under their old attribute names
     dtype = property(lambda self: self.recipe.half_dtype)
@@ -169,6 +171,7 @@ class MixedPrecision(Callback):
     def on_train_begin(self) -> None:
         device = self.learn.device.type
         self.split = None
+        self.inputs_checked = False
         if self.recipe.split_masters:
             check_split_params([self.learn.model], [self.learn.opt], self.recipe)  # before the cast
         # What the fit's end can give back exactly without a kept fp32 original: parameters with a master
@@ -199,7 +202,11 @@ class MixedPrecision(Callback):
 
     def on_batch_begin(self) -> None:
         if self.recipe.casts_model:  # as the forward hook would (each of several inputs): no double cast
-            self.learn.xb = cast_floating(self.xb, self.recipe.model_dtype)
+            cast = cast_floating(self.xb, self.recipe.model_dtype)
+            if not self.inputs_checked:  # the first batch, as the hook checks its first call's inputs
+                self.inputs_checked = True
+                warn_if_inputs_lost(tree_leaves(self.xb), tree_leaves(cast), self.recipe.model_dtype)
+            self.learn.xb = cast
 
     def on_backward_begin(self) -> None:
         self.learn.loss_grad = self.scaler.scale(self.loss_grad)
