@@ -116,6 +116,28 @@ def test_an_estimate_says_it_leaves_out_a_recurrent_layers_workspace() -> None:
     assert conv.notes == ()
 
 
+class _Logging(nn.Module):
+    """A forward that reads a value for its log, as many do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.last_max = nn.Linear(8, 2), 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_max = float(x.abs().max())
+        return self.lin(x)
+
+
+def test_an_estimate_of_a_forward_that_reads_a_value_is_refused_naming_the_measured_count() -> None:
+    """A user trial: `mixprec memory --model` on such a model died with torch's bare
+    DataDependentOutputException from its fake kernels. The measured count works, and says the same."""
+    batch = (torch.randn(4, 8), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ConfigError, match=r"(?s)fake tensors, which hold no values.*--measure") as raised:
+        memory_breakdown(_Logging(), torch.optim.Adam, batch, "O2", estimate=True)
+    assert "DataDependentOutputException" in str(raised.value)
+    assert memory_breakdown(_Logging(), torch.optim.Adam, batch, "O2").activations > 0
+
+
 def test_published_mlp_figures() -> None:
     with torch.device("meta"):  # 26 MB of parameters that are never allocated
         model = mlp()

@@ -595,7 +595,7 @@ def memory_breakdown(
     if mode is not None:  # the wrapped optimizer steps fp32 views of the half weights
         stepped = [maker.like(p, torch.float32) for p in trainable]
     arithmetic = _counted_arithmetic(recipe, _device_type(x), autocast)  # before any FakeTensorMode
-    with maker.active():
+    with maker.active(), _values_needed_by_the_estimate(estimate):
         saved = _saved_for_backward(step_model, x, y, recipe, loss_fn or default_loss, autocast)
         state = _optimizer_state_bytes(factory, [t.detach().requires_grad_(True) for t in stepped])
         extras = _extra_bytes(trainable, mode)
@@ -615,6 +615,27 @@ def memory_breakdown(
         arithmetic=arithmetic,
         notes=_estimate_notes(step_model) if estimate else (),
     )
+
+
+@contextlib.contextmanager
+def _values_needed_by_the_estimate(estimate: bool) -> Iterator[None]:
+    """An estimate's forward reads no values (fake tensors hold none): one that reads a value (``.item()``,
+    ``float(t)``, a branch on a tensor) or makes a shape from values (``nonzero``) is refused, naming the
+    measured count, where torch's own exception left a bare traceback from its fake kernels."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        if not estimate:
+            raise
+        raise ConfigError(
+            f"the estimate runs the model on fake tensors, which hold no values, and this model's step "
+            f"needs one ({type(err).__name__}: {err}): a value read in forward (.item(), float(t), an if on "
+            "a tensor) or a shape that depends on values (nonzero, masked_select)",
+            "measure instead: `mixprec memory ... --measure`, or memory_breakdown(..., estimate=False); or "
+            "move the read out of forward (a logging line)",
+        ) from err
 
 
 def _estimate_notes(model: nn.Module) -> tuple[str, ...]:
