@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.nn.attention import SDPBackend
 
 __all__ = ["half_saving_gemm"]
@@ -412,12 +413,30 @@ def _attention(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.T
     is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
     # the choice for the half tensors: the CPU flash kernel takes fp32, bf16 and fp16 alike
     try:
-        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+        choice = _sdp_choice(q, k, v, is_causal, scale)
     except RuntimeError:  # torch.func's vmap has no batching rule for the choice: the generic path
         return None
     if choice != int(SDPBackend.FLASH_ATTENTION):
         return None
     return _Attention.apply(q, k, v, is_causal, scale)[0]
+
+
+def _sdp_choice(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> int:
+    """The kernel torch picks for q, k, v. The memory estimate's fake tensors get MATH from torch's fake
+    kernel whatever they are (its O2 estimate then counted an attention's fp32 copies: 324 KiB against the
+    164 measured), so for them torch is asked about real stand-ins: one batch row and head of the same
+    shapes, dtype and last-dimension layout (what the CPU choice reads)."""
+    if not is_fake(q):
+        return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+
+    def stand_in(t: Tensor) -> Tensor:
+        lead, (rows, cols) = (1,) * (t.dim() - 2), t.shape[-2:]
+        if t.stride(-1) == 1:
+            return torch.empty(*lead, rows, cols, dtype=t.dtype)
+        return torch.empty(*lead, cols, rows, dtype=t.dtype).transpose(-2, -1)
+
+    with unset_fake_temporarily():
+        return torch._fused_sdp_choice(*map(stand_in, (q, k, v)), None, 0.0, is_causal, scale=scale)
 
 
 # ---- dispatch ---------------------------------------------------------------------------------------------
