@@ -80,6 +80,9 @@ HAS_RUSAGE = resource is not None
 
 T = TypeVar("T")  # what a measurement of one runner returns (measure_each)
 
+# torch's autocast dtypes outside any region (bf16 on the CPU, fp16 on CUDA), put back after a failed step
+_TOP_LEVEL_AUTOCAST_DTYPE = {device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda")}
+
 GPT_SIZE = GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
 # A user trial's size: GEMMs small enough that each cast and dispatched op shows (emulated bf16, eager)
 GPT_SMALL = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128)
@@ -556,6 +559,16 @@ def _failed(
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
     torch.set_autocast_enabled(device, False)
+    torch.set_autocast_dtype(device, _TOP_LEVEL_AUTOCAST_DTYPE[device])
+    # torch clears its autocast cache when the last region leaves (nesting back to 0): a region left
+    # entered kept it for good, and a later configuration's torch.autocast then reused weight casts made
+    # before the optimizer changed the weights. Back to the top level's nesting of 0 (torch has no getter).
+    level = torch.autocast_decrement_nesting()
+    while level > 0:
+        level = torch.autocast_decrement_nesting()
+    if level < 0:  # it was 0 already
+        torch.autocast_increment_nesting()
+    torch.clear_autocast_cache()
     STATE.regions.clear()
     reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:80]}"
     console.print(f"  {key[0]}{' compiled' if key[1] else ''}: failed ({reason})")

@@ -404,3 +404,11 @@ def test_kernel_shares_after_a_failed_configuration_run_the_next_outside_its_reg
     assert "fp32 (eager): " in text and "RuntimeError: step failed inside the region" in text
     assert "mixprec O1 fp16 (eager): step 2.00 ms" in text
     assert seen[1] == (0, False, 0)  # nothing of the failed step's region left
+    assert torch.get_autocast_dtype("cpu") is torch.bfloat16  # torch's top-level dtype, not the region's
+    with torch.autocast("cpu", torch.bfloat16):  # the nesting is back to 0: leaving a region clears the cache
+        w = nn.Parameter(torch.ones(2, 2))
+        nn.functional.linear(torch.ones(1, 2), w)
+    with torch.no_grad():
+        w.mul_(2)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert nn.functional.linear(torch.ones(1, 2), w).sum().item() == 8.0  # not the cached cast of 1s
