@@ -381,13 +381,14 @@ class _ModelForward(functools.partial):
 
 
 HALF_COPY_WARNING = (
-    "copy.deepcopy of a half model (O2, to_fp16()/to_bf16()): the copy holds its {dtype} weights, not "
-    "the fp32 masters the optimizer steps, and its state_dict() gives fp32 copies of them (apex's rule), "
-    "not the tensors themselves. An EMA updated in place through the copy's state_dict() (timm's "
-    "ModelEmaV2) never moves; one updated through its parameters() (lerp_, AveragedModel) averages in "
-    "{dtype} and rounds most updates away; a best-model snapshot keeps the rounded weights. Keep an EMA or "
-    "a snapshot of the fp32 masters: docs/recipes.md, 'An exponential moving average (EMA) of a half "
-    "model'. (To evaluate the copy or train it on its own, this does not matter.)"
+    "copy.deepcopy of a half model (O2, O3, to_fp16()/to_bf16()): the copy holds its {dtype} weights, not "
+    "fp32 masters, and its state_dict() gives fp32 copies of them (apex's rule), not the tensors "
+    "themselves. An EMA updated in place through the copy's state_dict() (timm's ModelEmaV2) never moves; "
+    "one updated through its parameters() (lerp_, AveragedModel) averages in {dtype} and rounds most "
+    "updates away; a best-model snapshot keeps the rounded weights. Keep an EMA or a snapshot in fp32, of "
+    "the masters where the optimizer keeps them: docs/recipes.md, 'An exponential moving average (EMA) of "
+    "a half model' (O3 keeps none: average its weights into an fp32 model). (To evaluate the copy or "
+    "train it on its own, this does not matter.)"
 )
 
 
