@@ -6,7 +6,11 @@ decided: its weights are half. Two things remain, and this region does them:
 1. **How half GEMMs compute.** Where :mod:`mixprec.hardware` says the device has no fast kernels for
    the dtype (CPU fp16: 3x-500x slower than fp32 in torch; bf16 without AVX-512 BF16/AMX: ~90x) every
    GEMM/convolution with an operand of that dtype is computed as a tensor core does
-   (:mod:`mixprec.emulation`).
+   (:mod:`mixprec.emulation`), every operand rounded to the dtype. Where it does, torch's own kernels run,
+   and a GEMM given half and fp32 operands (a timestep embedding computed in fp32 fed to a half Linear, as
+   DiT's is) gets its fp32 ones cast to the dtype first: the emulated GEMM's rounding, where torch's kernel
+   would refuse the mix ("mat1 and mat2 must have the same dtype"), so a model that runs on one device
+   runs on the other.
 2. **The numerically sensitive ops stay fp32** (``HALF_MODEL_FP32_*`` in :mod:`mixprec.policy.tables`):
    softmax, log_softmax, norms, exp/log, sum/mean and segment sums (index_add, scatter_add, in place
    too) take their half inputs upcast to fp32 and return their result in the input's half dtype; losses
@@ -36,7 +40,12 @@ from mixprec.policy.names import python_names
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import registry_version
 from mixprec.policy.rules import Action
-from mixprec.policy.tables import HALF_MODEL_FP32_ACTIVATIONS, HALF_MODEL_FP32_LOSSES, RECURRENT_OPS
+from mixprec.policy.tables import (
+    HALF_MODEL_FP32_ACTIVATIONS,
+    HALF_MODEL_FP32_LOSSES,
+    RECURRENT_OPS,
+    TORCH_TABLES,
+)
 from mixprec.region import (
     STATE,
     EntryMark,
@@ -63,11 +72,14 @@ _RECURRENT = frozenset(RECURRENT_OPS)
 class _HalfComputeMode(RegionMode):
     """Emulates the GEMM family for half operands and runs the sensitive ops in fp32 (module docstring)."""
 
-    def __init__(self, region: Region, gemms: frozenset[str], recurrent: frozenset[str]) -> None:
+    def __init__(
+        self, region: Region, gemms: frozenset[str], recurrent: frozenset[str], native_gemms: frozenset[str]
+    ) -> None:
         super().__init__()
         self.region = region
         self.gemms = gemms
         self.recurrent = recurrent  # the plan's fp32 recurrent layers (emulated regions: RECURRENT_OPS)
+        self.native_gemms = native_gemms  # the GEMM family where torch's half kernels run (native regions)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -90,8 +102,10 @@ class _HalfComputeMode(RegionMode):
         loss = _FP32_OPS.get(name)
         if loss is None and name in self.recurrent:
             loss = False  # fp32 arithmetic, the result rounded to the model's dtype
-        if (loss is None and name not in self.gemms) or torch.is_autocast_enabled(region.device_type):
+        if torch.is_autocast_enabled(region.device_type):
             return None
+        if loss is None and name not in self.gemms:
+            return self._lower_mixed if name in self.native_gemms and self._mixed(args, kwargs) else None
         half = any(t.dtype is region.dtype and eligible(t, region.device_type) for t in iter_tensors(args))
         if not half:
             return None
@@ -101,6 +115,21 @@ class _HalfComputeMode(RegionMode):
             return None
         in_place = name in _IN_PLACE
         return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss, in_place=in_place)
+
+
+    def _mixed(self, args: Any, kwargs: Any) -> bool:
+        """Whether a native GEMM's operands mix the region's half dtype and fp32 (a module kept fp32 has
+        fp32 ones only, and keeps its fp32 GEMM)."""
+        dtypes = {t.dtype for t in iter_tensors((args, kwargs)) if eligible(t, self.region.device_type)}
+        return self.region.dtype in dtypes and torch.float32 in dtypes
+
+    def _lower_mixed(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        region = self.region
+
+        def down(t: torch.Tensor) -> torch.Tensor:  # the rounding an emulated GEMM gives its operands
+            return t.to(region.dtype) if t.dtype is torch.float32 and eligible(t, region.device_type) else t
+
+        return self.pass_on(func, map_tensors(down, args), map_tensors(down, kwargs))
 
 
 def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: Any, keep_fp32: bool,
@@ -139,9 +168,14 @@ def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     )
     recurrent = frozenset(name for name, action in made.actions.items()
                           if action is Action.FP32 and name in _RECURRENT)
+    # torch's own GEMM family (its autocast's lower-precision list), whose half kernels a native region runs
+    native_gemms = frozenset() if made.emulate else frozenset(
+        name for rule in TORCH_TABLES.get(device_type, ()) if rule.action is Action.LOWER
+        for name in python_names(rule.op)
+    )
     # cache_enabled: a weight used several times in one forward is upcast once (see half_compute.__exit__)
     region = region_for(made, device_type, dtype, cache_enabled=True)
-    mode = _HalfComputeMode(region, gemms, recurrent)
+    mode = _HalfComputeMode(region, gemms, recurrent, native_gemms)
     if len(_MODES) >= 64:  # bounded like the plans it follows
         _MODES.clear()
     _MODES[key] = (made, mode)

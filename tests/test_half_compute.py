@@ -231,3 +231,42 @@ def test_a_half_models_lstm_runs_in_fp32_and_returns_half() -> None:
     ref_out, (ref_h, ref_c) = ref_lstm(x.half().float())
     for got, ref in ((out, ref_out), (h, ref_h), (c, ref_c)):
         assert got.dtype is torch.float16 and torch.equal(got, ref.half())
+
+
+class _Embedded(nn.Module):
+    """DiT's timestep embedding: sines computed in fp32 inside forward, fed to a half Linear; and a module
+    kept fp32 whose GEMM must stay fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.head = nn.Linear(16, 8), nn.Linear(8, 4)
+        self.kept = mixprec.keep_fp32(nn.Linear(8, 8))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        freqs = torch.exp(-torch.arange(8, dtype=torch.float32) / 8)
+        angles = t[:, None].float() * freqs  # fp32, whatever the model's dtype
+        return self.head(self.kept(self.mlp(torch.cat([angles.sin(), angles.cos()], -1))))
+
+
+@pytest.mark.parametrize("arithmetic", ["emulated", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_gemm_of_half_and_fp32_operands_runs_on_native_and_emulated_devices_alike(
+    arithmetic: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where mixprec emulates (an AVX2 CPU) every operand is rounded to the half dtype, so DiT's fp32
+    timestep embedding fed to a half Linear trained; where torch's half kernels run (a GPU, an AMX CPU)
+    the same O2 model raised "mat1 and mat2 must have the same dtype". The fp32 operands are cast first,
+    the emulated GEMM's rounding; a module kept fp32 keeps its fp32 GEMM."""
+    monkeypatch.setenv("MIXPREC_HALF_ARITHMETIC", f"cpu:{arithmetic}")
+    torch.manual_seed(0)
+    model = _Embedded()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    t = torch.tensor([3.0, 97.0, 500.0])
+    out = model(t)
+    assert model.kept.weight.dtype is torch.float32 and out.dtype is torch.float32
+    torch.testing.assert_close(out, reference(t), rtol=0, atol=8 * torch.finfo(dtype).eps)
+    out.sum().backward()
+    assert model.mlp.weight.grad is not None and model.mlp.weight.grad.dtype is dtype
+    mixprec.amp.reset()
