@@ -198,6 +198,7 @@ def initialize(
     master_grads: bool = True,
     compile_step: bool = False,
     split_masters: bool = False,
+    cast_model_inputs: bool = True,
     verbosity: int = 1,
 ) -> Any:
     """Prepare models and optimizers for mixed precision at an apex opt level.
@@ -212,6 +213,9 @@ def initialize(
     (O2, bf16) holds each fp32 master as the bf16 weight plus its low 16 bits instead
     (:class:`~mixprec.low_precision.LowPrecisionOptimizer` ``"split"``): the masters start at the same fp32
     values, 14 bytes per parameter with Adam, and on the CPU one native pass for Adam/AdamW.
+    ``cast_model_inputs=False`` (O2, O3) leaves the model's floating inputs as given, where apex casts them
+    to the half dtype: for inputs whose low bits matter (coordinates under a Fourier encoding, in a module
+    marked ``keep_fp32``; docs/recipes.md); the model's GEMMs still round them.
     ``verbosity``: 0 silent, 1 one line, 2 apex's property list.
 
     The third positional argument is ``opt_level``; apex's is ``enabled``, and a call in apex's order
@@ -238,7 +242,8 @@ def initialize(
     )
     if skip_limit is not None and recipe.scale is not None:
         recipe = recipe.replace(scale=dataclasses.replace(recipe.scale, skip_limit=skip_limit))
-    recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step, split_masters=split_masters)
+    recipe = recipe.replace(master_grads=master_grads, compile_step=compile_step, split_masters=split_masters,
+                            cast_inputs=cast_model_inputs)
     model_list, models_were_list = _as_list(models)
     opt_list, opts_were_list = _as_list(optimizers)
     given = opt_list

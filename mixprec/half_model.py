@@ -50,6 +50,7 @@ __all__ = [
     "model_to_half",
     "model_to_float",
     "fp32_originals",
+    "hook_fp32_roots",
     "prepare",
     "warn_if_inputs_lost",
 ]
@@ -201,12 +202,15 @@ class CastInputs:
     """A forward pre-hook casting the floating inputs to ``dtype``. An object, not a lambda: a prepared
     model pickles (``torch.save(model)``)."""
 
-    def __init__(self, dtype: torch.dtype, probe: tuple[nn.Module, str] | None = None) -> None:
+    def __init__(
+        self, dtype: torch.dtype, probe: tuple[nn.Module, str] | None = None, cast: bool = True
+    ) -> None:
         self.dtype = dtype
         self.checked = False  # the first call's inputs were looked at (warn_if_inputs_lost)
         # (module, name) of one parameter the cast made ``dtype``: a forward finding it another dtype (the
         # user's model.float()) is refused, where half inputs would silently meet fp32 weights
         self.probe = probe
+        self.cast = cast  # False (Recipe.cast_inputs): the probe's check only, the inputs left as given
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         probe = getattr(self, "probe", None)  # (a model pickled before the attribute existed has none)
@@ -214,6 +218,8 @@ class CastInputs:
             weight = probe[0]._parameters.get(probe[1])
             if weight is not None and weight.dtype is not self.dtype:
                 _refuse_recast(weight.dtype, self.dtype)
+        if not getattr(self, "cast", True):
+            return None
         cast = cast_floating((args, kwargs), self.dtype)
         if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
             self.checked = True  # once: it reads every floating input
@@ -768,6 +774,21 @@ def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtyp
         )
 
 
+def hook_fp32_roots(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool) -> list[Any]:
+    """The hooks that fit the modules a cast to ``dtype`` kept fp32 (:func:`fp32_roots`) into the half
+    model, as handles: a sparse-gradient table hands on its rows in the model's dtype, as a half table
+    would (the lookup reads them exactly, the cast rounds them once; a GEMM after it would round them
+    anyway); a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back.
+    prepare's, and the memory breakdown's on its copy of the model."""
+    roots = fp32_roots(model, keep_bn_fp32)
+    hooks: list[Any] = [m.register_forward_hook(CastOutputs(dtype)) for m, why in roots if why == SPARSE]
+    for m in (m for m, why in roots if why == MARKED):
+        hooks.append(_Flag(m, HANDLED_ATTR))  # its keep_fp32 hook: no warning
+        hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
+        hooks.append(m.register_forward_hook(CastOutputs(dtype)))
+    return hooks
+
+
 def prepare(
     model: nn.Module,
     recipe: Recipe,
@@ -789,17 +810,10 @@ def prepare(
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
-        # a sparse-gradient table kept fp32 hands on its rows in the model's dtype, as a half table would:
-        # the lookup reads them exactly, the cast rounds them once (a GEMM after it would round them anyway)
-        roots = fp32_roots(model, recipe.keep_batchnorm_fp32)
-        hooks += [m.register_forward_hook(CastOutputs(dtype)) for m, why in roots if why == SPARSE]
-        # a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back
-        for m in (m for m, why in roots if why == MARKED):
-            hooks.append(_Flag(m, HANDLED_ATTR))  # type: ignore[arg-type]  # its keep_fp32 hook: no warning
-            hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
-            hooks.append(m.register_forward_hook(CastOutputs(dtype)))
+        hooks += hook_fp32_roots(model, dtype, recipe.keep_batchnorm_fp32)
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)
-        hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe), with_kwargs=True))
+        hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe, recipe.cast_inputs),
+                                                     with_kwargs=True))
         if fp32_state_dict:
             hooks += [m._register_state_dict_hook(_fp32_state_dict) for m in model.modules()]
             hooks += share_tied_entries(model)

@@ -332,6 +332,7 @@ class Learner:
         *,
         min_scale: float | None = None,
         skip_limit: int | None = None,
+        cast_inputs: bool = True,
         **unknown: Any,
     ) -> Learner:
         """Train in fp16 with fp32 master weights and loss scaling. The positional arguments are fastai v1's
@@ -364,15 +365,18 @@ class Learner:
             raise TypeError(_unknown_to_fp16_arguments(unknown))
         recipe = fastai_recipe(torch.float16, loss_scale, max_noskip, dynamic, flat_master, max_scale,
                                loss_fp32, min_scale=min_scale, skip_limit=skip_limit)  # fmt: skip
-        return self.to_recipe(recipe, clip=clip)
+        return self.to_recipe(recipe.replace(cast_inputs=cast_inputs), clip=clip)
 
     def to_bf16(
-        self, flat_master: bool = False, clip: float | None = None, loss_fp32: bool = True
+        self, flat_master: bool = False, clip: float | None = None, loss_fp32: bool = True, *,
+        cast_inputs: bool = True,
     ) -> Learner:
         """Train in bf16 with fp32 master weights. No loss scaling: bf16 has fp32's exponent range, so
-        gradients do not underflow; its 8-bit significand is why the fp32 masters matter even more."""
+        gradients do not underflow; its 8-bit significand is why the fp32 masters matter even more.
+        ``cast_inputs=False`` (here and in ``to_fp16``) leaves the batch's floating inputs as given, where
+        fastai v1 casts them to half: for inputs whose low bits matter (coordinates; docs/recipes.md)."""
         recipe = fastai_recipe(torch.bfloat16, flat_master=flat_master, loss_fp32=loss_fp32)
-        return self.to_recipe(recipe, clip=clip)
+        return self.to_recipe(recipe.replace(cast_inputs=cast_inputs), clip=clip)
 
     def to_recipe(self, recipe: Recipe | str, clip: float | None = None) -> Learner:
         """Train with any precision recipe: a :class:`~mixprec.recipe.Recipe` or a preset's name

@@ -92,6 +92,10 @@ class Recipe:
     policy: Any = None  # a mixprec Policy or preset name for the autocast region; None: torch's op lists
     scale: ScaleConfig | None = None
     loss_fp32: bool = True  # compute the loss from an fp32 copy of the output: its reductions need fp32
+    # A half model's floating inputs cast to its dtype at its boundary (apex O2's and fastai v1's way; a
+    # GEMM would round them anyway). False leaves them as given, for inputs whose low bits matter
+    # (coordinates under a Fourier encoding: docs/recipes.md); its GEMMs still round them.
+    cast_inputs: bool = True
 
     def __post_init__(self) -> None:
         allowed = (torch.float32, *HALF_DTYPES)
@@ -127,6 +131,12 @@ class Recipe:
                 "use torch.bfloat16 with master_grads=False, or keep master_grads=True for fp16 (torch.amp "
                 "style, MasterWeights(opt, master_grads=False) with GradScaler's scaler.step(opt) unscales "
                 "inside the fused step instead).",
+            )
+        if not self.cast_inputs and not self.casts_model:
+            raise ConfigError(
+                f"recipe {self.name!r}: cast_inputs=False keeps a half model's inputs as given, but this "
+                "recipe casts no model (its inputs are left as given already).",
+                "drop it, or use a half model's recipe (O2, O3, to_fp16()/to_bf16()).",
             )
         if self.split_masters:
             self._check_split()

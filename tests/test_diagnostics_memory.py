@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import matplotlib.image
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mixprec
 from mixprec.commands import memory as memory_command
 from mixprec.diagnostics.memory import (
     as_recipe,
@@ -158,6 +160,24 @@ def test_an_attentions_estimate_equals_its_measurement(precision: str) -> None:
     measured = memory_breakdown(_Attending(), torch.optim.Adam, batch, precision)
     estimated = memory_breakdown(_Attending(), torch.optim.Adam, batch, precision, estimate=True)
     assert estimated.activations == measured.activations
+
+
+def _with_a_block(kept: bool) -> nn.Module:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    return nn.Sequential(nn.Linear(4, 8), mixprec.keep_fp32(block) if kept else block, nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("estimate", [False, True])
+def test_a_module_kept_fp32_is_counted_as_it_computes(estimate: bool) -> None:
+    """The breakdown's copy of an O2 model lacked prepare's hooks on a keep_fp32 module: it ran in half
+    (counted as half) and warned that it did. It computes in fp32 now, saving fp32 activations."""
+    batch = (torch.randn(64, 4), torch.zeros(64, dtype=torch.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain, kept = (memory_breakdown(_with_a_block(k), torch.optim.Adam, batch, "O2", estimate=estimate)
+                       for k in (False, True))
+    assert kept.activations > plain.activations
 
 
 def test_published_mlp_figures() -> None:

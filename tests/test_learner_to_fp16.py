@@ -210,3 +210,28 @@ def test_whole_number_inputs_the_learners_cast_rounds_are_named_once() -> None:
         learn.fit(1)
     assert said[0].filename == __file__
     assert sum("whole numbers" in str(w.message) for w in said) == 1  # once per fit, not per batch
+
+
+@pytest.mark.parametrize("to_half", ["to_fp16", "to_bf16"])
+def test_cast_inputs_false_hands_the_model_its_batch_as_given(to_half: str) -> None:
+    """fastai v1's callback casts each batch to half (the Learner's default, as before); cast_inputs=False
+    leaves the floating inputs fp32 for a model whose inputs' low bits matter (coordinates)."""
+    seen: list[torch.Tensor] = []
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x)
+            return self.lin(x.flatten(1))
+
+    for cast in (True, False):
+        seen.clear()
+        data = mixprec.digits(batch_size=64, seed=0)
+        learn = getattr(Learner(data, Spy(), silent=True), to_half)(cast_inputs=cast)
+        learn.fit(steps=2)
+        half = torch.float16 if to_half == "to_fp16" else torch.bfloat16
+        assert {x.dtype for x in seen} == {half if cast else torch.float32}
+        assert learn.model.lin.weight.dtype is torch.float32  # handed back fp32 either way

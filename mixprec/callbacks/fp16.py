@@ -201,7 +201,7 @@ class MixedPrecision(Callback):
         self.watch = self.scaler.watch(self.learn.model) if self.scaler.is_enabled() else None
 
     def on_batch_begin(self) -> None:
-        if self.recipe.casts_model:  # as the forward hook would (each of several inputs): no double cast
+        if self.recipe.casts_model and self.recipe.cast_inputs:  # as the forward hook would: no double cast
             cast = cast_floating(self.xb, self.recipe.model_dtype)
             if not self.inputs_checked:  # the first batch, as the hook checks its first call's inputs
                 self.inputs_checked = True

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
-from mixprec.half_model import fp32_kept
+from mixprec.half_model import fp32_kept, hook_fp32_roots
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import MasterWeights
@@ -310,7 +310,10 @@ def _copy_model(model: nn.Module, precision: Recipe, maker: _Maker) -> nn.Module
         for b in module.buffers(recurse=False):
             if id(b) not in memo:
                 memo[id(b)] = maker.like(b, _param_dtype(b, precision, id(module) in kept))
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    if precision.casts_model:  # its kept modules compute in fp32, as prepare's hooks make them
+        hook_fp32_roots(copied, precision.model_dtype, precision.keep_batchnorm_fp32)
+    return copied
 
 
 def split_batch(batch: Batch) -> tuple[Any, Any]:
@@ -343,10 +346,13 @@ def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
 
 
 def _copy_batch(batch: Batch, recipe: Recipe, maker: _Maker) -> tuple[Any, Any]:
+    # floating inputs as the model's boundary casts them: to its dtype, or left as given (cast_inputs=False)
+    floating = recipe.model_dtype if recipe.cast_inputs else None
+
     def convert(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        return maker.like(t, recipe.model_dtype if t.is_floating_point() else t.dtype)
+        return maker.like(t, floating or t.dtype if t.is_floating_point() else t.dtype)
 
     x, y = split_batch(batch)
     return convert(x), convert(y)
