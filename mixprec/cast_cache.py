@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from mixprec.func_transforms import inside_transform
+
 __all__ = ["CastCache"]
 
 _Entry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
@@ -26,6 +28,8 @@ class CastCache:
         self._entries: dict[tuple[int, object, bool], _Entry] = {}
 
     def get(self, tensor: torch.Tensor, kind: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if inside_transform():  # a cast made at a torch.func level has no autograd link outside it
+            return make()
         key = (id(tensor), kind, torch.is_grad_enabled())
         hit = self._entries.get(key)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:

@@ -33,6 +33,7 @@ from mixprec.autocast import autocast, half_compute
 from mixprec.distributed import is_sharded
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.fp32_modules import HANDLED_ATTR, is_kept_fp32
+from mixprec.func_transforms import inside_transform
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
@@ -221,7 +222,9 @@ class CastInputs:
         if not getattr(self, "cast", True):
             return None
         cast = cast_floating((args, kwargs), self.dtype)
-        if not getattr(self, "checked", True) and not torch.compiler.is_compiling():
+        # read once; not in compiled code, nor inside torch.func's transforms (vmap cannot read values)
+        readable = not torch.compiler.is_compiling() and not inside_transform()
+        if not getattr(self, "checked", True) and readable:
             self.checked = True  # once: it reads every floating input
             warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
         return cast

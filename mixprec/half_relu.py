@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mixprec.cast_handlers import eligible
+from mixprec.func_transforms import inside_transform
 
 __all__ = ["RELU_NAMES", "half_relu", "relu"]
 
@@ -39,16 +40,12 @@ __all__ = ["RELU_NAMES", "half_relu", "relu"]
 RELU_NAMES = frozenset({"relu"})
 
 
-class _TracedHalfRelu(torch.autograd.Function):
-    generate_vmap_rule = True  # torch.func's vmap batches forward and backward as written
-
+class _HalfRelu(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
-        ctx.save_for_backward(output)  # what torch's ReLU saves: the half output
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(x)
+        ctx.save_for_backward(out)  # what torch's ReLU saves: the half output
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -60,21 +57,6 @@ class _TracedHalfRelu(torch.autograd.Function):
         return torch.where(out.float() <= 0, 0, grad)
 
 
-
-class _HalfRelu(_TracedHalfRelu):
-    """:class:`_TracedHalfRelu` with forward-mode AD (torch.func.jvp, jacfwd), for eager code: Dynamo does
-    not trace an autograd function that defines a jvp, so compiled code applies the parent."""
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
-        _TracedHalfRelu.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(output)
-
-    @staticmethod
-    def jvp(ctx: Any, x_t: torch.Tensor) -> torch.Tensor:
-        (out,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(x_t, out, 0)  # torch's ReLU tangent: zero where out <= 0
-
 def half_relu(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str
 ) -> torch.Tensor | None:
@@ -84,9 +66,9 @@ def half_relu(
     inplace = kwargs.get("inplace", args[1] if len(args) > 1 else False)
     if not (isinstance(x, torch.Tensor) and x.dtype is dtype and eligible(x, device_type)):
         return None
-    if inplace or not (x.requires_grad and torch.is_grad_enabled()):
-        return None
-    return (_TracedHalfRelu if torch.compiler.is_compiling() else _HalfRelu).apply(x)
+    if inplace or not (x.requires_grad and torch.is_grad_enabled()) or inside_transform():
+        return None  # inside torch.func's transforms: torch's ReLU, which composes with them
+    return _HalfRelu.apply(x)
 
 
 def relu(

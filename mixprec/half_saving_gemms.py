@@ -20,13 +20,8 @@ path. The backward runs the kernels autograd runs for these ops, in fp32: result
 emulation bit for bit (tests/test_half_saving_gemms.py), but for attention's q and k gradients, which
 read the half output (about one half rounding apart). Compiled code is unaffected: AOTAutograd
 re-partitions what is saved across forward and backward whatever a function saves (attention keeps the
-generic path there).
-
-torch.func: each function separates ``forward`` from ``setup_context`` and lets vmap batch it as written,
-so ``grad``, ``vmap`` (per-sample gradients) and ``jacrev`` run through it; the classes eager code applies
-add a ``jvp`` (forward mode: ``jvp``, ``jacfwd``), which compiled code cannot have (Dynamo refuses an
-autograd function that defines one), so it applies their ``_Traced`` parents. Under vmap, attention takes
-the generic path (torch has no batching rule for the flash kernel's choice).
+generic path there), and so do torch.func's transforms and forward-mode AD (plain ops compose with them:
+:mod:`mixprec.func_transforms`).
 """
 
 from __future__ import annotations
@@ -40,10 +35,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.nn.attention import SDPBackend
 
+from mixprec.func_transforms import inside_transform
+
 __all__ = ["half_saving_gemm"]
 
-Tensor = torch.Tensor
-FunctionClass = type[torch.autograd.Function]
 RoundInput = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -80,38 +75,19 @@ def _saved(keep: torch.Tensor | None, rounded: torch.Tensor) -> torch.Tensor:
     return rounded if keep is None else keep
 
 
-def _for_this_code(compiled: FunctionClass, eager: FunctionClass) -> FunctionClass:
-    """``compiled`` in code Dynamo traces (it refuses an autograd function that defines a jvp), else the
-    ``eager`` subclass that adds forward-mode AD."""
-    return compiled if torch.compiler.is_compiling() else eager
-
-
-def _sum_of(*terms: Tensor | None) -> Tensor:
-    """The sum of a product rule's terms that exist: a tangent is None for an input that carries none, and
-    torch calls a jvp only where at least one does."""
-    present = [t for t in terms if t is not None]
-    return sum(present[1:], present[0])
-
-
 # ---- linear ---------------------------------------------------------------------------------------------
 
 
-class _TracedLinear(torch.autograd.Function):
-    generate_vmap_rule = True  # torch.func's vmap batches forward and backward as written (module docstring)
-
+class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(
-        keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None
+        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None
     ) -> torch.Tensor:
-        return F.linear(x_r, w_r, b_r)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        keep, x_r, w_r, b_r = inputs
         ctx.has_bias = b_r is not None
         _, need_x, need_w, _ = ctx.needs_input_grad
         # What autograd's linear saves: the input for the weight's gradient, the weight for the input's.
         ctx.save_for_backward(_saved(keep, x_r) if need_w else None, w_r if need_x else None)
+        return F.linear(x_r, w_r, b_r)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -126,25 +102,6 @@ class _TracedLinear(torch.autograd.Function):
         return None, grad_x, grad_w, grad_b
 
 
-class _Linear(_TracedLinear):
-    """:class:`_TracedLinear` with forward-mode AD (torch.func.jvp, jacfwd), for eager code: Dynamo does
-    not trace an autograd function that defines a jvp, so compiled code applies the parent
-    (:func:`_for_this_code`)."""
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _TracedLinear.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(inputs[1], inputs[2])  # read by jvp only; let go of once forward returns
-
-    @staticmethod
-    def jvp(ctx: Any, _: Any, x_t: Tensor | None, w_t: Tensor | None, b_t: Tensor | None) -> Tensor:
-        # forward-mode AD (torch.func.jvp, jacfwd): the product rule on the rounded fp32 operands, in fp32
-        x_r, w_r = ctx.saved_tensors
-        with torch.autocast(x_r.device.type, enabled=False):
-            return _sum_of(F.linear(x_t, w_r) if x_t is not None else None,
-                           F.linear(x_r, w_t) if w_t is not None else None, b_t)
-
-
 def _linear(
     args: Any, kwargs: dict[str, Any], dtype: torch.dtype, rounder: RoundInput
 ) -> torch.Tensor | None:
@@ -156,52 +113,31 @@ def _linear(
     b_r = None if b is None else rounder(b)
     if not _all_fp32(x_r, w_r, b_r):
         return None
-    return _for_this_code(_TracedLinear, _Linear).apply(keep, x_r, w_r, b_r)
+    return _Linear.apply(keep, x_r, w_r, b_r)
 
 
 # ---- matrix products --------------------------------------------------------------------------------------
 
 
-class _TracedMatmul(torch.autograd.Function):
-    generate_vmap_rule = True
-
+class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(
-        a_keep: torch.Tensor | None, b_keep: torch.Tensor | None, a_r: torch.Tensor, b_r: torch.Tensor,
+        ctx: Any, a_keep: torch.Tensor | None, b_keep: torch.Tensor | None, a_r: torch.Tensor,
+        b_r: torch.Tensor,
     ) -> torch.Tensor:
-        return torch.matmul(a_r, b_r)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        a_keep, b_keep, a_r, b_r = inputs
         _, _, need_a, need_b = ctx.needs_input_grad
         a, b = _saved(a_keep, a_r), _saved(b_keep, b_r)
         ctx.save_for_backward(a if need_b else None, b if need_a else None)
+        return torch.matmul(a_r, b_r)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, b = ctx.saved_tensors
         _, _, need_a, need_b = ctx.needs_input_grad
-        with torch.autocast(grad.device.type, enabled=False):  # fp32 GEMMs, as in _TracedLinear
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 GEMMs, as in _Linear
             grad_a = grad.matmul(b.float().transpose(-2, -1)) if need_a else None
             grad_b = a.float().transpose(-2, -1).matmul(grad) if need_b else None
         return None, None, grad_a, grad_b
-
-
-class _Matmul(_TracedMatmul):
-    """:class:`_TracedMatmul` with forward-mode AD, for eager code (as :class:`_Linear`)."""
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _TracedMatmul.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(inputs[2], inputs[3])
-
-    @staticmethod
-    def jvp(ctx: Any, _a: Any, _b: Any, a_t: Tensor | None, b_t: Tensor | None) -> Tensor:
-        a_r, b_r = ctx.saved_tensors
-        with torch.autocast(a_r.device.type, enabled=False):  # fp32 GEMMs, as in _TracedLinear
-            return _sum_of(torch.matmul(a_t, b_r) if a_t is not None else None,
-                           torch.matmul(a_r, b_t) if b_t is not None else None)
 
 
 def _matmul(
@@ -220,7 +156,7 @@ def _matmul(
     (a_r, a_keep), (b_r, b_keep) = _round(a, dtype, rounder), _round(b, dtype, rounder)
     if not _all_fp32(a_r, b_r):
         return None
-    return _for_this_code(_TracedMatmul, _Matmul).apply(a_keep, b_keep, a_r, b_r)
+    return _Matmul.apply(a_keep, b_keep, a_r, b_r)
 
 
 # ---- convolutions -----------------------------------------------------------------------------------------
@@ -241,60 +177,30 @@ class _ConvGeometry:
         return weight.shape[1] * self.groups if self.transposed else weight.shape[0]
 
 
-class _TracedConv(torch.autograd.Function):
-    generate_vmap_rule = True
-
+class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(
-        keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None,
+        ctx: Any, keep: torch.Tensor | None, x_r: torch.Tensor, w_r: torch.Tensor, b_r: torch.Tensor | None,
         geometry: _ConvGeometry,
     ) -> torch.Tensor:
+        ctx.geometry, ctx.has_bias = geometry, b_r is not None
+        ctx.save_for_backward(_saved(keep, x_r), w_r)  # autograd's convolution saves both as well
         g = geometry
         return torch.convolution(x_r, w_r, b_r, g.stride, g.padding, g.dilation, g.transposed,
                                  g.output_padding, g.groups)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        keep, x_r, w_r, b_r, geometry = inputs
-        ctx.geometry, ctx.has_bias = geometry, b_r is not None
-        ctx.save_for_backward(_saved(keep, x_r), w_r)  # autograd's convolution saves both as well
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_r = ctx.saved_tensors
         _, need_x, need_w, need_b, _ = ctx.needs_input_grad
         g = ctx.geometry
-        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _TracedLinear
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _Linear
             grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
                 grad, x.float(), w_r, [g.bias_size(w_r)] if ctx.has_bias else None, g.stride, g.padding,
                 g.dilation, g.transposed, g.output_padding, g.groups,
                 [need_x, need_w, need_b and ctx.has_bias],
             )
         return None, grad_x, grad_w, grad_b, None
-
-
-class _Conv(_TracedConv):
-    """:class:`_TracedConv` with forward-mode AD, for eager code (as :class:`_Linear`)."""
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _TracedConv.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(inputs[1], inputs[2])
-
-    @staticmethod
-    def jvp(ctx: Any, _: Any, x_t: Tensor | None, w_t: Tensor | None, b_t: Tensor | None, __: Any) -> Tensor:
-        x_r, w_r = ctx.saved_tensors
-        g = ctx.geometry
-
-        def conv(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-            return torch.convolution(x, w, b, g.stride, g.padding, g.dilation, g.transposed, g.output_padding,
-                                     g.groups)
-
-        with torch.autocast(x_r.device.type, enabled=False):  # fp32 kernels, as in _TracedLinear
-            # the bias tangent added per output channel
-            return _sum_of(conv(x_t, w_r) if x_t is not None else None,
-                           conv(x_r, w_t) if w_t is not None else None,
-                           b_t.reshape(-1, *[1] * (x_r.dim() - 2)) if b_t is not None else None)
 
 
 # function -> (spatial dims, transposed)
@@ -332,7 +238,7 @@ def _conv(
     b_r = None if b is None else rounder(b)
     if not _all_fp32(x_r, w_r, b_r):
         return None
-    return _for_this_code(_TracedConv, _Conv).apply(keep, x_r, w_r, b_r, geometry)
+    return _Conv.apply(keep, x_r, w_r, b_r, geometry)
 
 
 # ---- attention --------------------------------------------------------------------------------------------
@@ -347,46 +253,21 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        ctx.is_causal, ctx.scale = is_causal, scale
         # Exact upcasts: a half value is an fp32 value. fp32 accumulation inside the kernel.
         out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale
         )
-        return out.to(q.dtype), logsumexp  # the op's one rounding of its result
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        q, k, v, is_causal, scale = inputs
-        half_out, logsumexp = output
-        ctx.is_causal, ctx.scale = is_causal, scale
-        ctx.mark_non_differentiable(logsumexp)
+        half_out = out.to(q.dtype)  # the op's one rounding of its result
         ctx.save_for_backward(q, k, v, half_out, logsumexp)
-        ctx.save_for_forward(q, k, v)
+        return half_out
 
     @staticmethod
-    def jvp(ctx: Any, q_t: Tensor | None, k_t: Tensor | None, v_t: Tensor | None, _c: Any, _s: Any,
-            ) -> tuple[Tensor, None]:
-        # forward-mode AD, written out in fp32 from the softmax's own rule (dP = P * (dS - rowsum(P * dS))):
-        # the flash kernel has no tangent of its own. Materialises the score matrix: forward AD only.
-        q, k, v = (t.float() for t in ctx.saved_tensors)
-        q_t, k_t, v_t = (torch.zeros_like(t) if d is None else d.float()
-                         for d, t in ((q_t, q), (k_t, k), (v_t, v)))
-        scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
-        with torch.autocast(q.device.type, enabled=False):
-            scores = q.matmul(k.transpose(-2, -1)) * scale
-            if ctx.is_causal:  # torch's is_causal: the lower triangle from the top left
-                mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-                scores = scores.masked_fill(~mask, float("-inf"))
-            p = scores.softmax(-1)
-            d_scores = (q_t.matmul(k.transpose(-2, -1)) + q.matmul(k_t.transpose(-2, -1))) * scale
-            d_p = p * (d_scores - (p * d_scores).sum(-1, keepdim=True))
-            return (d_p.matmul(v) + p.matmul(v_t)).to(ctx.saved_tensors[0].dtype), None
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, logsumexp = ctx.saved_tensors
-        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _TracedLinear
+        with torch.autocast(grad.device.type, enabled=False):  # fp32 kernels, as in _Linear
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad.float(), q.float(), k.float(), v.float(), out.float(), logsumexp, 0.0, ctx.is_causal,
                 scale=ctx.scale,
@@ -412,16 +293,14 @@ def _attention(args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> torch.T
         return None
     is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
     # the choice for the half tensors: the CPU flash kernel takes fp32, bf16 and fp16 alike
-    try:
-        choice = _sdp_choice(q, k, v, is_causal, scale)
-    except RuntimeError:  # torch.func's vmap has no batching rule for the choice: the generic path
+    if _sdp_choice(q, k, v, is_causal, scale) != int(SDPBackend.FLASH_ATTENTION):
         return None
-    if choice != int(SDPBackend.FLASH_ATTENTION):
-        return None
-    return _Attention.apply(q, k, v, is_causal, scale)[0]
+    return _Attention.apply(q, k, v, is_causal, scale)
 
 
-def _sdp_choice(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> int:
+def _sdp_choice(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+) -> int:
     """The kernel torch picks for q, k, v. The memory estimate's fake tensors get MATH from torch's fake
     kernel whatever they are (its O2 estimate then counted an attention's fp32 copies: 324 KiB against the
     164 measured), so for them torch is asked about real stand-ins: one batch row and head of the same
@@ -429,7 +308,7 @@ def _sdp_choice(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float |
     if not is_fake(q):
         return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
 
-    def stand_in(t: Tensor) -> Tensor:
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
         lead, (rows, cols) = (1,) * (t.dim() - 2), t.shape[-2:]
         if t.stride(-1) == 1:
             return torch.empty(*lead, rows, cols, dtype=t.dtype)
@@ -463,7 +342,10 @@ def half_saving_gemm(
 ) -> torch.Tensor | None:
     """The fp32 result (not yet rounded to ``dtype``) of ``func`` on ``rounder``'s copies of its inputs,
     with backward saving half activations as they are; None where ``func`` or its call form is not
-    covered (the caller then takes the generic path)."""
+    covered, and inside torch.func's transforms and forward-mode AD, where plain ops compose and these
+    autograd functions would not (:mod:`mixprec.func_transforms`): the caller then takes the generic path."""
+    if inside_transform():
+        return None
     if func is F.linear:
         return _linear(args, kwargs, dtype, rounder)
     if func in MATMULS:

@@ -10,6 +10,7 @@ then as 0-dim device tensors, and back to Python values (one sync) for ``state_d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -219,6 +220,13 @@ class DeviceCounters:
     history: torch.Tensor  # ring buffer: the scale iteration i used is at i % history_size
 
 
+def _outside_transforms() -> Any:
+    """A context in which tensors are made outside torch.func's transforms (torch's own, private switch; a
+    torch without it makes them as before)."""
+    disable = getattr(torch._C, "_DisableFuncTorch", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
 @dataclass
 class ScaleState:
     """The scaler's changing state, one record: Python values (``scale`` ... ``history``, the shadow) and,
@@ -237,6 +245,14 @@ class ScaleState:
 
     def to_device(self, dev: torch.device) -> DeviceCounters:
         """Make the device tensors from the Python values (no sync: host-to-device copies only)."""
+        # Plain tensors even when the first scale(loss) runs inside torch.func's vmap/grad (a per-sample
+        # loss): made there, they were that transform's wrapped tensors, and update() after it failed
+        # ("Cannot access data pointer of Tensor that doesn't have storage"); torch's scaler has no such
+        # state to lose.
+        with _outside_transforms():
+            return self._make_device_counters(dev)
+
+    def _make_device_counters(self, dev: torch.device) -> DeviceCounters:
         made = {
             name: torch.full((), getattr(self, name), dtype=dt, device=dev)
             for name, (dt, _) in _COUNTERS.items()
