@@ -567,8 +567,15 @@ class GradScaler:
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if "closure" in kwargs or any(callable(a) for a in args):  # LBFGS's step(closure), either way
+            # torch refuses the keyword only; a positional closure then failed at the inf check ("No inf
+            # checks were recorded for this optimizer"), which says nothing of the closure
+            raise ScalerStateError(
+                "Closure use is not currently supported if GradScaler is enabled: the closure (LBFGS's) "
+                "runs its backward inside step(), after the scaler unscaled and checked the gradients.",
+                "run such an optimizer in fp32 (GradScaler(enabled=False); after initialize, "
+                "mixprec.amp.restore(model) first), e.g. Adam in mixed precision, then LBFGS in fp32.",
+            )
         dev = self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:

@@ -806,3 +806,22 @@ def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
             finite_loss.update()
             opt.zero_grad()
     assert "last loss scaled" not in str(raised.value)
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_closure_is_refused_with_torchs_words_whichever_way_it_comes(how: str) -> None:
+    """torch refuses step(opt, closure=...) only; LBFGS's step(closure) passed positionally then failed at the
+    inf check ("No inf checks were recorded"), which says nothing of the closure (a PINN trial)."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters())
+    scaler = GradScaler("cpu")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = scaler.scale(model(torch.ones(1, 2)).sum())
+        loss.backward()
+        return loss
+
+    closure()
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported if GradScaler is enabled"):
+        scaler.step(opt, closure=closure) if how == "keyword" else scaler.step(opt, closure)
