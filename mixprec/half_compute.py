@@ -116,7 +116,6 @@ class _HalfComputeMode(RegionMode):
         in_place = name in _IN_PLACE
         return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss, in_place=in_place)
 
-
     def _mixed(self, args: Any, kwargs: Any) -> bool:
         """Whether a native GEMM's operands mix the region's half dtype and fp32 (a module kept fp32 has
         fp32 ones only, and keeps its fp32 GEMM)."""

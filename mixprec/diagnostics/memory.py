@@ -352,7 +352,7 @@ def _copy_batch(batch: Batch, recipe: Recipe, maker: _Maker) -> tuple[Any, Any]:
     def convert(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        return maker.like(t, floating or t.dtype if t.is_floating_point() else t.dtype)
+        return maker.like(t, (floating or t.dtype) if t.is_floating_point() else t.dtype)
 
     x, y = split_batch(batch)
     return convert(x), convert(y)
