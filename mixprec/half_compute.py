@@ -106,7 +106,10 @@ class _HalfComputeMode(RegionMode):
             return None
         if loss is None and name not in self.gemms:
             return self._lower_mixed if name in self.native_gemms and self._mixed(args, kwargs) else None
-        half = any(t.dtype is region.dtype and eligible(t, region.device_type) for t in iter_tensors(args))
+        # keyword arguments too: F.layer_norm passes its weight and bias as keywords to the mode, and an fp32
+        # input (cast_inputs=False) with half weights failed in torch ("mixed dtype (CPU)")
+        operands = iter_tensors((args, kwargs))
+        half = any(t.dtype is region.dtype and eligible(t, region.device_type) for t in operands)
         if not half:
             return None
         if loss is None:

@@ -260,7 +260,9 @@ def warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype)
             problem = (f"holds {t[where].item():g}, beyond {name}'s range: the cast made it "
                        f"{back[where].item():g}")
             # a mask's is the usual case: say why it matters, then the fix
-            fix = f"{FP32_MIN_MASK_FIX} if it is a mask ({FP32_MIN_MASK}); scale other values into range"
+            fix = (f"{FP32_MIN_MASK_FIX} if it is a mask ({FP32_MIN_MASK}); scale other values into range, "
+                   "or leave the inputs as given (initialize(..., cast_model_inputs=False), "
+                   "to_fp16(cast_inputs=False)) and normalize them in a module marked mixprec.keep_fp32")
         elif torch.equal(t, t.round()) and not torch.equal(back, t):
             where = tuple((back != t).nonzero()[0])
             problem = (f"holds whole numbers (timesteps? positions?) that the cast rounds: "

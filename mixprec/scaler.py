@@ -746,12 +746,21 @@ class GradScaler:
                     f"lower the static scale (loss_scale=, init_scale=) or use a dynamic one; or {find}")
         at = "its floor" if self._config.dynamic else "a static scale"
         # At a scale of 1 a gradient can still overflow: an op's backward whose intermediate exceeds the half
-        # range whatever the loss was multiplied by (a hand-written RMSNorm's 0.5 * rsqrt(v)**3 in fp16).
-        return (False, f"At {at} ({scale:g}) a lower scale cannot help: the inf/NaN comes from the data, "
-                f"the forward, or a backward that overflows the half dtype at any scale (an op computed in "
-                f"half whose gradient is huge: a norm or a scan written by hand). {others}",
+        # range whatever the loss was multiplied by (a hand-written RMSNorm's 0.5 * rsqrt(v)**3 in fp16), or
+        # the loss itself is so large that its gradients do (an MSE on unnormalized targets of ~1e5: a loss
+        # of 4e10 in a trial, which torch.amp's scaler, with no floor, trained at a scale of 5e-7).
+        large = ""
+        if last is not None and bool(torch.isfinite(last).all()):
+            large = (f", or a loss so large that its gradients overflow even unscaled (the last loss was "
+                     f"{float(last.detach().float().abs().max()):g}: an MSE on unnormalized targets)")
+        return (False, f"At {at} ({scale:g}) a lower scale cannot help unless the loss itself is too large: "
+                f"the inf/NaN comes from the data, the forward, a backward that overflows the half dtype at "
+                f"any scale (an op computed in half whose gradient is huge: a norm or a scan written by "
+                f"hand){large}. {others}",
                 f"{find}; keep the part it names in fp32 (mixprec.keep_fp32(module) before initialize or "
-                "to_fp16(), or compute it from .float() tensors)")
+                "to_fp16(), or compute it from .float() tensors); for a large loss, normalize the loss or "
+                "its targets, or let the scale go below 1: GradScaler(min_scale=...), initialize(..., "
+                "min_loss_scale=...)")
 
     def _check_skip_limit(self) -> None:
         dev = cast(DeviceCounters, self._state.device)

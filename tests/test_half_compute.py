@@ -270,3 +270,34 @@ def test_a_gemm_of_half_and_fp32_operands_runs_on_native_and_emulated_devices_al
     out.sum().backward()
     assert model.mlp.weight.grad is not None and model.mlp.weight.grad.dtype is dtype
     mixprec.amp.reset()
+
+
+@pytest.mark.parametrize("arithmetic", ["emulated", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_fp32_input_reaches_a_half_layer_norm_and_cdist_runs_in_a_half_model(
+    arithmetic: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forecaster's trial with its inputs left as given (cast_model_inputs=False): LayerNorm of an fp32
+    input with half weights raised torch's "mixed dtype (CPU)" -- F.layer_norm hands the mode its weight
+    as a keyword, which the fp32 check did not read -- and a DETR matcher's torch.cdist in a half model
+    raised "not implemented for 'Half'". Both compute in fp32 now, as the norms and autocast's cdist do."""
+    monkeypatch.setenv("MIXPREC_HALF_ARITHMETIC", f"cpu:{arithmetic}")
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return torch.cdist(self.lin(self.norm(x)), targets, p=1)
+
+    torch.manual_seed(0)
+    model = Normed()
+    reference = copy.deepcopy(model)
+    x, targets = torch.randn(6, 8) * 3 + 1, torch.randn(3, 4)
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", dtype=dtype,
+                                  cast_model_inputs=False, verbosity=0)
+    out = model(x, targets)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, reference(x, targets), rtol=16 * torch.finfo(dtype).eps, atol=0)
+    mixprec.amp.reset()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mixprec import scaler as scaler_module
+from mixprec.autocast import autocast as mixprec_autocast
 from mixprec.errors import (
     ConfigError,
     DeviceMismatchError,
@@ -412,7 +413,7 @@ def test_skip_limit_says_overflow_is_ruled_out_only_at_the_floor() -> None:
                                                       "skip_limit"):
         _run(early, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     floored = GradScaler("cpu", init_scale=4.0, skip_limit=5)  # 4, 2, 1, 1, 1
-    floor_said = r"At its floor \(1\) a lower scale cannot help"
+    floor_said = r"At its floor \(1\) a lower scale cannot help unless the loss itself is too large"
     with pytest.raises(PersistentOverflowError, match=floor_said) as raised:
         _run(floored, "cpu", 30, OPTIMIZERS["sgd"], inf_at=set(range(30)))
     assert "raise skip_limit" not in str(raised.value)
@@ -825,3 +826,31 @@ def test_a_closure_is_refused_with_torchs_words_whichever_way_it_comes(how: str)
     closure()
     with pytest.raises(RuntimeError, match="Closure use is not currently supported if GradScaler is enabled"):
         scaler.step(opt, closure=closure) if how == "keyword" else scaler.step(opt, closure)
+
+
+def test_at_the_floor_a_large_finite_loss_is_named_with_the_way_below_1() -> None:
+    """A forecaster's MSE on unnormalized targets (~1e5) made a loss of 4e10 whose gradients overflow fp16
+    at a scale of 1: torch.amp's scaler (no floor) trained at 5e-7, mixprec's skipped every step and said "a
+    lower scale cannot help", without naming min_scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-15)
+    x, y = torch.full((8, 4), 300.0), torch.full((8, 1), 1.0e6)
+
+    def steps(scaler: GradScaler, n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            with mixprec_autocast("cpu", torch.float16):
+                pred = model(x)  # fp16: the loss's gradient reaches it as fp16, ~2.5e5 > 65504
+            scaler.scale(torch.nn.functional.mse_loss(pred.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    named = r"(?s)the last loss was 1\.\d+e\+12.*min_scale="
+    with pytest.raises(PersistentOverflowError, match=named) as err:
+        steps(GradScaler("cpu", init_scale=2.0, skip_limit=3), 5)
+    assert "unless the loss itself is too large" in str(err.value)
+    before = model.weight.detach().clone()
+    below = GradScaler("cpu", init_scale=2.0, min_scale=2.0**-30)  # the way out it names
+    steps(below, 30)
+    assert below.get_scale() < 1 and not torch.equal(model.weight, before)
