@@ -301,6 +301,49 @@ class CastOutputs:
         return cast_floating(output, self.dtype, only=self.only, dataclasses=True)  # an output record too
 
 
+class CastKeptOutputs(CastOutputs):
+    """A keep_fp32 module's output hook: its fp32 outputs back to the model's half dtype, and once, where that
+    cast made finite values inf, a warning naming the module (a forecaster's kept de-normalizer returned
+    ~1e6, inf in fp16: every step was skipped with nothing pointing at it)."""
+
+    # Calls checked: the first few, so a module called several times in a forward (RevIN's norm, then
+    # denorm) is seen in each role, without a read of the device per call for good.
+    CHECKS = 8
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__(dtype)
+        self.checks_left = self.CHECKS
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        cast = super().__call__(module, args, output)
+        readable = not torch.compiler.is_compiling() and not inside_transform()  # as CastInputs' check
+        if getattr(self, "checks_left", 0) > 0 and readable:
+            self.checks_left -= 1
+            if _warn_if_kept_output_overflows(module, tree_leaves(output), tree_leaves(cast), self.dtype):
+                self.checks_left = 0  # said once
+        return cast
+
+
+def _warn_if_kept_output_overflows(module: nn.Module, before: list[Any], after: list[Any],
+                                   dtype: torch.dtype) -> bool:
+    for t, c in zip(before, after, strict=True):
+        if not isinstance(t, torch.Tensor) or t is c or t.is_meta or is_fake(t):
+            continue
+        overflowed = c.isinf() & t.isfinite()
+        if overflowed.any():
+            value = t[tuple(overflowed.nonzero()[0])].item()
+            name = str(dtype).removeprefix("torch.")
+            warnings.warn(
+                f"mixprec.keep_fp32: this {type(module).__name__} returned {value:g}, beyond {name}'s range, "
+                f"and its output is cast to the model's {name} as it leaves it: the cast made it inf. Fix: "
+                "scale its output into range, or keep what reads it fp32 too (mark the module that encloses "
+                "both, or compute the rest from .float() tensors).",
+                UserWarning, stacklevel=user_stacklevel(),
+            )
+            return True
+    return False
+
+
 def _fp32_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """apex O2's state_dict hook: the module's own half tensors are saved as fp32, so a checkpoint of a
     half model loads into an fp32 one (and back: load_state_dict copies across dtypes)."""
@@ -790,7 +833,7 @@ def hook_fp32_roots(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool) ->
     for m in (m for m, why in roots if why == MARKED):
         hooks.append(_Flag(m, HANDLED_ATTR))  # its keep_fp32 hook: no warning
         hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
-        hooks.append(m.register_forward_hook(CastOutputs(dtype)))
+        hooks.append(m.register_forward_hook(CastKeptOutputs(dtype)))
     return hooks
 
 

@@ -863,3 +863,38 @@ def test_a_deep_copy_of_a_half_model_warns_where_it_is_made_and_names_the_fix() 
         handle = prepare(half := _net(), RECIPES["O2"], "cpu")
         handle.restore()
         deepcopy(half)
+
+
+class _Scaler(nn.Module):
+    def forward(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+
+class _Forecaster(nn.Module):
+    """RevIN's pattern: one kept module normalizes the input and de-normalizes the forecast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.revin, self.lin = mixprec.keep_fp32(_Scaler()), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.revin(self.lin(self.revin(x, 1e-5)), 1e6)
+
+
+def test_a_kept_module_whose_output_overflows_the_model_dtype_is_named() -> None:
+    """A forecaster's kept de-normalizer returned ~1e6, which its cast back to fp16 made inf: every step was
+    skipped, and the warnings pointed at keep_fp32, already in use. The module is named, once, at its
+    second call of the forward (the first, normalizing, is in range)."""
+    torch.manual_seed(0)
+    model = _Forecaster()
+    prepare(model, RECIPES["O2"].replace(cast_inputs=False), "cpu")  # fp16, the raw inputs as given
+    named = r"keep_fp32: this _Scaler returned .*beyond float16's range"
+    with pytest.warns(UserWarning, match=named) as said:
+        out = model(torch.randn(2, 4) * 1e5)
+    assert said[0].filename == __file__ and not torch.isfinite(out).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 4) * 1e5)  # said once
+        fine = _Forecaster()
+        prepare(fine, RECIPES["O2"].with_half_dtype(torch.bfloat16).replace(cast_inputs=False), "cpu")
+        fine(torch.randn(2, 4) * 1e5)
