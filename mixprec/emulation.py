@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mixprec.half_saving_gemms import half_saving_gemm
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
@@ -137,6 +138,27 @@ def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:
     return map_tensors(cast, value)
 
 
+# Arguments of the GEMM family that are not GEMM operands: attention's additive mask (ALiBi's bias), which
+# torch's half kernels take as given, an fp32 one in fp32. Rounding a bias of ~300 to bf16 moved a head's
+# outputs by 0.7 where torch's kernel moved them by 0.005. (position, keyword) of each.
+_NOT_OPERANDS: dict[Callable[..., Any], tuple[int, str]] = {F.scaled_dot_product_attention: (3, "attn_mask")}
+
+
+def _rounded_operands(
+    func: Callable[..., Any], args: Any, kwargs: dict[str, Any], rounder: RoundInput
+) -> tuple[Any, dict[str, Any]]:
+    """``args`` and ``kwargs`` with every tensor rounded by ``rounder``, but for an argument that is not a
+    GEMM operand (:data:`_NOT_OPERANDS`): that one is upcast exactly where it is half, else left alone."""
+    position, name = _NOT_OPERANDS.get(func, (-1, ""))
+
+    def as_given(value: Any) -> Any:
+        return map_tensors(lambda t: t.float() if t.dtype in HALF_DTYPES else t, value)
+
+    args = tuple(as_given(a) if i == position else map_tensors(rounder, a) for i, a in enumerate(args))
+    kwargs = {k: as_given(v) if k == name else map_tensors(rounder, v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
 def emulated(
     func: Callable[..., Any],
     args: Any,
@@ -157,7 +179,8 @@ def emulated(
     out = kwargs.get("out")
     if out is not None:  # compute into a fresh fp32 result, then write the caller's half tensor
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    result = round_result(func(*map_tensors(rounder, args), **map_tensors(rounder, kwargs)), dtype)
+    args, kwargs = _rounded_operands(func, args, kwargs, rounder)
+    result = round_result(func(*args, **kwargs), dtype)
     if out is None:
         return result
     with torch.no_grad():

@@ -68,6 +68,10 @@ _FP32_OPS: Mapping[str, bool] = {
 
 _RECURRENT = frozenset(RECURRENT_OPS)
 
+# Native half ops of the GEMM family that accept an fp32 operand beside half ones as it is (attention's
+# additive mask): a native region leaves their mixed calls alone.
+_TAKES_FP32_OPERANDS = frozenset({"scaled_dot_product_attention"})
+
 
 class _HalfComputeMode(RegionMode):
     """Emulates the GEMM family for half operands and runs the sensitive ops in fp32 (module docstring)."""
@@ -102,8 +106,8 @@ class _HalfComputeMode(RegionMode):
         loss = _FP32_OPS.get(name)
         if loss is None and name in self.recurrent:
             loss = False  # fp32 arithmetic, the result rounded to the model's dtype
-        if torch.is_autocast_enabled(region.device_type):
-            return None
+        if torch.is_autocast_enabled(region.device_type) or kwargs.get("out") is not None:
+            return None  # out=: torch's own op writes the caller's tensor (an fp32 copy of it would not)
         if loss is None and name not in self.gemms:
             return self._lower_mixed if name in self.native_gemms and self._mixed(args, kwargs) else None
         # keyword arguments too: F.layer_norm passes its weight and bias as keywords to the mode, and an fp32
@@ -171,9 +175,10 @@ def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     recurrent = frozenset(name for name, action in made.actions.items()
                           if action is Action.FP32 and name in _RECURRENT)
     # torch's own GEMM family (its autocast's lower-precision list), whose half kernels a native region runs
+    # (not attention: torch takes an fp32 mask or bias with half q, k, v, and keeps it fp32)
     native_gemms = frozenset() if made.emulate else frozenset(
         name for rule in TORCH_TABLES.get(device_type, ()) if rule.action is Action.LOWER
-        for name in python_names(rule.op)
+        for name in python_names(rule.op) if name not in _TAKES_FP32_OPERANDS
     )
     # cache_enabled: a weight used several times in one forward is upcast once (see half_compute.__exit__)
     region = region_for(made, device_type, dtype, cache_enabled=True)

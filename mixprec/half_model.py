@@ -52,6 +52,7 @@ __all__ = [
     "model_to_float",
     "fp32_originals",
     "hook_fp32_roots",
+    "internal_copies",
     "prepare",
     "warn_if_inputs_lost",
 ]
@@ -446,9 +447,26 @@ HALF_COPY_WARNING = (
 )
 
 
+_QUIET_COPIES = threading.local()  # mixprec's own copies (a diagnostic's fp32 re-run): not the user's EMA
+
+
+@contextlib.contextmanager
+def internal_copies() -> Any:
+    """Within it, deep copies of half models are mixprec's own (the overflow tracer's fp32 re-run, the
+    memory breakdown's model copy), and :func:`_warn_of_a_half_copy` says nothing of EMAs."""
+    outer = getattr(_QUIET_COPIES, "on", False)
+    _QUIET_COPIES.on = True
+    try:
+        yield
+    finally:
+        _QUIET_COPIES.on = outer
+
+
 def _warn_of_a_half_copy(model: nn.Module) -> None:
     """Warn where a half model is deep-copied: the EMA and snapshot patterns that copy a model fail on it
     silently (an EMA through state_dict() never moves: its values are fp32 copies, not the weights)."""
+    if getattr(_QUIET_COPIES, "on", False):
+        return
     dtype = next((p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES), None)
     if dtype is not None:
         warnings.warn(HALF_COPY_WARNING.format(dtype=str(dtype).removeprefix("torch.")),

@@ -135,7 +135,7 @@ class Recipe:
         if not self.cast_inputs and not self.casts_model:
             raise ConfigError(
                 f"recipe {self.name!r}: cast_inputs=False keeps a half model's inputs as given, but this "
-                "recipe casts no model (its inputs are left as given already).",
+                "recipe makes no half model (O1 leaves the inputs as given already; O0 casts them to fp32).",
                 "drop it, or use a half model's recipe (O2, O3, to_fp16()/to_bf16()).",
             )
         if self.split_masters:

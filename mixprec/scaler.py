@@ -49,6 +49,7 @@ from mixprec.errors import (
     PersistentOverflowError,
     ScalerStateError,
 )
+from mixprec.func_transforms import inside_transform
 from mixprec.hardware import HALF_DTYPES
 from mixprec.native import cpu_scalar
 from mixprec.non_finite import check_grads_
@@ -79,6 +80,10 @@ from mixprec.skip_step import (
     supports_amp_scaling,
 )
 from mixprec.warn_site import user_stacklevel
+
+# A loss this large (in its magnitude) is named as a cause at the scale's floor: its gradients can overflow
+# fp16 unscaled (a forecaster's MSE on unnormalized targets: 4e10). Below it, the loss is not the suspect.
+LARGE_LOSS = 1.0e4
 
 __all__ = [
     "GradScaler",
@@ -411,7 +416,9 @@ class GradScaler:
             dev = self._state.device
             if dev is None or outputs.device.type != self._device:
                 dev = self._lazy_init(outputs.device)  # raises DeviceMismatchError on a foreign device type
-            if outputs.numel() == 1:  # a loss: kept (no copy, no read) for _why_stuck to look at
+            # a loss: kept (no copy, no read) for _why_stuck to look at; not one made inside a torch.func
+            # transform (a per-sample loss), whose wrapped tensor cannot be read outside it
+            if outputs.numel() == 1 and not inside_transform():
                 self._last_loss = outputs.detach()
             return outputs * dev.scale.to(device=outputs.device, non_blocking=True)
         if isinstance(outputs, Mapping):
@@ -751,8 +758,10 @@ class GradScaler:
         # of 4e10 in a trial, which torch.amp's scaler, with no floor, trained at a scale of 5e-7).
         large = ""
         if last is not None and bool(torch.isfinite(last).all()):
-            large = (f", or a loss so large that its gradients overflow even unscaled (the last loss was "
-                     f"{float(last.detach().float().abs().max()):g}: an MSE on unnormalized targets)")
+            size = float(last.detach().float().abs().max())
+            if size >= LARGE_LOSS:
+                large = (f", or a loss so large that its gradients overflow even unscaled (the last loss was "
+                         f"{size:g}: an MSE on unnormalized targets)")
         return (False, f"At {at} ({scale:g}) a lower scale cannot help unless the loss itself is too large: "
                 f"the inf/NaN comes from the data, the forward, a backward that overflows the half dtype at "
                 f"any scale (an op computed in half whose gradient is huge: a norm or a scan written by "

@@ -622,3 +622,14 @@ def test_o2_counts_a_sparse_gradient_table_as_fp32_without_a_master(estimate: bo
     got = memory_breakdown(model, None, ids, "O2", loss_fn=lambda out, *_: out.sum(), estimate=estimate)
     assert got.params == 1000 * 16 * 4 + (16 + 1) * 2
     assert got.masters == (16 + 1) * 4
+
+
+def test_a_breakdown_of_an_initialized_half_model_copies_it_without_the_ema_warning() -> None:
+    """The breakdown copies the model: a half one warned of EMAs made by deepcopy (a review)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, "O2", verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memory_breakdown(model, opt, (torch.randn(8, 4), torch.zeros(8, dtype=torch.int64)), "O2")
+    mixprec.amp.reset()

@@ -140,3 +140,22 @@ def test_a_scaler_first_used_inside_vmap_grad_updates_after_it(make: object) -> 
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0**16
+
+
+def test_a_scaler_stuck_after_per_sample_losses_says_so_instead_of_failing() -> None:
+    """The scaler kept the last loss scaled for its stuck message: one made inside vmap(grad) was a wrapped
+    tensor, and reading it at the floor raised torch's "your tensor may have escaped" instead."""
+    scaler = mixprec.GradScaler("cpu", init_scale=1.0, skip_limit=1)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def scaled(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return scaler.scale(F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None]))
+
+    vmap(grad(scaled), in_dims=(None, 0, 0))(params, torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    scaler.step(opt)
+    with pytest.raises(mixprec.errors.PersistentOverflowError, match="At its floor"):
+        scaler.update()

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
-from mixprec.half_model import fp32_kept, hook_fp32_roots
+from mixprec.half_model import fp32_kept, hook_fp32_roots, internal_copies
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import MasterWeights
@@ -310,7 +310,8 @@ def _copy_model(model: nn.Module, precision: Recipe, maker: _Maker) -> nn.Module
         for b in module.buffers(recurse=False):
             if id(b) not in memo:
                 memo[id(b)] = maker.like(b, _param_dtype(b, precision, id(module) in kept))
-    copied = copy.deepcopy(model, memo)
+    with internal_copies():  # the breakdown's own copy, not an EMA
+        copied = copy.deepcopy(model, memo)
     if precision.casts_model:  # its kept modules compute in fp32, as prepare's hooks make them
         hook_fp32_roots(copied, precision.model_dtype, precision.keep_batchnorm_fp32)
     return copied

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
+from mixprec.half_model import internal_copies
 from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = [
@@ -474,7 +475,8 @@ class NonfiniteTracer:
         # A float copy, so the model's own weights are not touched; autocast off, so fp32 means fp32.
         self._paused = True  # the copy carries our hooks (and its children's): keep them quiet
         try:
-            reference = copy.deepcopy(module).float()
+            with internal_copies():  # not the user's EMA: no warning about one
+                reference = copy.deepcopy(module).float()
             device_type = next((t.device.type for t in _floating((args, kwargs))), "cpu")
             with torch.no_grad(), torch.autocast(device_type, enabled=False):
                 out = reference(*map_tensors(_to_fp32, args), **map_tensors(_to_fp32, kwargs))
