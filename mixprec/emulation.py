@@ -48,7 +48,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mixprec.half_saving_gemms import half_saving_gemm
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
@@ -138,25 +137,33 @@ def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:
     return map_tensors(cast, value)
 
 
-# Arguments of the GEMM family that are not GEMM operands: attention's additive mask (ALiBi's bias), which
-# torch's half kernels take as given, an fp32 one in fp32. Rounding a bias of ~300 to bf16 moved a head's
-# outputs by 0.7 where torch's kernel moved them by 0.005. (position, keyword) of each.
-_NOT_OPERANDS: dict[Callable[..., Any], tuple[int, str]] = {F.scaled_dot_product_attention: (3, "attn_mask")}
+# Arguments of the GEMM family that are not GEMM operands, by the op's name: attention's additive mask
+# (ALiBi's bias), which torch's half kernels take as given, an fp32 one in fp32. Rounding a bias of ~300 to
+# bf16 moved a head's outputs by 0.7 where torch's kernel moved them by 0.005. (position, keyword) of each.
+# Emulated GEMMs round the operands only, and a native half region casts only the operands of a mixed call.
+NOT_OPERANDS: dict[str, tuple[int, str]] = {"scaled_dot_product_attention": (3, "attn_mask")}
+
+
+def map_operands(
+    name: str, args: Any, kwargs: dict[str, Any], operand: Callable[[Any], Any], other: Callable[[Any], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` of the op ``name`` with ``operand`` applied to its GEMM operands and ``other``
+    to the arguments that are not (:data:`NOT_OPERANDS`)."""
+    position, keyword = NOT_OPERANDS.get(name, (-1, ""))
+    mapped = tuple(other(a) if i == position else operand(a) for i, a in enumerate(args))
+    return mapped, {k: other(v) if k == keyword else operand(v) for k, v in kwargs.items()}
 
 
 def _rounded_operands(
     func: Callable[..., Any], args: Any, kwargs: dict[str, Any], rounder: RoundInput
 ) -> tuple[Any, dict[str, Any]]:
-    """``args`` and ``kwargs`` with every tensor rounded by ``rounder``, but for an argument that is not a
-    GEMM operand (:data:`_NOT_OPERANDS`): that one is upcast exactly where it is half, else left alone."""
-    position, name = _NOT_OPERANDS.get(func, (-1, ""))
-
+    """Every GEMM operand rounded by ``rounder``; an argument that is not one upcast exactly where it is
+    half, else left as given."""
     def as_given(value: Any) -> Any:
         return map_tensors(lambda t: t.float() if t.dtype in HALF_DTYPES else t, value)
 
-    args = tuple(as_given(a) if i == position else map_tensors(rounder, a) for i, a in enumerate(args))
-    kwargs = {k: as_given(v) if k == name else map_tensors(rounder, v) for k, v in kwargs.items()}
-    return args, kwargs
+    return map_operands(getattr(func, "__name__", ""), args, kwargs, lambda v: map_tensors(rounder, v),
+                        as_given)
 
 
 def emulated(

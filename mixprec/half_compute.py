@@ -33,7 +33,7 @@ import torch
 from mixprec.activation_checkpoint import cover_segment
 from mixprec.cast_handlers import eligible, run_emulated
 from mixprec.cast_plan import plan, region_for
-from mixprec.emulation import round_result
+from mixprec.emulation import map_operands, round_result
 from mixprec.errors import ConfigError
 from mixprec.half_relu import RELU_NAMES, relu
 from mixprec.policy.names import python_names
@@ -67,10 +67,6 @@ _FP32_OPS: Mapping[str, bool] = {
 
 
 _RECURRENT = frozenset(RECURRENT_OPS)
-
-# Native half ops of the GEMM family that accept an fp32 operand beside half ones as it is (attention's
-# additive mask): a native region leaves their mixed calls alone.
-_TAKES_FP32_OPERANDS = frozenset({"scaled_dot_product_attention"})
 
 
 class _HalfComputeMode(RegionMode):
@@ -109,7 +105,8 @@ class _HalfComputeMode(RegionMode):
         if torch.is_autocast_enabled(region.device_type) or kwargs.get("out") is not None:
             return None  # out=: torch's own op writes the caller's tensor (an fp32 copy of it would not)
         if loss is None and name not in self.gemms:
-            return self._lower_mixed if name in self.native_gemms and self._mixed(args, kwargs) else None
+            mixed = name in self.native_gemms and self._mixed(name, args, kwargs)
+            return self._lower_mixed if mixed else None
         # keyword arguments too: F.layer_norm passes its weight and bias as keywords to the mode, and an fp32
         # input (cast_inputs=False) with half weights failed in torch ("mixed dtype (CPU)")
         operands = iter_tensors((args, kwargs))
@@ -123,10 +120,11 @@ class _HalfComputeMode(RegionMode):
         in_place = name in _IN_PLACE
         return lambda func, a, k: _run_in_fp32(region, func, a, k, keep_fp32=loss, in_place=in_place)
 
-    def _mixed(self, args: Any, kwargs: Any) -> bool:
-        """Whether a native GEMM's operands mix the region's half dtype and fp32 (a module kept fp32 has
-        fp32 ones only, and keeps its fp32 GEMM)."""
-        dtypes = {t.dtype for t in iter_tensors((args, kwargs)) if eligible(t, self.region.device_type)}
+    def _mixed(self, name: str, args: Any, kwargs: Any) -> bool:
+        """Whether a native GEMM's operands (emulation.NOT_OPERANDS: not attention's mask) mix the region's
+        half dtype and fp32 (a module kept fp32 has fp32 ones only, and keeps its fp32 GEMM)."""
+        operands = map_operands(name, args, kwargs, lambda v: v, lambda _: None)
+        dtypes = {t.dtype for t in iter_tensors(operands) if eligible(t, self.region.device_type)}
         return self.region.dtype in dtypes and torch.float32 in dtypes
 
     def _lower_mixed(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -135,7 +133,9 @@ class _HalfComputeMode(RegionMode):
         def down(t: torch.Tensor) -> torch.Tensor:  # the rounding an emulated GEMM gives its operands
             return t.to(region.dtype) if t.dtype is torch.float32 and eligible(t, region.device_type) else t
 
-        return self.pass_on(func, map_tensors(down, args), map_tensors(down, kwargs))
+        args, kwargs = map_operands(func_name(func) or "", args, kwargs, lambda v: map_tensors(down, v),
+                                    lambda v: v)
+        return self.pass_on(func, args, kwargs)
 
 
 def _run_in_fp32(region: Region, func: Callable[..., Any], args: Any, kwargs: Any, keep_fp32: bool,
@@ -175,10 +175,9 @@ def _mode(device_type: str, dtype: torch.dtype, _: int = 0) -> _HalfComputeMode:
     recurrent = frozenset(name for name, action in made.actions.items()
                           if action is Action.FP32 and name in _RECURRENT)
     # torch's own GEMM family (its autocast's lower-precision list), whose half kernels a native region runs
-    # (not attention: torch takes an fp32 mask or bias with half q, k, v, and keeps it fp32)
     native_gemms = frozenset() if made.emulate else frozenset(
         name for rule in TORCH_TABLES.get(device_type, ()) if rule.action is Action.LOWER
-        for name in python_names(rule.op) if name not in _TAKES_FP32_OPERANDS
+        for name in python_names(rule.op)
     )
     # cache_enabled: a weight used several times in one forward is upcast once (see half_compute.__exit__)
     region = region_for(made, device_type, dtype, cache_enabled=True)

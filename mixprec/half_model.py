@@ -33,7 +33,7 @@ from mixprec.autocast import autocast, half_compute
 from mixprec.distributed import is_sharded
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.fp32_modules import HANDLED_ATTR, is_kept_fp32
-from mixprec.func_transforms import inside_transform
+from mixprec.func_transforms import values_readable
 from mixprec.hardware import HALF_DTYPES
 from mixprec.outside_region import mark_prepared
 from mixprec.region import in_any_region
@@ -223,9 +223,7 @@ class CastInputs:
         if not getattr(self, "cast", True):
             return None
         cast = cast_floating((args, kwargs), self.dtype)
-        # read once; not in compiled code, nor inside torch.func's transforms (vmap cannot read values)
-        readable = not torch.compiler.is_compiling() and not inside_transform()
-        if not getattr(self, "checked", True) and readable:
+        if not getattr(self, "checked", True) and values_readable():  # once, where values can be read
             self.checked = True  # once: it reads every floating input
             warn_if_inputs_lost(tree_leaves((args, kwargs)), tree_leaves(cast), self.dtype)
         return cast
@@ -255,11 +253,9 @@ def warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype)
         if t.is_meta or is_fake(t):  # no values to read (the memory estimate's fake tensors)
             continue
         back = c.to(t.dtype)
-        overflowed = back.isinf() & t.isfinite()
-        if overflowed.any():
-            where = tuple(overflowed.nonzero()[0])
-            problem = (f"holds {t[where].item():g}, beyond {name}'s range: the cast made it "
-                       f"{back[where].item():g}")
+        overflow = _first_overflow(t, back)
+        if overflow is not None:
+            problem = f"holds {overflow[0]:g}, beyond {name}'s range: the cast made it {overflow[1]:g}"
             # a mask's is the usual case: say why it matters, then the fix
             fix = (f"{FP32_MIN_MASK_FIX} if it is a mask ({FP32_MIN_MASK}); scale other values into range, "
                    "or leave the inputs as given (initialize(..., cast_model_inputs=False), "
@@ -317,12 +313,21 @@ class CastKeptOutputs(CastOutputs):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         cast = super().__call__(module, args, output)
-        readable = not torch.compiler.is_compiling() and not inside_transform()  # as CastInputs' check
-        if getattr(self, "checks_left", 0) > 0 and readable:
+        if getattr(self, "checks_left", 0) > 0 and values_readable():
             self.checks_left -= 1
             if _warn_if_kept_output_overflows(module, tree_leaves(output), tree_leaves(cast), self.dtype):
                 self.checks_left = 0  # said once
         return cast
+
+
+def _first_overflow(before: torch.Tensor, cast: torch.Tensor) -> tuple[float, float] | None:
+    """(a value of ``before``, what ``cast`` made of it) where a finite value became inf in the cast; None
+    where none did. One read of the device (the inputs' and kept outputs' checks, both few)."""
+    overflowed = cast.isinf() & before.isfinite()
+    if not overflowed.any():
+        return None
+    where = tuple(overflowed.nonzero()[0])
+    return before[where].item(), cast[where].item()
 
 
 def _warn_if_kept_output_overflows(module: nn.Module, before: list[Any], after: list[Any],
@@ -330,15 +335,14 @@ def _warn_if_kept_output_overflows(module: nn.Module, before: list[Any], after: 
     for t, c in zip(before, after, strict=True):
         if not isinstance(t, torch.Tensor) or t is c or t.is_meta or is_fake(t):
             continue
-        overflowed = c.isinf() & t.isfinite()
-        if overflowed.any():
-            value = t[tuple(overflowed.nonzero()[0])].item()
+        overflow = _first_overflow(t, c)
+        if overflow is not None:
             name = str(dtype).removeprefix("torch.")
             warnings.warn(
-                f"mixprec.keep_fp32: this {type(module).__name__} returned {value:g}, beyond {name}'s range, "
-                f"and its output is cast to the model's {name} as it leaves it: the cast made it inf. Fix: "
-                "scale its output into range, or keep what reads it fp32 too (mark the module that encloses "
-                "both, or compute the rest from .float() tensors).",
+                f"mixprec.keep_fp32: this {type(module).__name__} returned {overflow[0]:g}, beyond {name}'s "
+                f"range, and its output is cast to the model's {name} as it leaves it: the cast made it inf. "
+                "Fix: scale its output into range, or keep what reads it fp32 too (mark the module that "
+                "encloses both, or compute the rest from .float() tensors).",
                 UserWarning, stacklevel=user_stacklevel(),
             )
             return True

@@ -10,7 +10,6 @@ then as 0-dim device tensors, and back to Python values (one sync) for ``state_d
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
@@ -20,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec.errors import ConfigError
+from mixprec.func_transforms import outside_transforms
 
 __all__ = [
     "ScaleConfig",
@@ -220,13 +220,6 @@ class DeviceCounters:
     history: torch.Tensor  # ring buffer: the scale iteration i used is at i % history_size
 
 
-def _outside_transforms() -> Any:
-    """A context in which tensors are made outside torch.func's transforms (torch's own, private switch; a
-    torch without it makes them as before)."""
-    disable = getattr(torch._C, "_DisableFuncTorch", None)
-    return disable() if disable is not None else contextlib.nullcontext()
-
-
 @dataclass
 class ScaleState:
     """The scaler's changing state, one record: Python values (``scale`` ... ``history``, the shadow) and,
@@ -249,7 +242,7 @@ class ScaleState:
         # loss): made there, they were that transform's wrapped tensors, and update() after it failed
         # ("Cannot access data pointer of Tensor that doesn't have storage"); torch's scaler has no such
         # state to lose.
-        with _outside_transforms():
+        with outside_transforms():
             return self._make_device_counters(dev)
 
     def _make_device_counters(self, dev: torch.device) -> DeviceCounters:

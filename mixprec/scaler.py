@@ -738,7 +738,8 @@ class GradScaler:
                   f"sum over a large batch: the loss is inf whatever the scale); {FP32_MIN_MASK} "
                   f"({FP32_MIN_MASK_FIX}); a learning rate that makes the weights diverge.")
         last = getattr(self, "_last_loss", None)  # a scaler pickled before it existed has none
-        if last is not None and not bool(torch.isfinite(last).all()):  # read once, here: no per-step sync
+        last_finite = last is None or bool(torch.isfinite(last).all())  # read once, here: no per-step sync
+        if not last_finite:
             others = (f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "
                       f"loss, before backward. {others}")
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
@@ -757,7 +758,7 @@ class GradScaler:
         # the loss itself is so large that its gradients do (an MSE on unnormalized targets of ~1e5: a loss
         # of 4e10 in a trial, which torch.amp's scaler, with no floor, trained at a scale of 5e-7).
         large = ""
-        if last is not None and bool(torch.isfinite(last).all()):
+        if last is not None and last_finite:
             size = float(last.detach().float().abs().max())
             if size >= LARGE_LOSS:
                 large = (f", or a loss so large that its gradients overflow even unscaled (the last loss was "
