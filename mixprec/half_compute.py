@@ -15,7 +15,9 @@ decided: its weights are half. Two things remain, and this region does them:
    softmax, log_softmax, norms, exp/log, sum/mean and segment sums (index_add, scatter_add, in place
    too) take their half inputs upcast to fp32 and return their result in the input's half dtype; losses
    (cross_entropy, nll_loss, ...) return fp32. So a model that computes its loss inside forward (nanoGPT,
-   HF models) gets an fp32 loss of fp32 arithmetic, where apex's O2 computed it in fp16.
+   HF models) gets an fp32 loss of fp32 arithmetic, where apex's O2 computed it in fp16. FFTs and linear
+   algebra (cholesky, solves, determinants), which have no half kernel on the CPU, compute in fp32 and
+   return fp32 (complex64), as under torch.autocast.
 
 Ops whose floating inputs hold no half tensor, and every op while a torch autocast region is on (it has
 its own rules), pass straight through. An autocast region of the *other* half dtype around the region is
@@ -43,6 +45,7 @@ from mixprec.policy.rules import Action
 from mixprec.policy.tables import (
     HALF_MODEL_FP32_ACTIVATIONS,
     HALF_MODEL_FP32_LOSSES,
+    HALF_MODEL_FP32_RESULTS,
     RECURRENT_OPS,
     TORCH_TABLES,
 )
@@ -59,10 +62,11 @@ from mixprec.tensor_args import iter_tensors, map_tensors
 
 __all__ = ["half_compute"]
 
-# Python-level name -> whether the result is a loss (kept fp32) rather than an activation.
+# Python-level name -> whether the result stays fp32 (a loss; an FFT or a solver) rather than being rounded
+# to the model's dtype (an activation).
 _FP32_OPS: Mapping[str, bool] = {
     **{name: False for op in HALF_MODEL_FP32_ACTIVATIONS for name in python_names(op)},
-    **{name: True for op in HALF_MODEL_FP32_LOSSES for name in python_names(op)},
+    **{name: True for op in HALF_MODEL_FP32_LOSSES + HALF_MODEL_FP32_RESULTS for name in python_names(op)},
 }
 
 

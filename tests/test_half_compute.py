@@ -303,6 +303,43 @@ def test_an_fp32_input_reaches_a_half_layer_norm_and_cdist_runs_in_a_half_model(
     mixprec.amp.reset()
 
 
+def _listed_by_torch(x: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
+    """An FNet's token mixing, an FNO's spectral product, a flow's Gaussian factor (torch's CPU fp32 list)."""
+    return [torch.fft.fft2(x).real, torch.fft.irfft(torch.fft.rfft(x) * 2, n=x.shape[-1]),
+            torch.linalg.cholesky(cov), torch.linalg.svdvals(x)]
+
+
+def _not_listed(x: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
+    """A flow's Gaussian base log-density and log-determinant: solvers torch.autocast does not list."""
+    base = torch.distributions.MultivariateNormal(torch.zeros(4, dtype=cov.dtype), cov)
+    sign, logabsdet = torch.linalg.slogdet(cov)
+    solved = torch.linalg.solve_triangular(cov, x[:, :4].T, upper=False)
+    return [base.log_prob(x[:, :4]), sign * logabsdet, solved]
+
+
+@pytest.mark.parametrize("arithmetic", ["emulated", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ffts_and_linear_algebra_compute_in_fp32_as_torch_autocast_computes_them(
+    arithmetic: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FFTs and cholesky have no half kernel on the CPU: in O2 and to_fp16() an FNet's fft2 raised
+    "Unsupported dtype Half" and a flow's MultivariateNormal base "cholesky_cpu not implemented for
+    'Half'", where torch.autocast (whose CPU table lists them fp32) ran. Same half inputs: torch.autocast's
+    results and dtypes; the solvers its table leaves out: the fp32 results of the same inputs."""
+    monkeypatch.setenv("MIXPREC_HALF_ARITHMETIC", f"cpu:{arithmetic}")
+    torch.manual_seed(0)
+    x = torch.randn(6, 16).to(dtype)
+    cov = (torch.eye(4) * 2 + 0.3).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        expected = _listed_by_torch(x, cov)
+    expected += _not_listed(x.float(), cov.float())
+    with half_compute("cpu", dtype):
+        got = _listed_by_torch(x, cov) + _not_listed(x, cov)
+    assert [t.dtype for t in got] == [t.dtype for t in expected] == [torch.float32] * 7
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arithmetic", ["emulated", "native"])
 def test_attentions_fp32_bias_and_an_out_tensor_are_kept_as_torch_keeps_them(
     arithmetic: str, monkeypatch: pytest.MonkeyPatch

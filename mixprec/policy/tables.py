@@ -21,6 +21,7 @@ __all__ = [
     "APEX_EXTRA_FP32",
     "HALF_MODEL_FP32_ACTIVATIONS",
     "HALF_MODEL_FP32_LOSSES",
+    "HALF_MODEL_FP32_RESULTS",
     "MIXPREC_CPU_DEVIATIONS",
     "RECURRENT_OPS",
     "TORCH_CPU",
@@ -217,6 +218,26 @@ HALF_MODEL_FP32_ACTIVATIONS: tuple[str, ...] = (
     # in half), and its CPU kernel has no half form at all ("cdist not implemented for 'Half'", a DETR
     # trial's matcher in a half model)
     "cdist",
+)  # fmt: skip
+
+# Ops with no half kernel on the CPU: every FFT ("Unsupported dtype Half") and the linear-algebra
+# decompositions, solvers and determinants ("cholesky_cpu not implemented for 'Half'"; cuSOLVER has no half
+# forms either). torch's CPU autocast table runs them in fp32 for that reason. In a half model they compute in
+# fp32 and return fp32 (complex64 for a complex result, which has no usable half form), as torch.autocast's
+# do: their results feed log-determinants, solves and spectral products, whose precision the fp32 computation
+# was for. An FNet's fft2 and a flow's MultivariateNormal base failed in O2 and to_fp16() (a user trial).
+HALF_MODEL_FP32_RESULTS: tuple[str, ...] = (
+    "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft", "fft_fft2", "fft_ifft2",
+    "fft_rfft2", "fft_irfft2", "fft_hfft2", "fft_ihfft2", "fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn",
+    "fft_hfftn", "fft_ihfftn", "stft", "istft", "polar",
+    "linalg_cholesky", "linalg_cholesky_ex", "cholesky", "cholesky_solve", "cholesky_inverse",
+    "linalg_solve_triangular", "triangular_solve", "linalg_solve", "linalg_solve_ex", "linalg_lu_factor",
+    "linalg_lu_factor_ex", "linalg_lu", "linalg_lu_solve", "lu_solve", "linalg_det", "det", "logdet",
+    "slogdet", "linalg_slogdet", "linalg_inv", "linalg_inv_ex", "inverse", "linalg_pinv", "pinverse",
+    "linalg_tensorinv", "linalg_tensorsolve", "linalg_qr", "qr", "geqrf", "orgqr", "ormqr",
+    "linalg_householder_product", "linalg_svd", "svd", "linalg_svdvals", "linalg_eig", "linalg_eigvals",
+    "linalg_eigh", "linalg_eigvalsh", "linalg_lstsq", "linalg_matrix_rank", "linalg_cond",
+    "linalg_matrix_norm", "linalg_norm",
 )  # fmt: skip
 
 HALF_MODEL_FP32_LOSSES: tuple[str, ...] = (
