@@ -152,8 +152,9 @@ class MasterWeights(torch.optim.Optimizer):
         flat: one contiguous fp32 buffer per param group instead of one master per parameter. Frozen
             parameters stay out of it (see master_storage.py for the rules every layout keeps).
         model: if given, every optimized parameter must belong to it (catches a model/optimizer mix-up).
-        fused: None picks torch's fused update when the optimizer has one and no choice was made;
-            False leaves the optimizer as it was; True requires it.
+        fused: None picks torch's fused update when the optimizer has one, no choice was made and
+            every parameter is real (torch's fused kernels take no complex ones); False leaves the
+            optimizer as it was; True requires it.
         initial: fp32 values to seed the masters of these half parameters, keyed by the parameter
             (e.g. :func:`fp32_originals` of :func:`model_to_half`): the weights before they were rounded to
             half precision, so rounding the model loses nothing the masters keep. Default: the half values.
@@ -338,6 +339,16 @@ class MasterWeights(torch.optim.Optimizer):
         devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
         if fused is None and not devices <= {"cpu", "cuda"}:
             return  # fused kernels of other backends vary; keep the user's choice
+        complex_ = sum(p.is_complex() for g in optimizer.param_groups for p in g["params"])
+        if complex_ and fused is None:
+            return  # torch's fused kernels take real parameters only (an FNO's complex spectral weights)
+        if complex_:
+            raise ConfigError(
+                f"fused=True (or master_grads=False, which runs a fused kernel), but {complex_} parameter(s) "
+                "are complex: torch's fused optimizers take real floating point parameters only.",
+                "leave fused=None and master_grads=True: the optimizer's own foreach update handles complex "
+                "parameters.",
+            )
         optimizer.defaults["fused"] = True
         for group in optimizer.param_groups:
             group["fused"] = True

@@ -463,6 +463,10 @@ class GradScaler:
                 if grad.dtype is torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
+            if grad.is_complex():
+                # torch's unscale-and-check op has no complex kernel (pytorch#58228; an FNO's complex
+                # weights failed under torch.amp's scaler and here): the same numbers as real pairs, a view
+                grad = torch.view_as_real(grad)
             buckets[grad.device][grad.dtype].append(grad)
         return buckets
 

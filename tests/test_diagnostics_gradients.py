@@ -79,6 +79,16 @@ def test_gradient_dtype_does_not_change_the_report(dtype: torch.dtype) -> None:
     assert got.overall.counts == ref.overall.counts and got.overall.outcomes == ref.overall.outcomes
 
 
+def test_a_complex_gradient_is_read_as_its_real_and_imaginary_parts() -> None:
+    """A purely imaginary gradient of ~1e-6 (an FNO's complex weight) was reported as all zeros: .float()
+    of a complex tensor keeps the real part only (a trial). Both parts are values the format must hold."""
+    grad = torch.complex(torch.zeros(4), torch.tensor([1.7e-6, -7.4e-7, 2.0**-3, 65504.0 * 2]))
+    got = analyze_grads({"w": grad}, scales=(2.0**10,))
+    ref = analyze_grads({"w": torch.view_as_real(grad)}, scales=(2.0**10,))
+    assert got.overall == ref.overall
+    assert got.overall.max_abs == 65504.0 * 2 and got.overall.zeros == 4
+
+
 def test_half_gradients_zeros_are_said_to_hide_underflow() -> None:
     """A user trial: an fp16 model's gradients, 89% of them zeros lost in its backward, were reported as
     "0% underflow to 0" with no word that the zeros were excluded values of a half format."""

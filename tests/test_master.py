@@ -150,6 +150,28 @@ def test_fused_matches_foreach() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_complex_parameter_keeps_the_optimizers_own_update() -> None:
+    """torch's fused Adam takes real parameters only: MasterWeights picked it for an FNO's complex weight
+    and the first step raised "`fused=True` requires all the params to be floating point". The step now
+    equals torch's Adam on the same parameters; asking for the fused kernel is refused by name."""
+    torch.manual_seed(0)
+    lin, w = nn.Linear(4, 4), nn.Parameter(0.3 * torch.randn(4, 4, dtype=torch.cfloat))
+    ref_lin, ref_w, start = copy.deepcopy(lin), copy.deepcopy(w), w.detach().clone()
+    lin.to(torch.bfloat16)
+    opt = MasterWeights(torch.optim.Adam([*lin.parameters(), w], lr=1e-2))
+    ref = torch.optim.Adam([*ref_lin.parameters(), ref_w], lr=1e-2)
+    x = torch.randn(8, 4)
+    for model_lin, weight, o in ((lin, w, opt), (ref_lin, ref_w, ref)):
+        z = model_lin(x.to(model_lin.weight.dtype)).to(torch.cfloat) @ weight
+        (z.real + z.imag).square().mean().backward()
+        o.step()
+    assert not opt.param_groups[0].get("fused")
+    torch.testing.assert_close(w, ref_w, rtol=1e-2, atol=1e-4)  # the bf16 layer's rounding reaches w's grad
+    assert not torch.equal(w.detach(), start)  # it moved
+    with pytest.raises(ConfigError, match="1 parameter.s. are complex"):
+        MasterWeights(torch.optim.Adam([*nn.Linear(4, 4).bfloat16().parameters(), w]), fused=True)
+
+
 def test_batchnorm_fp32_params_are_their_own_masters() -> None:
     model = _net(bn=True).to(torch.float16)
     model[1].float()  # BatchNorm kept in fp32, as O2 does

@@ -90,6 +90,49 @@ def test_scale_multiplies_exactly() -> None:
     assert torch.equal(c, t * 512.0)
 
 
+class _Spectral(nn.Module):
+    """A real layer and a complex weight, as an FNO's spectral layer holds (torch.cfloat)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(0.3 * torch.randn(4, 4, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.lin(x).to(torch.cfloat) @ self.w
+        return (z.real + z.imag).square().mean()
+
+
+def test_complex_gradients_are_unscaled_and_checked_as_their_real_pairs() -> None:
+    """torch's unscale op has no complex kernel (pytorch#58228): torch.amp's scaler raises
+    NotImplementedError on an FNO's complex weights, and ours did. The step now equals the unscaled one
+    (scale 2**10: unscaling is exact), and an inf in an imaginary part alone skips it."""
+    torch.manual_seed(0)
+    model, x = _Spectral(), torch.randn(8, 4)
+    with pytest.raises(NotImplementedError, match="ComplexFloat"):  # the peer's bug, while torch has it
+        reference = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        reference.scale(model(x)).backward()
+        reference.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.zero_grad()
+    plain, scaled = copy.deepcopy(model), copy.deepcopy(model)
+    plain(x).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    opt, scaler = torch.optim.SGD(scaled.parameters(), lr=0.1), GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(scaled(x)).backward()
+    scaler.step(opt)
+    scaler.update()
+    for a, b in zip(plain.parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    before = copy.deepcopy(scaled.state_dict())
+    opt.zero_grad()
+    scaler.scale(scaled(x)).backward()
+    scaled.w.grad[1, 2] = complex(1.0, float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+    assert all(torch.equal(before[k], v) for k, v in scaled.state_dict().items())
+
+
 def test_static_scale_never_moves_but_still_skips() -> None:
     scaler = GradScaler("cpu", init_scale=512.0, dynamic=False, growth_interval=1)
     scales, _ = _run(scaler, "cpu", 20, OPTIMIZERS["sgd"])

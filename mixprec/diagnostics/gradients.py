@@ -274,7 +274,9 @@ def _read_layer(name: str, grad: Tensor, unscale: float) -> _Layer:
     """The one pass over a gradient. Boolean indexing syncs (its size is data-dependent); the counts,
     histogram and extremes are then fetched with one more sync, stacked in float64 (exact for counts below
     2^53 and for every fp32 value)."""
-    g = grad.detach().float().flatten()
+    g = grad.detach()
+    # a complex gradient's parts are each a float the format holds (.float() would drop the imaginary part)
+    g = (torch.view_as_real(g) if g.is_complex() else g).float().flatten()
     if unscale != 1.0:
         g = g / unscale  # exact for a power of two
     finite = g.isfinite()
