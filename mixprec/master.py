@@ -632,7 +632,8 @@ class MasterWeights(torch.optim.Optimizer):
             inner_state = self._from_masters_first(inner_state)
         if _runs_torch_step(self.optimizer):  # torch.optim's update, whose state names mean what they say
             check_state_shapes(inner_state, self.optimizer.param_groups)
-        if masters is not None:
+        # none for an optimizer of fp32 parameters only (O2's sparse tables): torch's op refuses []
+        if masters:
             with torch.no_grad():
                 torch._foreach_copy_(views, [m.to(v.device) for m, v in zip(masters, views, strict=True)])
         # torch's load_state_dict restores each group's saved settings, fused/foreach included; keep the

@@ -1438,6 +1438,91 @@ def test_a_sparse_embedding_trains_fp32_beside_the_half_model(level: str, dtype:
     del dense
 
 
+class _WeightedTower(_SparseTower):
+    """Weighted bags (TorchRec's per_sample_weights): weights given, and weights a layer computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(1, 1)
+        with torch.no_grad():  # scores of few bits: exact in half
+            self.score.weight.fill_(0.5)
+            self.score.bias.fill_(0.25)
+
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        computed = self.score(weights.unsqueeze(-1)).squeeze(-1)
+        offsets = torch.tensor([0, 3])
+        return self.top(self.table(ids, offsets, per_sample_weights=weights)
+                        + self.table(ids, offsets, per_sample_weights=computed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weighted_sparse_bags_train_and_their_optimizer_resumes(dtype: torch.dtype) -> None:
+    """A recommender trial under O2: the fp32 sparse table met half per_sample_weights (the input cast, a
+    half layer's output) and torch raised "Expected tensor for argument #1 'weight' to have the same type";
+    and its SparseAdam, wrapped with no masters (every parameter fp32), could not load its state ("Tensor
+    list must have at least one tensor"). The table's update equals an fp32 run's, bit for bit, and the
+    reloaded optimizer's next step equals the uninterrupted one's."""
+    ids, weights = torch.tensor([1, 2, 3, 3, 4, 4]), torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0, 0.5])
+    reference = _WeightedTower()
+    ref_opt = torch.optim.SparseAdam(reference.table.parameters())
+    reference(ids, weights).mean().backward()
+    ref_opt.step()
+    model = _WeightedTower()
+    opts = [torch.optim.SparseAdam(model.table.parameters()),
+            torch.optim.SGD([*model.top.parameters(), *model.score.parameters()], lr=0.0)]
+    model, opts = mixprec.initialize(model, opts, "O2", dtype=dtype, loss_scale=128.0, verbosity=0)
+    with mixprec.scale_loss(model(ids, weights).mean(), opts) as scaled:
+        scaled.backward()
+    for opt in opts:
+        opt.step()
+    assert torch.equal(model.table.weight, reference.table.weight)
+    saved, before = copy.deepcopy(opts[0].state_dict()), model.table.weight.detach().clone()
+
+    def second_step() -> torch.Tensor:
+        for opt in opts:
+            opt.zero_grad()
+        with mixprec.scale_loss(model(ids, weights).mean(), opts) as scaled:
+            scaled.backward()
+        opts[0].step()
+        return model.table.weight.detach().clone()
+
+    uninterrupted = second_step()
+    with torch.no_grad():
+        model.table.weight.copy_(before)
+    opts[0].load_state_dict(saved)  # as load_checkpoint does
+    assert torch.equal(second_step(), uninterrupted)
+
+
+@pytest.mark.parametrize("orthogonal_map", ["matrix_exp", "cayley", "householder"])
+def test_an_orthogonal_parametrization_trains_under_o2(orthogonal_map: str) -> None:
+    """torch.nn.utils.parametrizations.orthogonal in an O2 model (a trial): the cayley map raised "lu_cpu not
+    implemented for 'Half'", householder "orgqr_cpu ...", and the default matrix_exp returned NaN in half
+    once its parameter moved off zero (every step after the first skipped). Its weight is computed in fp32
+    now: the losses an fp32 model's, the weight orthogonal."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    nn.utils.parametrizations.orthogonal(net[0], orthogonal_map=orthogonal_map)
+    reference = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(net, opt, "O2", dtype=torch.bfloat16, verbosity=0)
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x), y)
+        with mixprec.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = nn.functional.cross_entropy(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-2)
+    assert mixprec.amp.loss_scaler().skipped_steps == 0
+    weight = model[0].weight.float()
+    torch.testing.assert_close(weight @ weight.T, torch.eye(8), atol=2e-2, rtol=0)  # bf16 rounds it
+
+
 def test_gradients_no_optimizer_of_initialize_holds_are_named_once() -> None:
     """A DLRM trial passed initialize its dense optimizer only and stepped the tables' SGD itself: the tables
     stepped on gradients 65536 times too large and went NaN, and the warning that followed blamed the
