@@ -78,6 +78,7 @@ def test_tracer_names_the_layer_that_overflowed_in_fp16(device: str) -> None:
     assert text.count(fp32_max) == 1 and f"fp32 re-run is finite with max |x| {fp32_max}, above" in text
     n_inf = int(half[:5](_input(device).half()).isinf().sum())
     assert f"overflowed in float16 ({n_inf:,} inf)" in text
+    assert "mixprec.keep_fp32(module)" in text  # the fix named as a user calls it (a trial's ask)
     assert "layer3" in tracer.report()
     assert half.layer3.weight.dtype == torch.float16  # the re-run used a copy
 

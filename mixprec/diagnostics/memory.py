@@ -9,7 +9,9 @@ same components counted two ways, and the tests hold them against each other.)
 - ``params`` / ``buffers``: the model's parameters and buffers (BatchNorm running statistics) in the
   recipe's dtypes. Tied parameters count once.
 - ``masters``: fp32 copies of the half parameters, which the optimizer updates (O2).
-- ``grads``: one gradient per trainable parameter, in the parameter's dtype (autograd's contract);
+- ``grads``: one gradient per trainable parameter, in the parameter's dtype (autograd's contract); dense:
+  a ``sparse=True`` table's is counted at the table's size, an upper bound of the looked-up rows its
+  sparse gradient holds;
   ``master_grads``: the fp32 gradients of the masters.
 - ``optimizer_state``: every tensor in ``optimizer.state`` after one step (Adam: ``exp_avg`` and
   ``exp_avg_sq`` -- twice the stepped parameters -- plus a 4-byte ``step`` counter per parameter).

@@ -278,8 +278,9 @@ class NonfiniteEvent:
             # ref_max is the fp32 re-run's: the half output holds inf where it overflowed, so it has no max.
             name = _dtype_name(out.dtype)
             text = (f"{self.label} output overflowed in {name} ({_counts(out)}): its fp32 re-run is finite "
-                    f"with max |x| {ref_max:.3g}, above {name}'s max {limit:.6g}. Keep this module in fp32, "
-                    "or scale its input down.")
+                    f"with max |x| {ref_max:.3g}, above {name}'s max {limit:.6g}. Keep this module in fp32 "
+                    "(mixprec.keep_fp32(module), before initialize/to_fp16 for a half model), or scale its "
+                    "input down.")
             if self.weight_max is not None and self.weight_max > LARGE_WEIGHT:
                 text += (f" But its weights are large too (max |w| {self.weight_max:.3g}; ~1 or less at "
                          "initialisation): if they grew in training, the run is diverging (a learning rate "
@@ -287,7 +288,8 @@ class NonfiniteEvent:
             return text
         return (f"{self.label} output {what} in {_dtype_name(out.dtype)} although its fp32 output fits "
                 f"(max |x| {ref_max:.3g}): an intermediate value inside the module overflowed. Run the "
-                "module in fp32, or rewrite it to keep intermediates small (e.g. subtract the max before "
+                "module in fp32 (mixprec.keep_fp32(module), before initialize/to_fp16 for a half model), "
+                "or rewrite it to keep intermediates small (e.g. subtract the max before "
                 "exp).")
 
     def report(self) -> str:
