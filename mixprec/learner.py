@@ -21,12 +21,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from mixprec.callbacks import (
     Callback,
@@ -139,7 +141,12 @@ def _concatenated(batches: Sequence[Any]) -> Any:
     position (a tuple of joined tensors)."""
     if isinstance(batches[0], (tuple, list)):
         return tuple(_concatenated(column) for column in zip(*batches, strict=True))
-    return torch.cat(list(batches))
+    tensors = list(batches)
+    if len({t.shape[1:] for t in tensors}) > 1:
+        # outputs padded per batch (a sequence model's lengths differ): one tensor per sample, as fastai's
+        # to_concat falls back to, where torch.cat raised "Sizes of tensors must match"
+        return [sample for t in tensors for sample in t.unbind(0)]
+    return torch.cat(tensors)
 
 
 def _check_prediction(pred: Any) -> None:
@@ -311,8 +318,15 @@ class Learner:
 
     @property
     def batch_size(self) -> int:
-        """The current batch's size: its target's length (the first target's, for a tuple of them)."""
-        return len(_targets(self.yb)[0])
+        """The current batch's size: the leading size most of its tensors (inputs and targets) share; on a
+        tie, the first target's length (fastai's rule). CTC's targets (all the batch's labels concatenated,
+        and their lengths) made the first target's length the count of tokens: GradientAccumulation stepped
+        on tokens, not samples (a trial), and validation weighted batches by them."""
+        first = len(_targets(self.yb)[0])
+        sizes = [t.shape[0] for t in tree_leaves((self.xb, self.yb)) if isinstance(t, Tensor) and t.dim()]
+        counts = Counter(sizes)
+        most = max(counts.values(), default=0)
+        return first if counts[first] == most else next(n for n in sizes if counts[n] == most)
 
     @property
     def device(self) -> torch.device:
@@ -692,7 +706,9 @@ class Learner:
         return map_tensors(lambda t: t[0], out) if single else out
 
     def get_preds(self, split: str = "valid") -> tuple[Tensor, Tensor]:
-        """(outputs, targets) over a whole split, "valid" or "train" (in loader order)."""
+        """(outputs, targets) over a whole split, "valid" or "train" (in loader order). Outputs whose
+        batches differ beyond the batch dimension (padded per batch) come back as a list of per-sample
+        tensors, as fastai's get_preds gives them."""
         loaders = {"valid": self.data.valid, "train": self.data.train}
         if split not in loaders:
             raise ConfigError(f"split must be 'valid' or 'train', got {split!r}.", "use split='valid'.")

@@ -530,3 +530,57 @@ def test_a_fit_with_every_parameter_frozen_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match="every parameter of the .* is frozen") as info:
         learn.fit(steps=1)
     assert "requires_grad_(True)" in str(info.value)
+
+
+# ------------------------------------------------------------------------ CTC-style batches (a trial)
+class _Framewise(nn.Module):
+    """Per-frame log-probabilities over 4 symbols: a CTC model's output, padded to its batch's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).log_softmax(-1)
+
+
+def _ctc_batches(frames: list[int]) -> list[Any]:
+    """Batches of 4 samples: ((x, lengths), (all labels concatenated, label lengths)), F.ctc_loss's 1-D
+    target form, with 3 labels a sample, so the concatenated labels are 12 long."""
+    g = torch.Generator().manual_seed(0)
+    return [((torch.randn(4, t, 3, generator=g), torch.full((4,), t)),
+             (torch.randint(1, 4, (12,), generator=g), torch.full((4,), 3))) for t in frames]
+
+
+def _ctc(pred: torch.Tensor, labels: torch.Tensor, label_lengths: torch.Tensor) -> torch.Tensor:
+    lengths = torch.full((pred.shape[0],), pred.shape[1])
+    return F.ctc_loss(pred.transpose(0, 1), labels, lengths, label_lengths)
+
+
+def test_ctc_batches_count_samples_and_their_padded_outputs_are_kept_per_sample() -> None:
+    """A speech trial: with CTC's concatenated labels the batch size read the first target's length (12
+    tokens, not 4 samples), so GradientAccumulation(n_acc=8) stepped every batch instead of every second;
+    and get_preds raised "Sizes of tensors must match" on outputs padded per batch, where fastai's
+    to_concat keeps them per sample."""
+    train, valid = _ctc_batches([6, 6, 6, 6]), _ctc_batches([5, 7])
+    data = mixprec.DataBunch(train, valid, None, (6, 3), "ctc")  # type: ignore[arg-type]
+    torch.manual_seed(0)
+
+    class Weights(Callback):
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def on_batch_end(self) -> None:
+            if self.learn.training:
+                self.seen.append(self.learn.model.proj.weight.detach().clone())
+
+    weights = Weights()
+    learn = Learner(data, _Framewise(), loss_func=_ctc, silent=True,
+                    callbacks=[mixprec.callbacks.GradientAccumulation(n_acc=8), weights])
+    learn.fit(1, 0.1)
+    assert learn.batch_size == 4
+    moved = [not torch.equal(a, b) for a, b in zip(weights.seen, weights.seen[1:], strict=False)]
+    assert moved == [True, False, True]  # stepped after batches 2 and 4 only (8 samples each time)
+    preds, _ = learn.get_preds()
+    assert [tuple(p.shape) for p in preds] == [(5, 4)] * 4 + [(7, 4)] * 4
+    torch.testing.assert_close(preds[4], learn.predict(valid[1][0])[0])
