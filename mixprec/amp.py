@@ -1022,7 +1022,8 @@ def loss_scalers_of(optimizers: Sequence[Any]) -> list[GradScaler]:
 def restore(model: nn.Module) -> nn.Module:
     """Undo ``initialize`` on ``model``, in place: its hooks and forward wrappers come off and its half
     parameters become fp32 again, holding their masters' values (not their half rounding); float buffers
-    (RoPE's inv_freq), unless changed since, their values from before initialize; parameters without a
+    (RoPE's inv_freq), unless changed since, their values from before initialize (and buffers registered
+    since in the half dtype, a KV cache, fp32); parameters without a
     master (frozen, or at O3) their half values upcast (load the fp32 weights where those must be exact).
     For exporting
     or evaluating the trained model in fp32: ``model.float()`` alone leaves the input hook that casts to

@@ -180,8 +180,13 @@ def state_to_float(model: nn.Module, dtype: torch.dtype) -> None:
     in tuples and lists (an RNN's hidden state carried between batches, a cache): the fp32 model's next
     forward would meet them in half precision, and an LSTM's oneDNN kernel then fails with "could not create
     a primitive descriptor". Exact: every half value is an fp32 value. Parameters, buffers and submodules
-    are not plain attributes; a dict or an object holding tensors is left alone (it may be shared)."""
+    are not plain attributes; a dict or an object holding tensors is left alone (it may be shared). Buffers
+    still ``dtype`` once the cast ones are restored were registered after the cast (a KV cache set up in
+    the half model's dtype during training, a trial's generation): fp32 too, as the model now is."""
     for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.dtype == dtype:
+                module._buffers[name] = buffer.float()
         for name, value in list(vars(module).items()):
             if isinstance(value, nn.Parameter) or not isinstance(value, (torch.Tensor, tuple, list)):
                 continue

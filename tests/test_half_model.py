@@ -802,7 +802,13 @@ def test_restore_casts_half_attributes_back_and_leaves_the_rest() -> None:
     model[0].carried = [carried, (carried, torch.arange(3))]
     model[2].kept = {"cache": carried}
     model[2].wide = torch.randn(2, dtype=torch.float64)
+    # a KV cache registered in the model's dtype during training (a trial's generation), persistent or not
+    model[0].register_buffer("cache_k", carried.clone())
+    model[0].register_buffer("cache_v", carried.clone(), persistent=False)
     mixprec.amp.restore(model)
+    assert model[0].cache_k.dtype == model[0].cache_v.dtype == torch.float32
+    assert torch.equal(model[0].cache_k, carried.float())
+    assert "0.cache_k" in model.state_dict() and "0.cache_v" not in model.state_dict()
     assert model[0].carried[0].dtype == torch.float32 and torch.equal(model[0].carried[0], carried.float())
     assert model[0].carried[1][0].dtype == torch.float32 and model[0].carried[1][1].dtype == torch.int64
     assert isinstance(model[0].carried, list) and isinstance(model[0].carried[1], tuple)
