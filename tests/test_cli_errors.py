@@ -358,3 +358,12 @@ def test_train_into_a_folder_that_holds_a_run_asks_before_replacing_it(
     assert "holds a run already" in _error(capsys) and (out / "checkpoint.pt").read_bytes() == saved
     assert cli.main(["train", *TINY, "--out", str(out), "--lr", "1e-2", "--overwrite"]) == 0
     assert (out / "checkpoint.pt").read_bytes() != saved
+
+
+def test_a_value_error_in_the_users_own_model_code_keeps_its_traceback(tmp_path: Path) -> None:
+    """`mixprec memory --model file.py:make` caught every ValueError around building the model: a bug in
+    the user's factory (int("64x")) printed as a one-line usage error, no file, no line (a trial)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text("def make():\n    return int('64x')\n")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        cli.main(["memory", "--model", f"{factory}:make", "--input", "8", "--no-png"])

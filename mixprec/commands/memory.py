@@ -111,9 +111,12 @@ def _build(args: argparse.Namespace, shape: tuple[int, ...] | None) -> tuple[Any
         model, loss_fn, device = user.model, user.loss_fn, torch.device("cpu")
     else:
         device = torch.device("cpu" if args.measure else "meta")
-        with device:
-            model = build(args.model, input_shape=shape, n_classes=args.classes or
-                          DEFAULT_CLASSES.get(args.model, 10))
+        try:
+            with device:
+                model = build(args.model, input_shape=shape, n_classes=args.classes or
+                              DEFAULT_CLASSES.get(args.model, 10))
+        except ValueError as err:  # a reference model that cannot take this --input
+            raise UsageError(str(err), "pass an --input this model takes (mixprec memory --help).") from err
         loss_fn = None
     x = torch.randn(args.batch_size, *shape, device=device)
     y = torch.zeros(args.batch_size, dtype=torch.int64, device=device)
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             check_out_file(Path(args.png), "--png")
         start = time.perf_counter()
         model, batch, loss_fn = _build(args, shape)
-    except (UsageError, ConfigError, ValueError) as err:  # ValueError: the model cannot take this input
+    except (UsageError, ConfigError) as err:  # a user's model's own errors keep their traceback
         return fail(err)
     breakdowns = [memory_breakdown(model, _optimizers()[args.optimizer], batch, recipe, update=update,
                                    loss_fn=loss_fn, estimate=not args.measure, autocast=args.autocast)
