@@ -225,7 +225,10 @@ def _worker(
     info = setup(backend, timeout)
     try:
         result = fn(info, *args)
-        torch.save(result, Path(results) / f"rank{info.rank}.pt")
+        # written whole, then renamed: a rank killed while writing leaves no file that reads as saved
+        partial = Path(results) / f"rank{info.rank}.pt.partial"
+        torch.save(result, partial)
+        os.replace(partial, Path(results) / f"rank{info.rank}.pt")
         if info.distributed:
             # Leave together: a rank that destroys the group while another still talks to it can abort
             # in gloo's C++. And once one rank is past here, every rank has saved its result, which is

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -318,15 +317,18 @@ class Learner:
 
     @property
     def batch_size(self) -> int:
-        """The current batch's size: the leading size most of its tensors (inputs and targets) share; on a
-        tie, the first target's length (fastai's rule). CTC's targets (all the batch's labels concatenated,
-        and their lengths) made the first target's length the count of tokens: GradientAccumulation stepped
-        on tokens, not samples (a trial), and validation weighted batches by them."""
-        first = len(_targets(self.yb)[0])
-        sizes = [t.shape[0] for t in tree_leaves((self.xb, self.yb)) if isinstance(t, Tensor) and t.dim()]
-        counts = Counter(sizes)
-        most = max(counts.values(), default=0)
-        return first if counts[first] == most else next(n for n in sizes if counts[n] == most)
+        """The current batch's size: its first target's length (fastai's rule). Except CTC's targets (all
+        the batch's labels concatenated, then their lengths): where the first target is 1-D and the other
+        targets agree with each other and with the first input's leading size, and not with it, theirs.
+        The first target's length counted tokens there: GradientAccumulation stepped on tokens, not samples
+        (a trial), and validation weighted batches by them."""
+        targets = _targets(self.yb)
+        first = len(targets[0])
+        others = {len(t) for t in targets[1:] if isinstance(t, Tensor) and t.dim()}
+        leading = next((t.shape[0] for t in tree_leaves(self.xb) if isinstance(t, Tensor) and t.dim()), None)
+        if targets[0].dim() == 1 and len(others) == 1 and first not in others and leading in others:
+            return leading
+        return first
 
     @property
     def device(self) -> torch.device:
@@ -706,9 +708,10 @@ class Learner:
         return map_tensors(lambda t: t[0], out) if single else out
 
     def get_preds(self, split: str = "valid") -> tuple[Tensor, Tensor]:
-        """(outputs, targets) over a whole split, "valid" or "train" (in loader order). Outputs whose
-        batches differ beyond the batch dimension (padded per batch) come back as a list of per-sample
-        tensors, as fastai's get_preds gives them."""
+        """(outputs, targets) over a whole split, "valid" or "train" (in loader order). Batch-first outputs
+        whose batches differ beyond the batch dimension (padded per batch) come back as a list of
+        per-sample tensors, as fastai's get_preds gives them (a seq-first output would be split by time
+        step: transpose it in the model or the loss)."""
         loaders = {"valid": self.data.valid, "train": self.data.train}
         if split not in loaders:
             raise ConfigError(f"split must be 'valid' or 'train', got {split!r}.", "use split='valid'.")

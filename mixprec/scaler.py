@@ -465,7 +465,10 @@ class GradScaler:
                 grad = grad._values()
             if grad.is_complex():
                 # torch's unscale-and-check op has no complex kernel (pytorch#58228; an FNO's complex
-                # weights failed under torch.amp's scaler and here): the same numbers as real pairs, a view
+                # weights failed under torch.amp's scaler and here): the same numbers as real pairs, a view.
+                # A conjugate view (w.conj() in the forward) has no real view: resolved into .grad first.
+                if grad.is_conj():
+                    param.grad = grad = grad.resolve_conj()
                 grad = torch.view_as_real(grad)
             buckets[grad.device][grad.dtype].append(grad)
         return buckets

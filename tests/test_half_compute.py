@@ -310,13 +310,18 @@ def _listed_by_torch(x: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _not_listed(x: torch.Tensor, cov: torch.Tensor) -> list[torch.Tensor]:
-    """A flow's Gaussian base log-density and log-determinant, an orthogonal map: ops torch.autocast does
-    not list."""
+    """A flow's Gaussian base log-density and log-determinant: solvers torch.autocast does not list."""
     base = torch.distributions.MultivariateNormal(torch.zeros(4, dtype=cov.dtype), cov)
     sign, logabsdet = torch.linalg.slogdet(cov)
     solved = torch.linalg.solve_triangular(cov, x[:, :4].T, upper=False)
-    # parametrizations.orthogonal's default map (its half kernel returns NaN)
-    return [base.log_prob(x[:, :4]), sign * logabsdet, solved, torch.linalg.matrix_exp(x[:4, :4])]
+    return [base.log_prob(x[:, :4]), sign * logabsdet, solved]
+
+
+def _rounded_back(x: torch.Tensor) -> list[torch.Tensor]:
+    """Computed in fp32, returned in the model's dtype: the matrix exponential (parametrizations.orthogonal's
+    default map; its half kernel returns NaN), an L2 normalisation's norm, the spectral norm."""
+    return [torch.linalg.matrix_exp(x[:4, :4]), torch.linalg.norm(x, dim=-1),
+            torch.linalg.matrix_norm(x[:4, :4], ord=2)]
 
 
 @pytest.mark.parametrize("arithmetic", ["emulated", "native"])
@@ -337,9 +342,12 @@ def test_ffts_and_linear_algebra_compute_in_fp32_as_torch_autocast_computes_them
     expected += _not_listed(x.float(), cov.float())
     with half_compute("cpu", dtype):
         got = _listed_by_torch(x, cov) + _not_listed(x, cov)
-    assert [t.dtype for t in got] == [t.dtype for t in expected] == [torch.float32] * 8
+        rounded = _rounded_back(x)
+    assert [t.dtype for t in got] == [t.dtype for t in expected] == [torch.float32] * 7
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for g, e in zip(rounded, _rounded_back(x.float()), strict=True):
+        assert g.dtype is dtype and torch.equal(g, e.to(dtype))  # a review: linalg.norm had turned fp32
 
 
 @pytest.mark.parametrize("arithmetic", ["emulated", "native"])

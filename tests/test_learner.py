@@ -584,3 +584,25 @@ def test_ctc_batches_count_samples_and_their_padded_outputs_are_kept_per_sample(
     preds, _ = learn.get_preds()
     assert [tuple(p.shape) for p in preds] == [(5, 4)] * 4 + [(7, 4)] * 4
     torch.testing.assert_close(preds[4], learn.predict(valid[1][0])[0])
+
+
+@pytest.mark.parametrize(
+    ("xb", "yb", "size"),
+    [
+        # PyG-style graphs: 26 nodes' features, their edges and graph ids; one target per graph (a review:
+        # the majority of leading sizes counted nodes)
+        ((torch.randn(26, 3), torch.zeros(2, 40, dtype=torch.long), torch.zeros(26, dtype=torch.long)),
+         torch.randn(4), 4),
+        # seq-first inputs with a (T, B) mask, one target per sequence
+        ((torch.randn(10, 4, 3), torch.ones(10, 4, dtype=torch.bool)), torch.zeros(4, dtype=torch.long), 4),
+        # CTC: 12 concatenated labels, then 4 label lengths; 4 inputs
+        ((torch.randn(4, 6, 3), torch.full((4,), 6)),
+         (torch.ones(12, dtype=torch.long), torch.full((4,), 3)), 4),
+    ],
+)
+def test_the_batch_size_is_the_first_targets_length_except_under_ctcs_concatenated_labels(
+    xb: Any, yb: Any, size: int
+) -> None:
+    learn = _learner()
+    learn.xb, learn.yb = xb, yb
+    assert learn.batch_size == size

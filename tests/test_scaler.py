@@ -897,3 +897,19 @@ def test_at_the_floor_a_large_finite_loss_is_named_with_the_way_below_1() -> Non
     below = GradScaler("cpu", init_scale=2.0, min_scale=2.0**-30)  # the way out it names
     steps(below, 30)
     assert below.get_scale() < 1 and not torch.equal(model.weight, before)
+
+
+def test_a_conjugate_view_gradient_is_unscaled_as_its_values() -> None:
+    """A forward through w.conj() leaves w.grad a conjugate view, which has no real view ("view_as_real
+    doesn't work on unresolved conjugated tensors", a review): the step equals the unscaled one."""
+    torch.manual_seed(0)
+    w = nn.Parameter(0.3 * torch.randn(4, 4, dtype=torch.cfloat))
+    x = torch.randn(8, 4).to(torch.cfloat)
+    plain = w.detach().clone().requires_grad_(True)
+    (x @ plain.conj()).abs().square().mean().backward()
+    opt, scaler = torch.optim.SGD([w], lr=0.1), GradScaler("cpu", init_scale=1024.0)
+    scaler.scale((x @ w.conj()).abs().square().mean()).backward()
+    assert w.grad is not None and w.grad.is_conj()  # the case: autograd's conjugate view
+    scaler.step(opt)
+    torch.optim.SGD([plain], lr=0.1).step()
+    torch.testing.assert_close(w, plain, rtol=0, atol=0)

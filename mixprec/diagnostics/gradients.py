@@ -276,7 +276,7 @@ def _read_layer(name: str, grad: Tensor, unscale: float) -> _Layer:
     2^53 and for every fp32 value)."""
     g = grad.detach()
     # a complex gradient's parts are each a float the format holds (.float() would drop the imaginary part)
-    g = (torch.view_as_real(g) if g.is_complex() else g).float().flatten()
+    g = (torch.view_as_real(g.resolve_conj()) if g.is_complex() else g).float().flatten()
     if unscale != 1.0:
         g = g / unscale  # exact for a power of two
     finite = g.isfinite()
