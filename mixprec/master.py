@@ -372,6 +372,14 @@ class MasterWeights(torch.optim.Optimizer):
                 "some parameters appear in more than one parameter group",
                 "add each parameter once: leave out those already in a group of this optimizer.",
             )
+        fused = param_group.get("fused", self.optimizer.defaults.get("fused"))
+        if fused and any(p.is_complex() for p in new):
+            raise ConfigError(
+                "this group holds complex parameters, and the optimizer runs torch's fused kernel "
+                "(MasterWeights picks it for real parameters), which takes none: its step would be refused.",
+                "build MasterWeights(..., fused=False), or give the complex parameters to the optimizer when "
+                "it is built (MasterWeights then keeps its own update).",
+            )
         self.optimizer.add_param_group({**param_group, "params": new})
         self._groups.append(self._rewire(self.optimizer.param_groups[-1], {}))
         _remake_initial_state(self.optimizer, [self.optimizer.param_groups[-1]])

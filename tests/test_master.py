@@ -170,6 +170,9 @@ def test_a_complex_parameter_keeps_the_optimizers_own_update() -> None:
     assert not torch.equal(w.detach(), start)  # it moved
     with pytest.raises(ConfigError, match="1 parameter.s. are complex"):
         MasterWeights(torch.optim.Adam([*nn.Linear(4, 4).bfloat16().parameters(), w]), fused=True)
+    fused = MasterWeights(torch.optim.Adam(nn.Linear(4, 4).bfloat16().parameters()))  # real: fused picked
+    with pytest.raises(ConfigError, match="fused=False"):  # torch refused its step later (a review)
+        fused.add_param_group({"params": [nn.Parameter(torch.randn(2, dtype=torch.cfloat))]})
 
 
 def test_batchnorm_fp32_params_are_their_own_masters() -> None:
