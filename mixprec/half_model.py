@@ -860,18 +860,18 @@ def hook_fp32_roots(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool) ->
     would (the lookup reads them exactly, the cast rounds them once; a GEMM after it would round them
     anyway); a keep_fp32 module computes in fp32 on its fp32 tensors and hands the model its dtype back.
     prepare's, and the memory breakdown's on its copy of the model."""
-    roots = fp32_roots(model, keep_bn_fp32)
     hooks: list[Any] = []
-    for m in (m for m, why in roots if why == SPARSE):
-        # an EmbeddingBag's per_sample_weights must be its table's dtype (torch: "Expected tensor for
-        # argument #1 'weight' to have the same type"); half ones (from the model's input cast or a half
-        # layer) upcast exactly
+    for m, why in fp32_roots(model, keep_bn_fp32):
+        if why not in (SPARSE, MARKED):  # a kept BatchNorm: no hooks, as in apex O2
+            continue
+        if why == MARKED:
+            hooks.append(_Flag(m, HANDLED_ATTR))  # its keep_fp32 hook: no warning
+        # fp32 inputs: a kept module computes in fp32, and an EmbeddingBag's per_sample_weights must be its
+        # table's dtype (torch: "Expected tensor for argument #1 'weight' to have the same type"); half ones
+        # (the model's input cast, a half layer's output) upcast exactly
         hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
-        hooks.append(m.register_forward_hook(CastOutputs(dtype)))
-    for m in (m for m, why in roots if why == MARKED):
-        hooks.append(_Flag(m, HANDLED_ATTR))  # its keep_fp32 hook: no warning
-        hooks.append(m.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True))
-        hooks.append(m.register_forward_hook(CastKeptOutputs(dtype)))
+        back = CastKeptOutputs(dtype) if why == MARKED else CastOutputs(dtype)  # kept ones: overflow checked
+        hooks.append(m.register_forward_hook(back))
     return hooks
 
 

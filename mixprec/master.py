@@ -40,7 +40,7 @@ import os
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,11 @@ _views_like = views_like  # the name low_precision.py imports from here
 # momentum whose *first* step is skipped (found_inf) leaves its momentum buffer uninitialized (torch.empty),
 # and the next step reads garbage -- exactly what a loss scaler's first overflows trigger.
 AUTO_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+
+
+def _count_complex(params: Iterable[torch.Tensor]) -> int:
+    """How many of ``params`` are complex: torch's fused optimizers take real ones only."""
+    return sum(p.is_complex() for p in params)
 
 
 def _fused_capable(optimizer: torch.optim.Optimizer) -> bool:
@@ -339,7 +344,7 @@ class MasterWeights(torch.optim.Optimizer):
         devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
         if fused is None and not devices <= {"cpu", "cuda"}:
             return  # fused kernels of other backends vary; keep the user's choice
-        complex_ = sum(p.is_complex() for g in optimizer.param_groups for p in g["params"])
+        complex_ = _count_complex(p for g in optimizer.param_groups for p in g["params"])
         if complex_ and fused is None:
             return  # torch's fused kernels take real parameters only (an FNO's complex spectral weights)
         if complex_:
@@ -373,7 +378,7 @@ class MasterWeights(torch.optim.Optimizer):
                 "add each parameter once: leave out those already in a group of this optimizer.",
             )
         fused = param_group.get("fused", self.optimizer.defaults.get("fused"))
-        if fused and any(p.is_complex() for p in new):
+        if fused and _count_complex(new):
             raise ConfigError(
                 "this group holds complex parameters, and the optimizer runs torch's fused kernel "
                 "(MasterWeights picks it for real parameters), which takes none: its step would be refused.",
