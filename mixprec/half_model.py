@@ -175,17 +175,19 @@ def model_to_float(converted: list[Converted], values: dict[int, torch.Tensor] |
                 setattr(c.module, c.name, _kept_original(c, tensor).to(tensor.device, c.dtype))
 
 
-def state_to_float(model: nn.Module, dtype: torch.dtype) -> None:
+def state_to_float(model: nn.Module, dtype: torch.dtype, keep: Collection[tuple[int, str]] = ()) -> None:
     """Cast back to fp32 the ``dtype`` tensors a half forward left in the model's plain attributes, alone or
     in tuples and lists (an RNN's hidden state carried between batches, a cache): the fp32 model's next
     forward would meet them in half precision, and an LSTM's oneDNN kernel then fails with "could not create
     a primitive descriptor". Exact: every half value is an fp32 value. Parameters, buffers and submodules
     are not plain attributes; a dict or an object holding tensors is left alone (it may be shared). Buffers
     still ``dtype`` once the cast ones are restored were registered after the cast (a KV cache set up in
-    the half model's dtype during training, a trial's generation): fp32 too, as the model now is."""
+    the half model's dtype during training, a trial's generation): fp32 too, as the model now is, except
+    those of ``keep`` (``(id(module), name)``: buffers the model held in ``dtype`` before it was cast, which
+    go back as they were)."""
     for module in model.modules():
         for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.dtype == dtype:
+            if buffer is not None and buffer.dtype == dtype and (id(module), name) not in keep:
                 module._buffers[name] = buffer.float()
         for name, value in list(vars(module).items()):
             if isinstance(value, nn.Parameter) or not isinstance(value, (torch.Tensor, tuple, list)):
@@ -749,6 +751,8 @@ class HalfModel:
     recipe: Recipe
     converted: list[Converted] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
+    # (id(module), name) of the buffers already in the half dtype before the cast: restore leaves them so
+    half_before: frozenset[tuple[int, str]] = frozenset()
 
     def fp32_originals(self) -> dict[torch.Tensor, torch.Tensor]:
         """The fp32 values of the cast parameters: masters are seeded from these, not their rounding."""
@@ -793,7 +797,7 @@ class HalfModel:
         found = {id(p): v for m in held for p, v in zip(m.model_params(), m.master_views(), strict=True)}
         model_to_float(self.converted, {**found, **(values or {})})
         if self.recipe.half_dtype is not None:
-            state_to_float(self.model, self.recipe.half_dtype)
+            state_to_float(self.model, self.recipe.half_dtype, keep=self.half_before)
         self.handles, self.converted = [], []
 
 
@@ -894,6 +898,8 @@ def prepare(
     hooks = half.handles
     if recipe.casts_model:
         dtype = recipe.model_dtype
+        half.half_before = frozenset((id(m), n) for m in model.modules()
+                                     for n, b in m._buffers.items() if b is not None and b.dtype == dtype)
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
         hooks += hook_fp32_roots(model, dtype, recipe.keep_batchnorm_fp32)

@@ -815,6 +815,21 @@ def test_restore_casts_half_attributes_back_and_leaves_the_rest() -> None:
     assert model[2].kept["cache"] is carried and model[2].wide.dtype == torch.float64
 
 
+def test_restore_leaves_buffers_that_were_half_before_initialize() -> None:
+    """A buffer the user's model held in fp16 before initialize (a quantised table kept small on purpose)
+    is not one the cast made: restore gives it back fp16, as the model was, where it upcast every fp16
+    buffer it found (only those registered after initialize, in the run's dtype, become fp32)."""
+    model = _net()
+    table = torch.randn(4).half()
+    model[0].register_buffer("table", table.clone())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+    model[2].register_buffer("cache", table.clone())  # registered after: fp32 on restore
+    mixprec.amp.restore(model)
+    assert model[0].table.dtype == torch.float16 and torch.equal(model[0].table, table)
+    assert model[2].cache.dtype == torch.float32
+
+
 @pytest.mark.parametrize("recipe", ["O1", "O2"])
 def test_a_prepared_model_with_an_embedding_bag_prints_as_before(recipe: str) -> None:
     """EmbeddingBag's extra_repr calls repr() on each of its attributes, and the wrapped forward is a method
