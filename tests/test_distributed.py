@@ -406,6 +406,18 @@ def killed_on_rank_1(info: DistInfo) -> int:
     return info.rank
 
 
+class _DiesWhileSaved:
+    """A result whose pickling kills its process: a rank that dies while torch.save writes its file."""
+
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), 9)
+        return (int, ())  # not reached
+
+
+def killed_while_saving_on_rank_1(info: DistInfo) -> Any:
+    return _DiesWhileSaved() if info.rank == 1 else info.rank
+
+
 def test_a_rank_killed_after_every_rank_saved_its_result_is_said_and_the_results_returned() -> None:
     """CI failed on a finished run: a rank aborted in gloo's C++ at interpreter shutdown, after its Python
     had ended, and launch passed on torch's bare ProcessExitedException."""
@@ -419,6 +431,13 @@ def test_a_rank_killed_before_it_finished_is_named_with_its_signal() -> None:
                                                r"stopped: 0\.") as err:
         launch(killed_on_rank_1, 2)
     assert "out-of-memory killer" in str(err.value.fix)
+
+
+def test_a_rank_killed_while_writing_its_result_has_not_saved_it() -> None:
+    """A result file is written whole, then renamed: a rank killed halfway left a file launch read as its
+    saved result (it warned and returned, and then torch.load failed on the torn file)."""
+    with pytest.raises(DistributedError, match=r"rank 1 ended by signal SIGKILL before it had finished"):
+        launch(killed_while_saving_on_rank_1, 2)
 
 
 def world_size(info: DistInfo) -> int:
