@@ -691,10 +691,12 @@ class Learner:
     @torch.no_grad()
     def predict(self, x: Tensor | Sequence[Tensor]) -> Tensor:
         """The model's output (fp32, eval mode, no gradient) for a batch ``x``, or for one sample (then
-        without the batch dimension); ``predict(x).argmax(-1)`` is the class. A model of several inputs
-        takes a batch of them as its loader yields it (``(tokens, lengths)``: ``model(*x)``)."""
+        without the batch dimension); ``predict(x).argmax(-1)`` is the class. One sample has as many
+        dimensions as ``data.input_shape`` (its sizes may differ: a prompt shorter than the context). A
+        model of several inputs takes a batch of them as its loader yields it (``(tokens, lengths)``:
+        ``model(*x)``)."""
         several = isinstance(x, (tuple, list))
-        single = not several and tuple(x.shape) == tuple(self.data.input_shape)  # type: ignore[union-attr]
+        single = not several and x.dim() == len(self.data.input_shape)  # type: ignore[union-attr]
         if single:
             x = x.unsqueeze(0)  # type: ignore[union-attr]
         device = self.device
