@@ -61,7 +61,13 @@ from mixprec.policy import register_float_function, register_half_function, regi
 from mixprec.policy.tables import BCE_ADVICE
 from mixprec.recipe import APEX_MAX_LOSS_SCALE, Recipe
 from mixprec.scaler import GradScaler
-from mixprec.skip_step import BufferWatch, combined_found_inf, remove_watches, step_unless_inf
+from mixprec.skip_step import (
+    BufferWatch,
+    combined_found_inf,
+    remove_watches,
+    running_statistics,
+    step_unless_inf,
+)
 from mixprec.split_state_dict import hook_split_state_dict
 from mixprec.warn_site import user_stacklevel
 
@@ -496,15 +502,16 @@ def _device_type(models: list[nn.Module]) -> str:
 
 # ------------------------------------------------------------------------------------------------ steps
 def _buffer_watches(models: list[nn.Module], opts: list[Any]) -> dict[int, list[BufferWatch]]:
-    """A skipped step of an optimizer puts back the buffers (BatchNorm's running statistics) of the models
-    it trains -- those holding any of its parameters -- as they were after its previous step. Per optimizer,
+    """A skipped step of an optimizer puts back the running statistics (BatchNorm's; other buffers stay
+    as the forward left them, as in apex) of the models it trains -- those holding any of its parameters --
+    as they were after its previous step. Per optimizer,
     not per loss scaler: with several models and losses (apex's DCGAN: three losses, two optimizers) a
     generator loss's overflow skips the generator's step only, and leaves the discriminator's statistics."""
     watches: dict[int, list[BufferWatch]] = {}
     for opt in opts:
         held = {id(p) for p in _held_params(_inner(opt))}
         watches[id(opt)] = [BufferWatch(m) for m in models
-                            if any(True for _ in m.buffers()) and any(id(p) in held for p in m.parameters())]
+                            if running_statistics(m) and any(id(p) in held for p in m.parameters())]
     return watches
 
 

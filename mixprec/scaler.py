@@ -791,13 +791,15 @@ class GradScaler:
         )
 
     # ------------------------------------------------------------------ buffers on skipped steps
-    def watch(self, module: nn.Module) -> BufferWatch:
-        """Keep ``module``'s buffers (BatchNorm running mean/var, ...) as they were when a step is skipped.
+    def watch(self, module: nn.Module, *, all_buffers: bool = False) -> BufferWatch:
+        """Keep ``module``'s running statistics (its BatchNorm layers' running mean/var) as they were when a
+        step is skipped; ``all_buffers=True``: every buffer (not one the forward reads: put back, the same
+        forward would overflow again, and every step be skipped).
 
         A forward pre-hook snapshots them at the first training forward of each iteration; ``update()``
         puts them back where the iteration skipped, with ``torch.where`` on the device flag (no sync).
         Returns the ``BufferWatch``; ``.remove()`` stops it. Watches are not pickled with the scaler."""
-        watch = BufferWatch(module)
+        watch = BufferWatch(module, all_buffers=all_buffers)
         self._watches.append(watch)
         return watch
 

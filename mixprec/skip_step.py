@@ -9,10 +9,13 @@ Learner. It decides in one of two ways:
   excludes the one case where that is wrong);
 * otherwise on the host: the inf flag is read once (one sync) and ``step`` is not called at all.
 
-A skipped step must also leave the module's buffers (BatchNorm running mean/var, ``num_batches_tracked``)
-as they were: the forward of the bad batch already changed them. ``BufferWatch`` snapshots them before the
-first training forward of an iteration and puts them back, with ``torch.where`` on the device flag (no
-sync), when the iteration's step is skipped.
+A skipped step may also leave the normalization layers' running statistics (BatchNorm's mean/var,
+``num_batches_tracked``) as they were: the forward of the bad batch already changed them, with a NaN
+sample for good. ``BufferWatch`` snapshots them before the first training forward of an iteration and puts
+them back, with ``torch.where`` on the device flag (no sync), when the iteration's step is skipped. Those
+only, by default: a training forward never reads them, so putting them back cannot make the next forward
+overflow as this one did, where a buffer the forward reads (an EMA codebook healing from a stale value)
+would be put back before the value that overflowed every time, and every step would be skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 from torch import nn
 
 __all__ = ["step_unless_inf", "step_with_flags", "record_step_called", "combined_found_inf",
-           "supports_amp_scaling", "skips_on_device", "device_skip_is_safe", "BufferWatch", "remove_watches"]
+           "supports_amp_scaling", "skips_on_device", "device_skip_is_safe", "BufferWatch", "remove_watches",
+           "running_statistics"]
 
 T = TypeVar("T")
 
@@ -140,20 +144,31 @@ def step_with_flags(
         del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
-class BufferWatch:
-    """Puts a module's buffers back as they were when its step is skipped. Sync-free.
+def running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module``'s normalization layers (BatchNorm, InstanceNorm with running statistics,
+    SyncBatchNorm: torch's ``_NormBase``), which a training forward updates and never reads."""
+    norms = (m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase))
+    return [b for m in norms for b in m.buffers(recurse=False)]
 
-    A forward pre-hook copies every buffer (BatchNorm's running mean/var and ``num_batches_tracked``, any
-    buffer of any submodule) into a snapshot at the first training-mode forward after ``arm()``, so
-    gradient accumulation over several forwards snapshots once. ``restore_if(found_inf)`` then writes
-    ``where(found_inf > 0, snapshot, buffer)`` into each buffer on the device and re-arms.
+
+class BufferWatch:
+    """Puts a module's running statistics back as they were when its step is skipped. Sync-free.
+
+    A forward pre-hook copies the buffers of the module's normalization layers (:func:`running_statistics`:
+    BatchNorm's running mean/var and ``num_batches_tracked``), or every buffer of every submodule with
+    ``all_buffers=True``, into a snapshot at the first training-mode forward after ``arm()``, so gradient
+    accumulation over several forwards snapshots once. ``restore_if(found_inf)`` then writes
+    ``where(found_inf > 0, snapshot, buffer)`` into each on the device and re-arms. ``all_buffers``: for
+    buffers the forward writes and does not read; one it reads, put back, may make every step overflow
+    as the first did (module docstring).
 
     ``GradScaler.watch(model)`` makes one and calls ``restore_if`` from ``update()``; use it directly
     where the skip decision is made elsewhere (one ``restore_if`` per iteration, after the step).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, all_buffers: bool = False) -> None:
         self.module = module
+        self.all_buffers = all_buffers
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._armed = True
         self._taken = False
@@ -172,7 +187,7 @@ class BufferWatch:
         forward). Snapshot tensors are reused while the buffers keep their identity and shape."""
         old = {id(buf): snap for buf, snap in self._pairs}
         pairs = []
-        for buf in self.module.buffers():
+        for buf in self.watched():
             snap = old.get(id(buf))
             if snap is None or (snap.shape, snap.dtype, snap.device) != (buf.shape, buf.dtype, buf.device):
                 snap = torch.empty_like(buf)
@@ -181,6 +196,10 @@ class BufferWatch:
             torch._foreach_copy_([s for _, s in pairs], [b for b, _ in pairs])
         self._pairs = pairs
         self._armed, self._taken = False, True
+
+    def watched(self) -> list[torch.Tensor]:
+        """The buffers a skipped step puts back."""
+        return list(self.module.buffers()) if self.all_buffers else running_statistics(self.module)
 
     @torch.no_grad()
     def restore_if(self, found_inf: torch.Tensor) -> None:

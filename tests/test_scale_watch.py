@@ -3,10 +3,12 @@ the same run without the bad batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_scaler import _NoSync
 from torch import nn
 
+import mixprec
 from mixprec.scaler import GradScaler
 
 
@@ -119,3 +121,76 @@ def test_an_update_between_two_backwards_of_watched_models_keeps_the_graph() -> 
     watched, unwatched = _gan_step(watch=True), _gan_step(watch=False)
     for a, b in zip(watched, unwatched, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _HealingScale(nn.Module):
+    """A buffer the forward reads and updates: an EMA pulled from a stale 6e4 toward 1 (a VQ-VAE's dead
+    code at 1/eps), which makes the fp16 forward overflow until the forward's own updates heal it (6e4: an
+    fp16 value, for a half model's fp16 buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("scale", torch.tensor(6e4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.1).add_(0.9)
+        return self.lin(x * self.scale)
+
+
+def _healing_run(interface: str) -> tuple[int, float]:
+    """Steps skipped of 8 and the buffer at the end, under torch.amp or one of mixprec's interfaces."""
+    torch.manual_seed(0)
+    model, data = _HealingScale(), [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(8)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if interface == "Learner.to_fp16":
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        learn = mixprec.Learner(mixprec.DataBunch(loader, loader, None, (4,), "toy"), model,
+                                loss_func=nn.functional.mse_loss, silent=True).to_fp16()
+        learn.fit(1, lr=1e-2)
+        return learn.recorder.skipped.count(True), model.scale.item()
+    if interface == "initialize O1":
+        model, opt = mixprec.initialize(model, opt, opt_level="O1", verbosity=0)
+        for x, y in data:
+            with mixprec.scale_loss(nn.functional.mse_loss(model(x), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        return mixprec.amp.state_dict()["loss_scaler0"]["mixprec"]["skipped_steps"], model.scale.item()
+    scaler, skipped = torch.amp.GradScaler("cpu"), 0
+    for x, y in data:
+        with torch.autocast("cpu", torch.float16):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        before = scaler.get_scale()
+        scaler.update()
+        skipped += scaler.get_scale() < before  # torch's scaler backs off on a skipped step only
+        opt.zero_grad()
+    return skipped, model.scale.item()
+
+
+@pytest.mark.parametrize("interface", ["initialize O1", "Learner.to_fp16"])
+def test_a_buffer_the_forward_reads_is_left_as_the_forward_made_it(interface: str) -> None:
+    """initialize and to_fp16 put every buffer back on a skipped step, so a forward that overflowed
+    because of a buffer it was healing met the same stale value every step: every step skipped, for good
+    (a VQ-VAE trial's EMA codebook). As in torch.amp (the reference here), apex and fastai, only norm
+    layers' running statistics go back (a training forward does not read them)."""
+    skipped, scale = _healing_run(interface)
+    reference_skipped, reference_scale = _healing_run("torch.amp")
+    assert 1 <= reference_skipped <= 5 and reference_scale < 2.0  # torch.amp skipped a few, then trained
+    # (a half model's buffer is fp16: 1.0006 is 1.0 there)
+    assert (skipped, scale) == (reference_skipped, pytest.approx(reference_scale, abs=1e-3))
+
+
+def test_all_buffers_puts_back_a_buffer_that_is_not_a_running_statistic() -> None:
+    for all_buffers, expected in ((False, 6000.9), (True, 6e4)):
+        model = _HealingScale()
+        scaler = GradScaler("cpu")
+        scaler.watch(model, all_buffers=all_buffers)
+        scaler.scale(model(torch.full((2, 4), float("nan"))).sum()).backward()
+        scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler.update()
+        assert scaler.last_step_skipped and model.scale.item() == pytest.approx(expected)
