@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.autocast import autocast, half_compute
+from mixprec.buffer_writes import watch_buffer_writes
 from mixprec.distributed import is_sharded
 from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
 from mixprec.fp32_modules import HANDLED_ATTR, is_kept_fp32
@@ -903,6 +904,8 @@ def prepare(
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
         hooks += hook_fp32_roots(model, dtype, recipe.keep_batchnorm_fp32)
+        hooks += watch_buffer_writes(model, [(c.qualname, c.module, c.name) for c in half.converted
+                                             if not c.is_param], dtype)
         probe = next(((c.module, c.name) for c in half.converted if c.is_param), None)
         hooks.append(model.register_forward_pre_hook(CastInputs(dtype, probe, recipe.cast_inputs),
                                                      with_kwargs=True))
