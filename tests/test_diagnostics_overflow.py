@@ -126,6 +126,31 @@ def test_non_finite_made_between_modules_is_reported_as_such() -> None:
     assert "between a (Linear)'s output and b (Linear)'s input" in said and "<model> (Parent)" in said
 
 
+def test_a_container_that_only_passes_the_value_on_is_not_named_as_its_maker() -> None:
+    """A trial's CapsNet: the NaN its forward made reached decoder.0 through the Sequential decoder, and the
+    report named the code in "the forward of decoder (Sequential)", the first receiver's parent. The maker
+    is the innermost forward that ran from a's output to decoder.0's input: the model's, or the block's."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.decoder = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.ReLU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.decoder(h / (h - h))  # 0/0, in this forward
+
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(2, 4))
+    assert tracer.event is not None and tracer.event.module == "1.decoder.0.0"
+    assert "by code in the forward of 1 (Block)" in tracer.event.explain()
+    with trace_nonfinite(model) as tracer:  # made before any module returned: the model's own forward
+        model(torch.full((2, 4), float("nan")))
+    assert "before 0 (Linear)" in tracer.event.explain() and "<model> (Sequential)" in tracer.event.explain()
+
+
 def test_finite_forward_reports_nothing_and_hooks_are_removed() -> None:
     model = _model()
     with NonfiniteTracer(model) as tracer:

@@ -205,6 +205,20 @@ def _to_fp32(t: Tensor) -> Tensor:
     return t.detach().float() if t.is_floating_point() else t
 
 
+def _enclosing(name: str, after: str | None) -> str:
+    """The innermost module whose forward ran all the code between ``after``'s return (the last finite
+    output) and ``name``'s call: their common ancestor, above ``name`` (an ``nn.Sequential`` around ``name``
+    only passes its input on: the code that made the value is its caller's). The model itself where no
+    module had returned yet."""
+    if after is None:
+        return ""
+    ours, theirs = name.split("."), after.split(".") if after else []
+    common = 0
+    while common < min(len(ours) - 1, len(theirs)) and ours[common] == theirs[common]:
+        common += 1
+    return ".".join(ours[:common])
+
+
 def _label(module: str, module_type: str) -> str:
     """How a report names a module: its qualified name (the model itself: <model>) and its class."""
     return f"{module or '<model>'} ({module_type})"
@@ -403,6 +417,7 @@ class NonfiniteTracer:
         self._paused = False
         self._types: dict[str, str] = {}  # qualified name -> class name, of the model's modules
         self._last_finite: str | None = None  # forward order: the last module whose output was finite
+        self._last_finite_name: str | None = None  # (its qualified name)
         self._last_finite_grad: str | None = None  # backward order: the same for output gradients
         # outputs given a gradient hook in this forward (a child's first); by identity, and weak: an id alone
         # is reused once a freed intermediate's Python object is gone
@@ -411,7 +426,7 @@ class NonfiniteTracer:
     def __enter__(self) -> NonfiniteTracer:
         self.event = self.backward_event = None
         self.checked = self.grads_checked = 0
-        self._last_finite = self._last_finite_grad = None
+        self._last_finite = self._last_finite_name = self._last_finite_grad = None
         self._hooked = WeakIdKeyDictionary()
         self._types = {n: type(m).__name__ for n, m in self.model.named_modules()}
         for name, module in self.model.named_modules():
@@ -431,7 +446,7 @@ class NonfiniteTracer:
             produced = _floating(output)
             self._hook_gradients(name, produced)
             if all(finite_flags(produced)):  # the common case: one flag per output, one sync per device
-                self._last_finite = _label(name, self._types[name])
+                self._last_finite, self._last_finite_name = _label(name, self._types[name]), name
                 return
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
@@ -439,7 +454,7 @@ class NonfiniteTracer:
             rerun = self.compare_fp32 and all(r.usable for r in inputs)
             fp32, error = self._rerun_fp32(module, args, kwargs) if rerun else (None, None)
             state = _nonfinite_state(module)
-            outer = name.rpartition(".")[0]
+            outer = _enclosing(name, self._last_finite_name)
             parent = _label(outer, self._types[outer]) if name else None
             self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state,
                                         after=self._last_finite, parent=parent,
