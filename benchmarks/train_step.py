@@ -6,7 +6,8 @@ the 784-8192-10 MLP of ``mixprec.models.mlp`` (batch 512), and a laptop-sized GP
 (``--workload``): ``gpt-large`` (d 1024, 6 layers, 16 heads, T 512, vocab 8192, batch 32: a size a GPU's
 arithmetic limits, not the host), and models user trials brought: ``transformer-lm`` and ``lstm-lm``
 (pytorch/examples' word_language_model: ``nn.TransformerEncoder``, ``nn.LSTM``) and ``vit`` (a small ViT,
-attention by ``F.scaled_dot_product_attention``).
+attention by ``F.scaled_dot_product_attention``) and ``ode`` (a neural ODE: an MLP field integrated by
+hand-written RK4, hundreds of tiny GEMMs a step).
 Configurations: fp32; torch.autocast bf16; torch.autocast fp16 + torch's GradScaler; mixprec O1 (fp16,
 bf16), O2 fp16 and O2 bf16 (``mixprec.initialize`` + ``scale_loss``; O2 bf16 also at 16 bytes per
 parameter), and fastai's ``Learner(...).to_bf16()``; each eager and ``torch.compile``-d (a configuration
@@ -198,6 +199,41 @@ TRANSFORMER_LM_FLOPS = (6.0 * (WLM_LAYERS * 6 * WLM_D * WLM_D + WLM_VOCAB * WLM_
 LSTM_LM_FLOPS = 6.0 * (WLM_LAYERS * 8 * WLM_D * WLM_D + WLM_VOCAB * WLM_D)
 
 
+ODE_D, ODE_HIDDEN, ODE_STEPS, ODE_CLASSES = 16, 64, 10, 10
+
+
+class NeuralODE(nn.Module):
+    """A neural ODE classifier (a user trial's shape): an MLP vector field of (state, t) integrated by a
+    hand-written RK4 loop, then a linear head. Hundreds of tiny GEMMs a step: per-op costs, not
+    arithmetic, set its speed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.field = nn.Sequential(nn.Linear(ODE_D + 1, ODE_HIDDEN), nn.Tanh(), nn.Linear(ODE_HIDDEN, ODE_D))
+        self.head = nn.Linear(ODE_D, ODE_CLASSES)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        h = 1.0 / ODE_STEPS
+        for i in range(ODE_STEPS):
+            t = torch.full_like(y[:, :1], i * h)
+            k1 = self.field(torch.cat([y, t], 1))
+            k2 = self.field(torch.cat([y + h / 2 * k1, t + h / 2], 1))
+            k3 = self.field(torch.cat([y + h / 2 * k2, t + h / 2], 1))
+            k4 = self.field(torch.cat([y + h * k3, t + h], 1))
+            y = y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return self.head(y)
+
+
+def _ode_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, ODE_D, generator=gen), torch.randint(0, ODE_CLASSES, (n,), generator=gen)
+
+
+# 4 field evaluations per RK4 step, each two linears (6 FLOPs per weight: forward, input and weight
+# gradients), and the head
+ODE_FLOPS = 6.0 * (4 * ODE_STEPS * (ODE_D + 1 + ODE_D) * ODE_HIDDEN + ODE_D * ODE_CLASSES)
+
+
 def mlp_flops_per_sample(n_in: int, hidden: int, n_out: int) -> float:
     # The FLOPs a step must compute, not PaLM's 6 per weight: the input needs no gradient, so the first
     # layer runs its forward and weight-gradient GEMMs only (4 per weight). Counting it at 6 overstated this
@@ -252,6 +288,8 @@ WORKLOADS = {
     "gpt-small": Workload("GPT d128 L2 H4 T64 V512, b8", lambda: GPTLogits(GPT_SMALL),
                           lambda n: _gpt_batch(n, GPT_SMALL), 8, 64, gpt_flops_per_token(GPT_SMALL),
                           slow_batch_size=8),
+    "ode": Workload(f"neural ODE d{ODE_D} h{ODE_HIDDEN} RK4x{ODE_STEPS}, b32", NeuralODE, _ode_batch, 32, 1,
+                    ODE_FLOPS, slow_batch_size=32),
     "gpt-large": Workload("GPT d1024 L6 H16 T512 V8192, b32", lambda: GPTLogits(GPT_LARGE),
                           lambda n: _gpt_batch(n, GPT_LARGE), 32, 512, gpt_flops_per_token(GPT_LARGE),
                           slow_batch_size=1),

@@ -111,16 +111,27 @@ def run_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: An
 def _traced_emulated(region: Region, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """:func:`run_emulated` while a CastTrace looks: flag the forward op and tag its backward node."""
     outer, STATE.emulating = STATE.emulating, region.dtype
+    before = {t.grad_fn for t in iter_tensors((args, kwargs)) if t.grad_fn is not None}
     try:
         result = emulated(func, args, kwargs, region.dtype, round_input=_rounded(region))
     finally:
         STATE.emulating = outer
-    for t in iter_tensors(result):
-        # result = (fp32 op).to(half): the op's node is the first input of the rounding cast's node.
-        rounding = t.grad_fn
-        if rounding is not None and rounding.next_functions and rounding.next_functions[0][0] is not None:
-            rounding.next_functions[0][0].metadata[EMULATED_NODE_KEY] = region.dtype
+    _tag_new_nodes([t.grad_fn for t in iter_tensors(result)], before, region.dtype)
     return result
+
+
+def _tag_new_nodes(roots: list[Any], before: set[Any], dtype: torch.dtype) -> None:
+    """Tag the backward nodes an emulated call made (the GEMM's, and the views and casts around it: a 3-d
+    linear's addmm sits under a view) as emulating ``dtype``, walking from its results down to the nodes
+    its inputs came with; parameters' gradient accumulators are not its own."""
+    todo, seen = [n for n in roots if n is not None], set(before)
+    while todo:
+        node = todo.pop()
+        if node in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(node)
+        node.metadata[EMULATED_NODE_KEY] = dtype
+        todo += [n for n, _ in node.next_functions if n is not None]
 
 
 def _run_cast(region: Region, dtype: torch.dtype, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:

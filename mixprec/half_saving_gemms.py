@@ -16,12 +16,13 @@ and ``F.conv_transpose1d/2d/3d`` with numeric padding; ``F.scaled_dot_product_at
 v on the CPU where torch picks its flash kernel (no mask, no dropout: q, k, v and the half output saved,
 as torch's half kernel saves them, not their fp32 copies and an fp32 output). Other call forms
 (broadcasting matmul, ``out=``, ``padding="same"``, a masked attention) return None and keep the generic
-path. The backward runs the kernels autograd runs for these ops, in fp32: results equal the generic
-emulation bit for bit (tests/test_half_saving_gemms.py), but for attention's q and k gradients, which
-read the half output (about one half rounding apart). Compiled code is unaffected: AOTAutograd
-re-partitions what is saved across forward and backward whatever a function saves (attention keeps the
-generic path there), and so do torch.func's transforms and forward-mode AD (plain ops compose with them:
-:mod:`mixprec.func_transforms`).
+path, as do GEMMs of fewer than ``FEW_ACTIVATIONS`` activation elements (their Python costs more time than
+their bytes are worth). The backward runs the kernels autograd runs for these ops, in fp32: results equal
+the generic emulation bit for bit (tests/test_half_saving_gemms.py), but for attention's q and k
+gradients, which read the half output (about one half rounding apart). Compiled code is unaffected:
+AOTAutograd re-partitions what is saved across forward and backward whatever a function saves
+(attention keeps the generic path there), and so do torch.func's transforms and forward-mode AD (plain
+ops compose with them: :mod:`mixprec.func_transforms`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ def _round(
         return rounded, _kept(half, rounded, dtype)
     rounded = rounder(t)
     return rounded, _kept(t, rounded, dtype)
+
+
+# Below this many activation elements in a GEMM's operands, the generic path (autograd saves the fp32
+# upcasts) runs instead: it saves at most 16 KiB more per GEMM, where this module's autograd functions
+# cost ~70 us of Python a call, forward and backward (a neural ODE's 32x17 and 32x64 GEMMs: its step 1.4x
+# the generic path's, on a 2-core AVX2 EPYC). From 4096 elements on (the digits MLP's first layer at
+# batch 64), the bytes saved are kept: a half model's saved activations stay below fp32's.
+FEW_ACTIVATIONS = 1 << 12
+
+
+def _few_activations(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a GEMM's activations (its operands but parameters) are too small for their bytes to matter.
+    Eager only: compiled code partitions what it saves itself (module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
+    operands = [*args, *kwargs.values()]
+    return sum(t.numel() for t in operands if isinstance(t, torch.Tensor) and not _parameter(t)) \
+        < FEW_ACTIVATIONS
 
 
 def _saved(keep: torch.Tensor | None, rounded: torch.Tensor) -> torch.Tensor:
@@ -344,7 +363,7 @@ def half_saving_gemm(
     with backward saving half activations as they are; None where ``func`` or its call form is not
     covered, and inside torch.func's transforms and forward-mode AD, where plain ops compose and these
     autograd functions would not (:mod:`mixprec.func_transforms`): the caller then takes the generic path."""
-    if inside_transform():
+    if inside_transform() or _few_activations(args, kwargs):
         return None
     if func is F.linear:
         return _linear(args, kwargs, dtype, rounder)

@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from mixprec import amp, hardware
+from mixprec import amp, half_saving_gemms, hardware
 from mixprec import policy as P
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -71,6 +71,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def half_saving_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated GEMMs save half activations however small (tests count their bytes on tiny models, where
+    mixprec.half_saving_gemms.FEW_ACTIVATIONS sends them down the generic path)."""
+    monkeypatch.setattr(half_saving_gemms, "FEW_ACTIVATIONS", 0)
 
 
 @pytest.fixture

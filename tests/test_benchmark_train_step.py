@@ -48,6 +48,7 @@ def _tiny(bench: ModuleType) -> object:
     return bench.Workload("tiny MLP", make, batch, 8, 1, bench.mlp_flops_per_sample(16, 32, 4), 8)
 
 
+@pytest.mark.usefixtures("half_saving_any_size")  # its tiny MLP's saved bytes are compared
 def test_a_run_reports_measured_rows_and_skips_what_has_no_fast_kernels(
     bench: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,6 +30,7 @@ from mixprec.recipe import Recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HALF_DTYPES = [torch.float16, torch.bfloat16]
+pytestmark = pytest.mark.usefixtures("half_saving_any_size")  # tiny models whose saved bytes are counted
 # The published figures: the 784-8192-10 MLP and torchvision's VGG16 (1000 classes).
 MLP_PARAMS = 784 * 8192 + 8192 + 8192 * 10 + 10  # 6,512,650
 VGG16_PARAMS = 138_357_544
