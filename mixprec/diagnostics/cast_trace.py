@@ -166,7 +166,7 @@ class CastTrace(TorchDispatchMode):
         return {r.outputs[0] for r in self.ops if r.op == op and r.phase == phase and r.outputs}
 
     def table(self) -> Table:
-        from rich.table import Table
+        from mixprec.diagnostics.tables import PlainTable as Table
 
         table = Table(title="Ops by dtype (aten level: after autocast's casts)", title_justify="left")
         for header, justify in (("phase", "left"), ("op", "left"), ("input dtypes", "left"),
@@ -178,7 +178,7 @@ class CastTrace(TorchDispatchMode):
         return table
 
     def casts_table(self) -> Table:
-        from rich.table import Table
+        from mixprec.diagnostics.tables import PlainTable as Table
 
         table = Table(title="Casts (_to_copy / copy_ that change the dtype)", title_justify="left")
         for header, justify in (("phase", "left"), ("from", "left"), ("to", "left"), ("count", "right"),

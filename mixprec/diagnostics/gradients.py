@@ -196,8 +196,8 @@ class GradientReport:
         return stats.outcome(scale, format) if stats is not None else None
 
     def table(self, scale: float | None = None) -> Table:
-        """A rich table, one row per parameter plus "all": fp16 outcomes unscaled and at ``scale``. Show it
-        with rich (``rich.print(report.table())``): the built-in ``print`` shows the object's repr."""
+        """A rich table, one row per parameter plus "all": fp16 outcomes unscaled and at ``scale``; in
+        colour with ``rich.print``, as plain text with ``print``."""
         return _report_table(self, self._other_scale(scale))
 
     def summary(self, scale: float | None = None) -> str:
@@ -479,7 +479,7 @@ def _log2_text(x: float) -> str:
 
 
 def _report_table(report: GradientReport, scale: float | None) -> Table:
-    from rich.table import Table
+    from mixprec.diagnostics.tables import PlainTable as Table
 
     table = Table(title="Gradient magnitudes and what fp16 does to them (fractions of non-zero gradients)",
                   title_justify="left")

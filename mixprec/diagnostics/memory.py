@@ -742,7 +742,7 @@ def memory_breakdowns(
 def memory_table(breakdowns: Sequence[MemoryBreakdown], title: str | None = None) -> Table:
     """A rich table: one row per component, one column per precision, in KiB, MiB or GiB (binary: 2**10,
     2**20, 2**30 bytes; :func:`memory_unit`), which the title names after ``title``."""
-    from rich.table import Table
+    from mixprec.diagnostics.tables import PlainTable as Table
 
     unit, per = memory_unit(breakdowns)
     table = Table(title=f"{title or 'Memory of one training step'} ({unit})", title_justify="left")
