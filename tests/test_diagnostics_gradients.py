@@ -268,3 +268,20 @@ def test_a_loss_fn_that_returns_no_loss_is_named(returned: str | None) -> None:
     loss_fn = (lambda out, y: None) if returned is None else (lambda out, y: out.sum(1))
     with pytest.raises(ConfigError, match="loss_fn returned .*one-element tensor"):
         grad_exponent_histogram(model, batch, loss_fn=loss_fn)
+
+
+def test_model_grads_of_a_model_of_several_inputs() -> None:
+    """A trial's CapsNet (whose forward takes the labels too) was refused: x may be the model's inputs."""
+    from mixprec.diagnostics.gradients import model_grads
+
+    torch.manual_seed(0)
+    body, head = nn.Linear(6, 4), nn.Linear(4, 3)
+    model = nn.ModuleDict({"body": body, "head": head})
+    model.forward = lambda x, scale: head(body(x) * scale)  # type: ignore[method-assign]
+    x, scale, y = torch.randn(5, 6), torch.rand(5, 1), torch.randint(0, 3, (5,))
+    got = model_grads(model, ((x, scale), y))
+    want = torch.autograd.grad(F.cross_entropy(head(body(x) * scale), y), list(model.parameters()))
+    assert list(got) == [n for n, _ in model.named_parameters()]
+    for g, w in zip(got.values(), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+

@@ -167,8 +167,9 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from mixprec.commands.train import check_out_file, fail
-    from mixprec.diagnostics.memory import memory_breakdown, memory_table
+    from mixprec.diagnostics.memory import memory_breakdown, memory_table, split_batch
     from mixprec.errors import ConfigError
+    from mixprec.tree import iter_tensors
 
     console = make_console()
     shape = _shape(args)
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                   for recipe, update in precisions]
     seconds = time.perf_counter() - start
     n_params = breakdowns[0].n_params
-    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    x = next(iter_tensors(split_batch(batch)[0]), None)  # the first input of a model of several
     sample = "x".join(map(str, getattr(x, "shape", ())[1:])) or "?"
     rows = getattr(x, "shape", (args.batch_size,))[0]
     what = f"{args.model} ({n_params:,} parameters), batch {rows} x {sample}, {args.optimizer}"

@@ -2,8 +2,9 @@
 
 The function takes no arguments and returns the model, or ``(model, batch)`` with an example batch ``x``
 or ``(x, y)`` (a language model's token ids, a detector's targets: what the reference models' random images
-cannot stand in for), or ``(model, batch, loss_fn)`` with ``loss_fn(output, y)`` (default: cross-entropy,
-or ``output.sum()`` without ``y``). Without a batch, one is made from ``--input`` and ``--batch-size``.
+cannot stand in for; ``x`` may be a tuple of a model's several inputs, ``((x, mask), y)``), or ``(model,
+batch, loss_fn)`` with ``loss_fn(output, y)`` (default: cross-entropy, or ``output.sum()`` without ``y``).
+Without a batch, one is made from ``--input`` and ``--batch-size``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec import formats
-from mixprec.diagnostics.memory import default_loss, split_batch
+from mixprec.diagnostics.memory import call_model, default_loss, split_batch
 from mixprec.errors import ConfigError
 from mixprec.hardware import HALF_DTYPES
 
@@ -364,15 +364,15 @@ def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callab
     """
     x, y = split_batch(batch)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    loss = (loss_fn or default_loss)(model(x), y)
+    loss = (loss_fn or default_loss)(call_model(model, x), y)
     if not (isinstance(loss, Tensor) and loss.is_floating_point() and loss.numel() == 1):
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else repr(loss)
         raise ConfigError(
             f"loss_fn returned {got}; it must return the loss, a floating one-element tensor.",
             "pass loss_fn=lambda out, y: ... returning the loss from the model's output (e.g. out[1] or "
-            "out.loss for a model that computes it); a model whose forward needs more than x (labels, a "
-            "mask, a hidden state): run your own backward and call grad_exponent_histogram(model) on the "
-            "gradients it left.",
+            "out.loss for a model that computes it); a model whose forward needs more than its inputs "
+            "(a hidden state carried between batches): run your own backward and call "
+            "grad_exponent_histogram(model) on the gradients it left.",
         )
     grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
     return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
@@ -390,7 +390,8 @@ def grad_exponent_histogram(
     """The :class:`GradientReport` of ``model``'s gradients on ``batch``, or of its current ``.grad``.
 
     Args:
-        batch: ``x`` or ``(x, y)``; None reads the gradients already in ``.grad`` (after a backward).
+        batch: ``x`` or ``(x, y)``, ``x`` a tensor or a tuple (dict) of the model's inputs: ``model(*x)``
+            (``model(**x)``); None reads the gradients already in ``.grad`` (after a backward).
         loss_scale: the scale(s) at which to evaluate fp16 underflow/overflow, besides 1 and the suggestion.
         margin: headroom factor of the suggested scale (see the module docstring).
         grad_scale: the loss scale the existing ``.grad`` were computed with (with ``batch=None``), e.g.

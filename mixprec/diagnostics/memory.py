@@ -60,7 +60,7 @@ from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import MasterWeights
 from mixprec.recipe import RECIPES, Recipe, get_recipe
-from mixprec.tree import cast_floating
+from mixprec.tree import cast_floating, iter_tensors, map_tensors
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -320,19 +320,30 @@ def _copy_model(model: nn.Module, precision: Recipe, maker: _Maker) -> nn.Module
 
 
 def split_batch(batch: Batch) -> tuple[Any, Any]:
-    """``(x, y)`` of an example batch ``x`` or ``(x, y, ...)``; ``y`` is None when there is none. Shared by
-    the diagnostics that run a step on an example batch (memory, gradients)."""
+    """``(x, y)`` of an example batch ``x`` or ``(x, y, ...)``; ``y`` is None when there is none. ``x`` is
+    one tensor, or a tuple/list of a model's several inputs (``((tokens, mask), y)``: the Learner's rule)
+    or a dict of them (a Hugging Face model's ``input_ids``, ``attention_mask``): see :func:`call_model`.
+    Shared by the diagnostics that run a step on an example batch (memory, gradients)."""
     items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
-    if not items or not isinstance(items[0], Tensor):
-        got = type(items[0]).__name__ if items else "an empty batch"
+    x = items[0] if items else None
+    several = isinstance(x, (tuple, list, dict)) and any(True for _ in iter_tensors(x))
+    if not (isinstance(x, Tensor) or several):
+        got = type(x).__name__ if items else "an empty batch"
         raise ConfigError(
-            f"the example batch must be a tensor x or a tuple (x, y) whose x is one tensor (the model is "
-            f"called as model(x)); its x is {got}.",
-            "pass e.g. data.one_batch() or (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))); a "
-            "model with several inputs (x, t): wrap it in a module whose forward takes one tensor, or run "
-            "your own step and read the gradients with grad_exponent_histogram(model).",
+            f"the example batch must be a tensor x or a tuple (x, y), x being one tensor, a tuple or list of "
+            f"the model's inputs (called as model(*x)) or a dict of them (model(**x)); its x is {got}.",
+            "pass e.g. data.one_batch(), (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))) or "
+            "((tokens, mask), targets).",
         )
-    return items[0], items[1] if len(items) > 1 else None
+    return x, items[1] if len(items) > 1 else None
+
+
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model`` on an example batch's ``x`` (:func:`split_batch`): ``model(*x)`` for a tuple or list,
+    ``model(**x)`` for a dict, else ``model(x)``."""
+    if isinstance(x, dict):
+        return model(**x)
+    return model(*x) if isinstance(x, (tuple, list)) else model(x)
 
 
 def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
@@ -352,13 +363,11 @@ def _copy_batch(batch: Batch, recipe: Recipe, maker: _Maker) -> tuple[Any, Any]:
     # floating inputs as the model's boundary casts them: to its dtype, or left as given (cast_inputs=False)
     floating = recipe.model_dtype if recipe.cast_inputs else None
 
-    def convert(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return t
+    def convert(t: Tensor) -> Tensor:
         return maker.like(t, (floating or t.dtype) if t.is_floating_point() else t.dtype)
 
     x, y = split_batch(batch)
-    return convert(x), convert(y)
+    return map_tensors(convert, x), map_tensors(convert, y)
 
 
 def _storage_key(t: Tensor) -> int:
@@ -444,7 +453,8 @@ class SavedTensors:
 
 def _device_type(x: Any) -> str:
     # Fake tensors describe the model's device; meta tensors (no device of their own) are CPU ones.
-    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    first = next(iter_tensors(x), None)
+    device_type = first.device.type if first is not None else "cpu"
     return "cpu" if device_type == "meta" else device_type
 
 
@@ -484,7 +494,7 @@ def _saved_for_backward(
     model.train()  # a training step: dropout active, BatchNorm on batch statistics
     with saved.counting():
         with region:
-            output = model(x)
+            output = call_model(model, x)
         if precision.loss_fp32 and not precision.is_fp32:
             # As the recipe's real model (half_model.prepare) hands them to the loss: half outputs cast to
             # fp32 first, so what the loss saves (log_softmax's output) takes fp32's bytes, not half's.
