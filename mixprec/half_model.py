@@ -268,10 +268,13 @@ def warn_if_inputs_lost(before: list[Any], after: list[Any], dtype: torch.dtype)
         overflow = _first_overflow(t, back)
         if overflow is not None:
             problem = f"holds {overflow[0]:g}, beyond {name}'s range: the cast made it {overflow[1]:g}"
-            # a mask's is the usual case: say why it matters, then the fix
-            fix = (f"{FP32_MIN_MASK_FIX} if it is a mask ({FP32_MIN_MASK}); scale other values into range, "
-                   "or leave the inputs as given (initialize(..., cast_model_inputs=False), "
-                   "to_fp16(cast_inputs=False)) and normalize them in a module marked mixprec.keep_fp32")
+            data = ("scale the values into range, or leave the inputs as given (initialize(..., "
+                    "cast_model_inputs=False), to_fp16(cast_inputs=False)) and normalize them in a module "
+                    "marked mixprec.keep_fp32")
+            # an additive mask (zeros and a huge negative fill) gets the mask's fix first, data the other
+            mask = bool(((t == 0) | (t <= -torch.finfo(dtype).max)).all())
+            fix = (f"{FP32_MIN_MASK_FIX} ({FP32_MIN_MASK}); if it is not a mask, {data}" if mask
+                   else f"{data}; if it is an additive mask, {FP32_MIN_MASK_FIX}")
         elif torch.equal(t, t.round()) and not torch.equal(back, t):
             where = tuple((back != t).nonzero()[0])
             problem = (f"holds whole numbers (timesteps? positions?) that the cast rounds: "

@@ -756,6 +756,19 @@ def test_an_input_the_cast_overflows_is_named() -> None:
         model(torch.randn(3, 4), scale)
 
 
+@pytest.mark.parametrize(("values", "first"), [([0.0, -3e38, 0.0], "finfo"), ([0.5, 1e5, 2.0], "scale")])
+def test_an_overflowing_input_gets_the_fix_for_what_it_looks_like_first(values: list[float],
+                                                                        first: str) -> None:
+    """A trial's data (a padded sequence at 1e5) was told first to build its attention mask another way:
+    a mask (zeros and a huge negative fill) leads with the mask's fix, other values with scaling."""
+    model = _Timestep()
+    prepare(model, RECIPES["O2"], "cpu")  # fp16
+    with pytest.warns(UserWarning, match="beyond float16's range") as said:
+        model(torch.randn(3, 4), torch.tensor(values))
+    fix = str(said[0].message).split("Fix: ", 1)[1]
+    assert fix.startswith({"finfo": "build the mask", "scale": "scale the values"}[first])
+
+
 class _CarriedLSTM(nn.Module):
     """A language model that carries its LSTM state between batches in a plain attribute (fastai's AWD-LSTM,
     the PyTorch word language model), as a tuple (h, c)."""
