@@ -503,8 +503,8 @@ def _device_type(models: list[nn.Module]) -> str:
 # ------------------------------------------------------------------------------------------------ steps
 def _buffer_watches(models: list[nn.Module], opts: list[Any]) -> dict[int, list[BufferWatch]]:
     """A skipped step of an optimizer puts back the running statistics (BatchNorm's; other buffers stay
-    as the forward left them, as in apex) of the models it trains -- those holding any of its parameters --
-    as they were after its previous step. Per optimizer,
+    as the forward left them, as apex leaves every buffer) of the models it trains -- those holding any of
+    its parameters -- as they were after its previous step. Per optimizer,
     not per loss scaler: with several models and losses (apex's DCGAN: three losses, two optimizers) a
     generator loss's overflow skips the generator's step only, and leaves the discriminator's statistics."""
     watches: dict[int, list[BufferWatch]] = {}

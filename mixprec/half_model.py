@@ -900,10 +900,11 @@ def prepare(
     if recipe.is_fp32:
         return half
     hooks = half.handles
+    if recipe.half_dtype is not None:  # restore's state_to_float looks for that dtype, O1's too
+        half.half_before = frozenset((id(m), n) for m in model.modules() for n, b in m._buffers.items()
+                                     if b is not None and b.dtype == recipe.half_dtype)
     if recipe.casts_model:
         dtype = recipe.model_dtype
-        half.half_before = frozenset((id(m), n) for m in model.modules()
-                                     for n, b in m._buffers.items() if b is not None and b.dtype == dtype)
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
         hooks += hook_fp32_roots(model, dtype, recipe.keep_batchnorm_fp32)

@@ -16,13 +16,13 @@ and ``F.conv_transpose1d/2d/3d`` with numeric padding; ``F.scaled_dot_product_at
 v on the CPU where torch picks its flash kernel (no mask, no dropout: q, k, v and the half output saved,
 as torch's half kernel saves them, not their fp32 copies and an fp32 output). Other call forms
 (broadcasting matmul, ``out=``, ``padding="same"``, a masked attention) return None and keep the generic
-path, as do GEMMs of fewer than ``FEW_ACTIVATIONS`` activation elements (their Python costs more time than
-their bytes are worth). The backward runs the kernels autograd runs for these ops, in fp32: results equal
-the generic emulation bit for bit (tests/test_half_saving_gemms.py), but for attention's q and k
-gradients, which read the half output (about one half rounding apart). Compiled code is unaffected:
-AOTAutograd re-partitions what is saved across forward and backward whatever a function saves
-(attention keeps the generic path there), and so do torch.func's transforms and forward-mode AD (plain
-ops compose with them: :mod:`mixprec.func_transforms`).
+path, as do GEMMs but attention of fewer than ``FEW_ACTIVATIONS`` activation elements (their Python costs more
+time than their bytes are worth; attention stays, so its gradients do not change with the batch). The backward
+runs the kernels autograd runs for these ops, in fp32: results equal the generic emulation bit for bit
+(tests/test_half_saving_gemms.py), but for attention's q and k gradients, which read the half output (about
+one half rounding apart). Compiled code is unaffected: AOTAutograd re-partitions what is saved across forward
+and backward whatever a function saves (attention keeps the generic path there), and so do torch.func's
+transforms and forward-mode AD (plain ops compose with them: :mod:`mixprec.func_transforms`).
 """
 
 from __future__ import annotations
@@ -363,7 +363,11 @@ def half_saving_gemm(
     with backward saving half activations as they are; None where ``func`` or its call form is not
     covered, and inside torch.func's transforms and forward-mode AD, where plain ops compose and these
     autograd functions would not (:mod:`mixprec.func_transforms`): the caller then takes the generic path."""
-    if inside_transform() or _few_activations(args, kwargs):
+    if inside_transform():
+        return None
+    if func is F.scaled_dot_product_attention:  # at any size: its q, k gradients are not the generic path's
+        return _attention(args, kwargs, dtype)
+    if _few_activations(args, kwargs):  # the same values either way, cheaper per call
         return None
     if func is F.linear:
         return _linear(args, kwargs, dtype, rounder)
@@ -371,6 +375,4 @@ def half_saving_gemm(
         return _matmul(func, args, kwargs, dtype, rounder)
     if func in CONVOLUTIONS:
         return _conv(func, args, kwargs, dtype, rounder)
-    if func is F.scaled_dot_product_attention:
-        return _attention(args, kwargs, dtype)
     return None

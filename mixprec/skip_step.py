@@ -188,6 +188,8 @@ class BufferWatch:
         old = {id(buf): snap for buf, snap in self._pairs}
         pairs = []
         for buf in self.watched():
+            if nn.parameter.is_lazy(buf):  # a LazyBatchNorm's, before its first forward sizes it: none yet
+                continue
             snap = old.get(id(buf))
             if snap is None or (snap.shape, snap.dtype, snap.device) != (buf.shape, buf.dtype, buf.device):
                 snap = torch.empty_like(buf)

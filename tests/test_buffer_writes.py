@@ -51,6 +51,28 @@ def test_a_buffer_the_forward_writes_in_half_is_said_once(dtype: torch.dtype) ->
     assert "mixprec.keep_fp32(module)" in said[0] and "1.running" not in said[0]  # BatchNorm: fp32 in O2
 
 
+def test_a_write_through_data_is_said_too() -> None:
+    """rosinality's vq-vae-2 writes its EMA through .data, which leaves the version counter as it was."""
+    model = _model()
+    model[0].forward = lambda x: (model[0].cluster_size.data.mul_(0.9).add_(1.0),  # type: ignore[method-assign]
+                                  model[0].lin(x))[1]
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                  dtype=torch.bfloat16, verbosity=0)
+    said = _said(model)
+    assert len(said) == 1 and "0.cluster_size" in said[0]
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_spectral_norms_power_iteration_vectors_say_nothing(parametrized: bool) -> None:
+    """Recomputed from the weight at every forward, u and v accumulate nothing (a review: the warning
+    told a GAN to keep every spectrally normalised layer fp32)."""
+    norm = nn.utils.parametrizations.spectral_norm if parametrized else nn.utils.spectral_norm
+    model = nn.Sequential(norm(nn.Linear(4, 8)), nn.ReLU(), norm(nn.Linear(8, 1)))
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                  dtype=torch.bfloat16, verbosity=0)
+    assert _said(model) == []
+
+
 def test_eval_forwards_running_statistics_and_kept_modules_say_nothing() -> None:
     pure = _model()  # O3: BatchNorm half too, on purpose: its statistics are not named
     pure[0].forward = lambda x: pure[0].lin(x)  # type: ignore[method-assign]  # writes nothing

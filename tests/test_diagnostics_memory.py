@@ -9,6 +9,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec import half_saving_gemms
 from mixprec.commands import memory as memory_command
 from mixprec.diagnostics.memory import (
     as_recipe,
@@ -31,6 +33,7 @@ from mixprec.recipe import Recipe
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HALF_DTYPES = [torch.float16, torch.bfloat16]
+DEFAULT_FEW_ACTIVATIONS = half_saving_gemms.FEW_ACTIVATIONS  # (read before the fixture below sets 0)
 pytestmark = pytest.mark.usefixtures("half_saving_any_size")  # tiny models whose saved bytes are counted
 # The published figures: the 784-8192-10 MLP and torchvision's VGG16 (1000 classes).
 MLP_PARAMS = 784 * 8192 + 8192 + 8192 * 10 + 10  # 6,512,650
@@ -87,8 +90,11 @@ def test_o1_saves_half_activations_and_the_weight_copy_autocast_made(estimate: b
     assert result.params == (n_in * hidden + hidden + hidden * 10 + 10) * 4
 
 
+@pytest.mark.parametrize("few", [0, DEFAULT_FEW_ACTIVATIONS])  # half-saving GEMMs; and as by default
 @pytest.mark.parametrize("precision", ["fp32", "pure-fp16", "pure-bf16", "O1", "O2", "O3"])
-def test_estimate_equals_measurement_on_a_small_cnn(precision: str) -> None:
+def test_estimate_equals_measurement_on_a_small_cnn(precision: str, few: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(half_saving_gemms, "FEW_ACTIVATIONS", few)
     torch.manual_seed(0)
     model = simple_cnn((1, 8, 16, 10))  # conv + BatchNorm + ReLU blocks: O2 keeps BatchNorm fp32
     batch = _batch(4, (1, 8, 8))
@@ -657,6 +663,21 @@ def test_a_model_of_several_inputs_takes_them_as_its_loader_yields_them(precisio
         # the mask itself: the reference's is a plain attribute, cast inside forward; ours the model's input
         assert dataclasses.replace(got, activations=0) == dataclasses.replace(reference, activations=0)
         assert 0 <= got.activations - reference.activations <= mask.numel() * 4
+
+
+def test_the_cli_takes_a_user_model_of_several_inputs(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An ODE field's forward(t, y): the table's title read the batch size off the first input, a 0-d t,
+    and raised IndexError after the breakdowns were computed (a review)."""
+    factory = tmp_path / "field.py"
+    factory.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Field(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.lin = nn.Linear(16, 16)\n\n    def forward(self, t, y):\n"
+        "        return self.lin(y) * t\n\n\ndef make():\n"
+        "    return Field(), ((torch.tensor(0.5), torch.randn(32, 16)),), lambda out, y: out.sum()\n"
+    )
+    assert _cli(["--model", f"{factory}:make", "--precision", "fp32,O2", "--no-png"]) == 0
+    assert "batch 32 x 16" in capsys.readouterr().out
 
 
 def test_a_batch_whose_x_holds_no_tensor_is_named() -> None:

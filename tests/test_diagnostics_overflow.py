@@ -151,6 +151,34 @@ def test_a_container_that_only_passes_the_value_on_is_not_named_as_its_maker() -
     assert "before 0 (Linear)" in tracer.event.explain() and "<model> (Sequential)" in tracer.event.explain()
 
 
+def test_a_module_that_had_returned_is_not_named_as_the_maker() -> None:
+    """A review: the model called encoder, made the NaN itself, then called encoder.norm; the report named
+    encoder's forward, which had ended."""
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.lin(x))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = Encoder()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.encoder(x)
+            return self.encoder.norm(h / (h - h))
+
+    model = Model()
+    with trace_nonfinite(model) as tracer:
+        model(torch.randn(2, 4))
+    assert tracer.event is not None and tracer.event.module == "encoder.norm"
+    assert "by code in the forward of <model> (Model)" in tracer.event.explain()
+
+
 def test_finite_forward_reports_nothing_and_hooks_are_removed() -> None:
     model = _model()
     with NonfiniteTracer(model) as tracer:

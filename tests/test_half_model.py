@@ -828,7 +828,8 @@ def test_restore_casts_half_attributes_back_and_leaves_the_rest() -> None:
     assert model[2].kept["cache"] is carried and model[2].wide.dtype == torch.float64
 
 
-def test_restore_leaves_buffers_that_were_half_before_initialize() -> None:
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_restore_leaves_buffers_that_were_half_before_initialize(level: str) -> None:
     """A buffer the user's model held in fp16 before initialize (a quantised table kept small on purpose)
     is not one the cast made: restore gives it back fp16, as the model was, where it upcast every fp16
     buffer it found (only those registered after initialize, in the run's dtype, become fp32)."""
@@ -836,7 +837,7 @@ def test_restore_leaves_buffers_that_were_half_before_initialize() -> None:
     table = torch.randn(4).half()
     model[0].register_buffer("table", table.clone())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = mixprec.initialize(model, opt, opt_level=level, verbosity=0)
     model[2].register_buffer("cache", table.clone())  # registered after: fp32 on restore
     mixprec.amp.restore(model)
     assert model[0].table.dtype == torch.float16 and torch.equal(model[0].table, table)

@@ -176,8 +176,9 @@ def _healing_run(interface: str) -> tuple[int, float]:
 def test_a_buffer_the_forward_reads_is_left_as_the_forward_made_it(interface: str) -> None:
     """initialize and to_fp16 put every buffer back on a skipped step, so a forward that overflowed
     because of a buffer it was healing met the same stale value every step: every step skipped, for good
-    (a VQ-VAE trial's EMA codebook). As in torch.amp (the reference here), apex and fastai, only norm
-    layers' running statistics go back (a training forward does not read them)."""
+    (a VQ-VAE trial's EMA codebook). Only norm layers' running statistics go back now (a training forward
+    does not read them); the others stay as the forward left them, as torch.amp (the reference here), apex
+    and fastai leave every buffer."""
     skipped, scale = _healing_run(interface)
     reference_skipped, reference_scale = _healing_run("torch.amp")
     assert 1 <= reference_skipped <= 5 and reference_scale < 2.0  # torch.amp skipped a few, then trained
@@ -194,3 +195,22 @@ def test_all_buffers_puts_back_a_buffer_that_is_not_a_running_statistic() -> Non
         scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
         scaler.update()
         assert scaler.last_step_skipped and model.scale.item() == pytest.approx(expected)
+
+
+def test_a_lazy_batchnorm_is_watched_once_it_has_statistics() -> None:
+    """A LazyBatchNorm's buffers have no size before its first forward: the snapshot raised there (a
+    review); it starts with the iteration after, and a skipped step then puts its statistics back."""
+    model = nn.Sequential(nn.Linear(6, 4), nn.LazyBatchNorm1d())
+    scaler, opt = GradScaler("cpu"), None
+    scaler.watch(model)
+    for bad in (False, False, True):
+        x = torch.randn(8, 6)
+        if bad:
+            x[0, 0] = float("nan")
+            before = model[1].running_mean.clone()
+        scaler.scale(model(x).sum()).backward()
+        opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.last_step_skipped and torch.equal(model[1].running_mean, before)

@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
                   for recipe, update in precisions]
     seconds = time.perf_counter() - start
     n_params = breakdowns[0].n_params
-    x = next(iter_tensors(split_batch(batch)[0]), None)  # the first input of a model of several
+    # the first batched input of a model of several (an ODE field's forward(t, y) takes a 0-d t first)
+    x = next((t for t in iter_tensors(split_batch(batch)[0]) if t.dim()), None)
     sample = "x".join(map(str, getattr(x, "shape", ())[1:])) or "?"
     rows = getattr(x, "shape", (args.batch_size,))[0]
     what = f"{args.model} ({n_params:,} parameters), batch {rows} x {sample}, {args.optimizer}"

@@ -19,7 +19,9 @@ same components counted two ways, and the tests hold them against each other.)
   not the tensor), whole: a saved view keeps its whole base storage alive, and a tensor saved by two ops
   (ReLU's output is saved by ReLU and by the next Linear) or viewed twice is one storage. Storages of
   parameters and buffers are left out (already counted). The input batch counts when an op saves it (the
-  first layer does, for its weight gradient), as do the loss's targets.
+  first layer does, for its weight gradient), as do the loss's targets. An emulated half GEMM saves its
+  half activations, as a native kernel does, but for tiny ones (below 4096 elements:
+  ``mixprec.half_saving_gemms.FEW_ACTIVATIONS``) it saves their fp32 copies, at most 16 KiB a GEMM.
 - ``weight_copies``: copies of weights that a GEMM made and autograd saved for backward: autocast's fp16/bf16
   casts of fp32 weights (O1), or, where half GEMMs are *emulated* (``half_arithmetic``; CPU fp16 by
   default), the fp32 copies of weights the emulated GEMM computed with (O1 with mixprec.autocast, and every

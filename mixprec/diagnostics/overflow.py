@@ -214,7 +214,9 @@ def _enclosing(name: str, after: str | None) -> str:
         return ""
     ours, theirs = name.split("."), after.split(".") if after else []
     common = 0
-    while common < min(len(ours) - 1, len(theirs)) and ours[common] == theirs[common]:
+    # above both: `after` returned before the code ran, so its own forward had ended (the model called
+    # encoder, made the value, then called encoder.norm: the model's forward made it)
+    while common < min(len(ours), len(theirs)) - 1 and ours[common] == theirs[common]:
         common += 1
     return ".".join(ours[:common])
 
