@@ -69,6 +69,9 @@ class GroupMasters:
     # each model parameter's version counter when the masters last wrote it (or were made from it): one
     # that moved since was written by someone else (model.load_state_dict, DDP's broadcast, an edit)
     versions: list[int] = field(default_factory=list)
+    # whether every parameter was compared by value once (the first take_model_edits): writes through
+    # .data move no version counter, and a data-dependent init (Glow's ActNorm) writes so in the first forward
+    values_compared: bool = False
 
     def record_versions(self) -> None:
         self.versions = [p._version for p in self.model]
@@ -80,13 +83,16 @@ class GroupMasters:
         exact upcast (its fp32 bits below the half value are gone, as in apex, whose masters are made from
         the model at the first step); an element still at the value its master rounds to keeps its master,
         so a write of a few rows (an Embedding's max_norm, a clamp) leaves the others' fp32 bits alone.
-        Writes through ``.data`` do not move a version counter and are not seen."""
+        Writes through ``.data`` do not move a version counter: those before the first call (the first
+        forward's data-dependent init, rosinality's Glow) are found by comparing every value once, later
+        ones are not seen."""
         now = [p._version for p in self.model]
-        if now != self.versions:  # one list comparison in the usual case: nothing written
+        if now != self.versions or not self.values_compared:  # one list comparison in the usual case
+            every = not self.values_compared
             for p, master, old, new in zip(self.model, self.views, self.versions, now, strict=True):
-                if new != old:
+                if new != old or every:
                     master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
-        self.versions = now
+        self.versions, self.values_compared = now, True
 
     def shadow(self) -> list[torch.Tensor]:
         """What the optimizer sees in place of ``model``: the flat buffer, then the masters outside it."""

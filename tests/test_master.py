@@ -334,6 +334,38 @@ def test_weights_loaded_after_wrapping_reach_the_masters(layout: str, dtype: tor
         assert torch.equal(m, w.float())  # the exact upcast, as apex's masters
 
 
+class _ActNorm(nn.Module):
+    """Glow's data-dependent init as rosinality's glow-pytorch writes it: through .data, in the first
+    training forward (a .data write moves no version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(6))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            self.loc.data.copy_(-x.mean(0))
+            self.initialized.fill_(1)
+        return x + self.loc
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_a_data_dependent_init_through_data_reaches_the_masters(layout: str) -> None:
+    """A trial's Glow: the first forward's init through .data was undone by the first step (the masters
+    held the values from before it): every value is compared at the first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ActNorm(), nn.Linear(6, 3)).to(torch.bfloat16)
+    opt = MasterWeights(torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0), **_LAYOUTS[layout])
+    x = torch.randn(8, 6).add(5).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    initialized = model[0].loc.detach().clone()
+    assert initialized.abs().min() > 3
+    opt.step()
+    assert torch.equal(model[0].loc, initialized)
+    assert torch.equal(next(opt.master_views()), initialized.float())
+
+
 def test_a_write_that_keeps_the_half_value_keeps_the_masters_fp32_bits() -> None:
     """A parameter written with the value it had (a broadcast from an identical rank) is not an edit: its
     master keeps the bits below half precision that the next steps build on."""
