@@ -783,12 +783,19 @@ def _remake_initial_state(
 
 
 def check_params_belong(optimizer: torch.optim.Optimizer, models: list[nn.Module], label: str = "") -> None:
-    """Raise if ``optimizer`` updates a tensor that is not a parameter of one of ``models``."""
-    owned = {id(p) for m in models for p in m.parameters()}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    """Raise if ``optimizer`` updates a tensor that is not a parameter of one of ``models`` but has the
+    shape of one of theirs: the optimizer of another instance of the model, or of parameters since
+    replaced. A parameter of its own shape (SAC's temperature ``log_alpha``, CLIP's ``logit_scale``
+    outside the model) is the user's own, as apex took it: it steps as it is (fp32: its own master)."""
+    params = [p for m in models for p in m.parameters()]
+    owned, shapes = {id(p) for p in params}, {tuple(p.shape) for p in params}
+    foreign = [p for g in optimizer.param_groups for p in g["params"]
+               if id(p) not in owned and tuple(p.shape) in shapes]
     if foreign:
         raise ParameterMismatchError(
             f"{len(foreign)} of the {label or 'optimizer'}'s parameters (e.g. shape "
-            f"{tuple(foreign[0].shape)}) are not parameters of the given model(s).",
-            "build the optimizer from the model's parameters (after any model.half()/.to() call).",
+            f"{tuple(foreign[0].shape)}) are not parameters of the given model(s), though shaped as theirs.",
+            "build the optimizer from the model's parameters (after any model.half()/.to() call); a "
+            "parameter of your own of that shape (outside the model): hold it in a module, passed as one of "
+            "the models.",
         )

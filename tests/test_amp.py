@@ -284,6 +284,25 @@ def test_optimizer_of_another_model_and_double_initialize() -> None:
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_parameter_of_its_own_shape_outside_the_models_steps_as_it_is(level: str) -> None:
+    """A trial's SAC: the temperature log_alpha (a bare nn.Parameter in its own Adam) was refused as "not
+    parameters of the given model(s)"; apex took it. It stays fp32 and takes Adam's first step, -lr *
+    sign(grad), as in fp32."""
+    model = _net()
+    log_alpha = nn.Parameter(torch.zeros(()))
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam([log_alpha], lr=0.01)]
+    model, opts = mixprec.initialize(model, opts, opt_level=level, verbosity=0)
+    x, _ = next(_batches(1))
+    with mixprec.scale_loss(-(log_alpha.exp() * model(x).float().mean()), opts) as scaled:
+        scaled.backward()
+    sign = torch.sign(-model(x).float().mean().detach())  # d/d log_alpha of the loss, at log_alpha = 0
+    for opt in opts:
+        opt.step()
+    assert log_alpha.dtype == torch.float32
+    torch.testing.assert_close(log_alpha.detach(), -0.01 * sign, rtol=1e-4, atol=0)
+
+
 def test_structure_in_structure_out_and_verbosity(capsys: pytest.CaptureFixture[str]) -> None:
     models = [_net(), _net(1)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
