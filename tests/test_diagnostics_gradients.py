@@ -285,3 +285,19 @@ def test_model_grads_of_a_model_of_several_inputs() -> None:
     for g, w in zip(got.values(), want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
+
+
+def test_the_histogram_of_a_batch_leaves_the_model_and_its_randomness_as_they_were() -> None:
+    """A trial: grad_exponent_histogram(model, batch) moved BatchNorm's running statistics (and fired a
+    Glow's data-dependent init); dropout drew from the global generator, so the run after it changed."""
+    from mixprec.diagnostics.gradients import grad_exponent_histogram
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = (torch.randn(5, 6), torch.randint(0, 3, (5,)))
+    state = torch.get_rng_state()
+    grad_exponent_histogram(model, batch)
+    assert torch.equal(torch.get_rng_state(), state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

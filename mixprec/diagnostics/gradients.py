@@ -358,13 +358,30 @@ def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callab
                 loss_scale: float = 1.0) -> dict[str, Tensor]:
     """Gradients of ``loss_fn(model(x), y) * loss_scale`` w.r.t. the trainable parameters, by name.
 
-    Uses ``torch.autograd.grad``: the parameters' ``.grad`` are left as they were. The model runs in its
+    Uses ``torch.autograd.grad``: the parameters' ``.grad`` are left as they were; so are the buffers (a
+    training forward's BatchNorm statistics, an init-done flag) and the random number generators (dropout),
+    put back after it: a diagnostic must not change the run it looks at (a trial's histogram
+    moved BatchNorm's statistics and fired a Glow's data-dependent init on its batch). The model runs in its
     own dtypes (the usual question: how would *these* gradients fare in fp16?). The batch and the default
     loss are those of :func:`~mixprec.diagnostics.memory.memory_breakdown`.
     """
     x, y = split_batch(batch)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    loss = (loss_fn or default_loss)(call_model(model, x), y)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            loss = (loss_fn or default_loss)(call_model(model, x), y)
+        _check_loss(loss)
+        grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
+    finally:  # after the backward: BatchNorm saved its statistics for it
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+    return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
+
+
+def _check_loss(loss: Any) -> None:
     if not (isinstance(loss, Tensor) and loss.is_floating_point() and loss.numel() == 1):
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else repr(loss)
         raise ConfigError(
@@ -374,8 +391,6 @@ def model_grads(model: nn.Module, batch: Tensor | Sequence[Any], loss_fn: Callab
             "(a hidden state carried between batches): run your own backward and call "
             "grad_exponent_histogram(model) on the gradients it left.",
         )
-    grads = torch.autograd.grad(loss * loss_scale, [p for _, p in named], allow_unused=True)
-    return {n: g for (n, _), g in zip(named, grads, strict=True) if g is not None}
 
 
 def grad_exponent_histogram(
