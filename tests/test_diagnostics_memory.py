@@ -710,3 +710,29 @@ def test_a_breakdown_of_an_initialized_half_model_copies_it_without_the_ema_warn
         warnings.simplefilter("error")
         memory_breakdown(model, opt, (torch.randn(8, 4), torch.zeros(8, dtype=torch.int64)), "O2")
     mixprec.amp.reset()
+
+
+def test_a_prepared_model_and_a_dict_output_are_refused_naming_the_fix() -> None:
+    """A trial: the breakdown of a model initialize had prepared failed with 'call mixprec.amp.restore'
+    (which would have undone the training run), and the default loss on a Hugging Face-style dict output
+    with torch's TypeError."""
+    from mixprec.errors import ConfigError
+
+    model, x, y = nn.Linear(4, 3), torch.randn(2, 4), torch.tensor([0, 2])
+    with pytest.raises(ConfigError, match=r"(?s)dict \(keys: logits\).*out\['loss'\]"):
+        memory_breakdown(_DictOut(model), None, (x, y), "fp32")
+    prepared, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+    with pytest.raises(ConfigError, match=r"(?s)prepared by mixprec for fp16 weights.*before initialize"):
+        memory_breakdown(prepared, None, (x, y), "fp32")
+    assert memory_breakdown(prepared, None, (x, y), "O2").masters == (4 * 3 + 3) * 4  # what it was made for
+    mixprec.amp.restore(prepared)
+    assert memory_breakdown(prepared, None, (x, y), "fp32").params == (4 * 3 + 3) * 4  # restored: plain
+
+
+class _DictOut(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.inner(x)}

@@ -46,7 +46,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,8 @@ from torch import Tensor, nn
 
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
-from mixprec.half_model import fp32_kept, hook_fp32_roots, internal_copies
+from mixprec.formats import dtype_label
+from mixprec.half_model import CastInputs, fp32_kept, hook_fp32_roots, internal_copies, is_prepared_model
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import MasterWeights
@@ -356,9 +357,34 @@ def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
     saves for it is part of the memory being measured. The plain sum
     is taken in fp32, where a half sum could overflow; the upcast saves nothing for backward.
     """
+    if not isinstance(output, Tensor):
+        keys = f" (keys: {', '.join(map(str, output))})" if isinstance(output, Mapping) else ""
+        raise ConfigError(
+            f"the model returned a {type(output).__name__}{keys}, and the default loss takes logits, one "
+            "tensor.",
+            "pass loss_fn=lambda out, y: ... returning the loss from it, e.g. lambda out, y: out['loss'] for "
+            "a model that computes its own (labels in the inputs), or "
+            "lambda out, y: F.cross_entropy(out['logits'], y).",
+        )
     if target is None:
         return output.float().sum()
     return F.cross_entropy(output, target)
+
+
+def _check_prepared_for(model: nn.Module, recipe: Recipe) -> None:
+    """A model mixprec prepared (initialize, to_fp16()) is copied with its hooks, which cast its inputs to
+    the dtype it was prepared for and refuse weights of another: a recipe of another model dtype is refused
+    here, naming the fix, where the copy's forward said to call ``restore`` (which would undo the run)."""
+    prepared = {h.dtype for h in model._forward_pre_hooks.values() if isinstance(h, CastInputs)}
+    wanted = recipe.model_dtype if recipe.casts_model else torch.float32
+    if is_prepared_model(model) and prepared and wanted not in prepared:
+        raise ConfigError(
+            f"this {type(model).__name__} was prepared by mixprec for {dtype_label(next(iter(prepared)))} "
+            f"weights (initialize, to_fp16()/to_bf16()), and the {recipe.name} breakdown would copy it into "
+            f"{dtype_label(wanted)} ones under its hooks.",
+            "ask for the recipe it was prepared with, or pass the model before initialize (or a fresh "
+            "instance of its class: the breakdown never changes it), and keep training the prepared one.",
+        )
 
 
 def _copy_batch(batch: Batch, recipe: Recipe, maker: _Maker) -> tuple[Any, Any]:
@@ -604,6 +630,7 @@ def memory_breakdown(
         recipe, mode = recipe.replace(master_weights=False, split_masters=False), UpdateMode.SPLIT
     if autocast not in AUTOCAST_IMPLS:
         raise ConfigError(f"unknown autocast {autocast!r}.", f"use one of {', '.join(AUTOCAST_IMPLS)}.")
+    _check_prepared_for(model, recipe)
     factory = _optimizer_factory(optimizer)
     maker = _Maker(_new_fake_mode() if estimate else None)
     step_model = _copy_model(model, recipe, maker)
