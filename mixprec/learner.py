@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,6 +110,28 @@ def _pred_and_loss(out: Any) -> tuple[Any, Tensor]:
         f"mapping with 'logits' and 'loss'; it returned {_described(out)}.",
         "return (logits, loss) from forward when given targets (as nanoGPT does), or pass a loss_func.",
     )
+
+
+def _pairs(loader: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
+    """The loader's batches as (inputs, targets), fastai's layout; a dict batch (a Hugging Face collator's)
+    or another shape is refused naming the adapter, where unpacking raised "too many values to unpack"."""
+    for batch in loader:
+        if isinstance(batch, Mapping) or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            what = _batch_kind(batch)
+            raise ConfigError(
+                f"the loader yielded {what}; the Learner takes (inputs, targets) batches, as fastai's.",
+                "wrap the loader's batches, e.g. for a Hugging Face collator's dicts "
+                "((b['input_ids'], b['attention_mask']), b['labels']), and call the model on them as the "
+                "Learner's docstring shows (loss_func=None for a model that computes its own loss).",
+            )
+        yield batch[0], batch[1]
+
+
+def _batch_kind(batch: Any) -> str:
+    if isinstance(batch, Mapping):
+        return f"a {type(batch).__name__} with keys {', '.join(map(str, batch))}"
+    size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    return f"a {type(batch).__name__}{size}"
 
 
 def _prediction(out: Any) -> Any:
@@ -542,7 +564,7 @@ class Learner:
     def _train_epoch(self) -> None:
         self.model.train()
         self.training = True
-        for xb, yb in self.data.train:
+        for xb, yb in _pairs(self.data.train):
             if self.iteration >= self.n_steps:  # a step-based fit ends mid-epoch
                 break
             self._train_batch(xb, yb)
@@ -655,7 +677,7 @@ class Learner:
         # would wait for the device at every batch.
         sums: list[Tensor] = []
         cancelled = 0
-        for xb, yb in dl:
+        for xb, yb in _pairs(dl):
             try:
                 self._forward(xb, yb, events)
             except CancelBatchException:  # fastai's meaning in validation too: this batch is left out
@@ -717,7 +739,7 @@ class Learner:
         loaders = {"valid": self.data.valid, "train": self.data.train}
         if split not in loaders:
             raise ConfigError(f"split must be 'valid' or 'train', got {split!r}.", "use split='valid'.")
-        preds, targs = zip(*[(self.predict(xb), yb) for xb, yb in loaders[split]], strict=True)
+        preds, targs = zip(*[(self.predict(xb), yb) for xb, yb in _pairs(loaders[split])], strict=True)
         return _concatenated(preds), _concatenated(targs)
 
     def __repr__(self) -> str:

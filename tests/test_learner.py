@@ -181,6 +181,17 @@ def test_predict_takes_one_prompt_shorter_than_the_context() -> None:
     assert learn.predict(tokens[:3]).shape == (3, 16, 12)  # a batch stays a batch
 
 
+def test_a_loader_of_dict_batches_is_refused_naming_the_adapter() -> None:
+    """A trial's Hugging Face-style collator yielded dicts: 'too many values to unpack (expected 2)'."""
+    ids = torch.randint(0, 12, (8, 16))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids[:, 0]}]
+    data = mixprec.DataBunch(batches, batches, 12, (16,), "dicts")  # type: ignore[arg-type]
+    learn = Learner(data, _CausalTokens(), silent=True)
+    with pytest.raises(ConfigError, match=r"(?s)dict with keys input_ids, attention_mask, labels.*"
+                                          r"\(\(b\['input_ids'\]"):
+        learn.fit(1)
+
+
 class _WithLengths(nn.Module):
     """A tagger's shape: (features, lengths) in, as its loader yields them."""
 
