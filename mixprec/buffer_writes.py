@@ -38,26 +38,27 @@ COMPARED_NUMEL = 1 << 20
 
 class _FirstTrainingForward:
     """The watched buffers before the model's first eager training forward (versions; copies of the small
-    ones), compared after it: a warning names those it wrote, once."""
+    ones), compared after it: a warning names those it wrote, once; then the hooks take themselves off."""
 
     def __init__(self, buffers: Sequence[tuple[str, nn.Module, str]], dtype: torch.dtype) -> None:
         self.buffers, self.dtype = list(buffers), dtype
         self.before: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
-        self.done = False
+        self.handles: list[RemovableHandle] = []
 
     @torch.no_grad()
     def pre(self, module: nn.Module, args: Any) -> None:
-        if not self.done and module.training and values_readable():
+        if module.training and values_readable():
             self.before = {q: (t, t._version, t.clone() if t.numel() <= COMPARED_NUMEL else None)
                            for q, m, n in self.buffers if isinstance(t := m._buffers.get(n), torch.Tensor)}
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.done or self.before is None:
+        if self.before is None:  # an eval or compiled forward: the next training one is checked
             return
-        self.done = True
         written = [q for q, m, n in self.buffers if q in self.before and _written(m._buffers.get(n),
                                                                               *self.before[q], self.dtype)]
         self.before = None
+        for handle in self.handles:  # checked once: no hook per forward for the model's life
+            handle.remove()
         if written:
             _warn(written, self.dtype)
 
@@ -112,4 +113,5 @@ def watch_buffer_writes(model: nn.Module, buffers: Sequence[tuple[str, nn.Module
     if not kept:
         return []
     check = _FirstTrainingForward(kept, dtype)
-    return [model.register_forward_pre_hook(check.pre), model.register_forward_hook(check.post)]
+    check.handles = [model.register_forward_pre_hook(check.pre), model.register_forward_hook(check.post)]
+    return check.handles

@@ -713,11 +713,6 @@ def _is_wrapped(module: nn.Module) -> bool:
     return _BLOCK_ATTR in module.__dict__ and _own_forward(module) is not None
 
 
-def is_prepared_model(model: nn.Module) -> bool:
-    """Whether :func:`prepare` hooked ``model`` and nothing restored it since."""
-    return _REGION_ATTR in model.__dict__
-
-
 class _RegionForward:
     """Puts the model's forward inside the region (:class:`_ModelForward` on the instance, which
     ``copy.deepcopy`` and pickle rebind to the copy) and takes it out again: a handle like the hooks'."""

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from mixprec.apex_properties import Properties
 from mixprec.errors import ConfigError
 from mixprec.formats import dtype_label
-from mixprec.half_model import CastInputs, fp32_kept, hook_fp32_roots, internal_copies, is_prepared_model
+from mixprec.half_model import CastInputs, fp32_kept, hook_fp32_roots, internal_copies
 from mixprec.hardware import HALF_DTYPES, half_arithmetic
 from mixprec.low_precision import LowPrecisionOptimizer, UpdateMode
 from mixprec.master import MasterWeights
@@ -374,10 +374,11 @@ def default_loss(output: Tensor, target: Tensor | None) -> Tensor:
 def _check_prepared_for(model: nn.Module, recipe: Recipe) -> None:
     """A model mixprec prepared (initialize, to_fp16()) is copied with its hooks, which cast its inputs to
     the dtype it was prepared for and refuse weights of another: a recipe of another model dtype is refused
-    here, naming the fix, where the copy's forward said to call ``restore`` (which would undo the run)."""
+    here, naming the fix, where the copy's forward said to call ``restore`` (which would undo the run). The
+    root's input cast is prepare's alone (kept submodules get theirs), and restore takes it off."""
     prepared = {h.dtype for h in model._forward_pre_hooks.values() if isinstance(h, CastInputs)}
     wanted = recipe.model_dtype if recipe.casts_model else torch.float32
-    if is_prepared_model(model) and prepared and wanted not in prepared:
+    if prepared and wanted not in prepared:
         raise ConfigError(
             f"this {type(model).__name__} was prepared by mixprec for {dtype_label(next(iter(prepared)))} "
             f"weights (initialize, to_fp16()/to_bf16()), and the {recipe.name} breakdown would copy it into "

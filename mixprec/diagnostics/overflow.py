@@ -418,8 +418,7 @@ class NonfiniteTracer:
         self._handles: list[RemovableHandle] = []
         self._paused = False
         self._types: dict[str, str] = {}  # qualified name -> class name, of the model's modules
-        self._last_finite: str | None = None  # forward order: the last module whose output was finite
-        self._last_finite_name: str | None = None  # (its qualified name)
+        self._last_finite: str | None = None  # forward order: the last module whose output was finite (name)
         self._last_finite_grad: str | None = None  # backward order: the same for output gradients
         # outputs given a gradient hook in this forward (a child's first); by identity, and weak: an id alone
         # is reused once a freed intermediate's Python object is gone
@@ -428,7 +427,7 @@ class NonfiniteTracer:
     def __enter__(self) -> NonfiniteTracer:
         self.event = self.backward_event = None
         self.checked = self.grads_checked = 0
-        self._last_finite = self._last_finite_name = self._last_finite_grad = None
+        self._last_finite = self._last_finite_grad = None
         self._hooked = WeakIdKeyDictionary()
         self._types = {n: type(m).__name__ for n, m in self.model.named_modules()}
         for name, module in self.model.named_modules():
@@ -448,7 +447,7 @@ class NonfiniteTracer:
             produced = _floating(output)
             self._hook_gradients(name, produced)
             if all(finite_flags(produced)):  # the common case: one flag per output, one sync per device
-                self._last_finite, self._last_finite_name = _label(name, self._types[name]), name
+                self._last_finite = name
                 return
             outputs = tuple(tensor_range(t) for t in produced)  # ranges only for the event
             inputs = tuple(tensor_range(t) for t in _floating((args, kwargs)))
@@ -456,10 +455,11 @@ class NonfiniteTracer:
             rerun = self.compare_fp32 and all(r.usable for r in inputs)
             fp32, error = self._rerun_fp32(module, args, kwargs) if rerun else (None, None)
             state = _nonfinite_state(module)
-            outer = _enclosing(name, self._last_finite_name)
+            after, outer = self._last_finite, _enclosing(name, self._last_finite)
             parent = _label(outer, self._types[outer]) if name else None
             self.event = NonfiniteEvent(name, type(module).__name__, inputs, outputs, fp32, error, state,
-                                        after=self._last_finite, parent=parent,
+                                        after=None if after is None else _label(after, self._types[after]),
+                                        parent=parent,
                                         weight_max=_weight_max(module))
 
         return hook
