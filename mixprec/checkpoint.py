@@ -117,7 +117,12 @@ class ResumableLoader:
 
     On resume the generator is reset to that state and the consumed batches are drawn again and dropped,
     so the sampler's permutation (and the loader's worker seed, also drawn from the generator) are the
-    ones the interrupted run had. Dropping batches costs their loading, not a forward pass.
+    ones the interrupted run had. Dropping batches costs their loading, not a forward pass. The global
+    RNGs are set to what they were at the epoch's start for that replay (a loader without a generator
+    draws its worker seed there; workers then replay their own augmentations) and put back afterwards:
+    a dataset or collate function that augments with torch's, NumPy's or Python's global RNG in the main
+    process (``num_workers=0``) would otherwise draw the dropped batches' numbers from the training
+    loop's, and every later batch and dropout mask would differ from the uninterrupted run's.
 
     Shuffling must come from a generator the loader owns (``DataLoader(..., generator=g)``) or from a
     sampler with ``set_epoch`` (``DistributedSampler``, called here at each epoch start); a
@@ -138,6 +143,7 @@ class ResumableLoader:
         self.epoch = 0
         self.batch = 0  # batches yielded so far in the current epoch
         self._epoch_start: torch.Tensor | None = self._gen_state()
+        self._epoch_start_rng: dict[str, Any] | None = None  # the global RNGs when the epoch began
         self._resume_pending = False
 
     def _gen_state(self) -> torch.Tensor | None:
@@ -155,10 +161,11 @@ class ResumableLoader:
         if hasattr(self.loader.sampler, "set_epoch"):
             self.loader.sampler.set_epoch(self.epoch)
         self.batch = 0
-        batches = iter(self.loader)
-        for _ in range(skip):
-            next(batches)
-            self.batch += 1
+        if skip:
+            batches = self._replayed(skip)
+        else:
+            self._epoch_start_rng = rng_state()
+            batches = iter(self.loader)
         for item in batches:
             self.batch += 1
             yield item
@@ -166,12 +173,29 @@ class ResumableLoader:
         self.batch = 0
         self._epoch_start = self._gen_state()
 
+    def _replayed(self, skip: int) -> Iterator[Any]:
+        """The loader's iterator past its first ``skip`` batches, drawn from the global RNGs as at the
+        epoch's start, which are then put back as they were (class docstring)."""
+        now = rng_state()
+        if self._epoch_start_rng is not None:  # None: a checkpoint saved before mixprec kept it
+            set_rng_state(self._epoch_start_rng)
+        try:
+            batches = iter(self.loader)
+            for _ in range(skip):
+                next(batches)
+                self.batch += 1
+        finally:
+            set_rng_state(now)
+        return batches
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch": self.batch, "generator": self._epoch_start}
+        return {"epoch": self.epoch, "batch": self.batch, "generator": self._epoch_start,
+                "rng_at_epoch_start": self._epoch_start_rng}  # fmt: skip
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.epoch = int(state_dict["epoch"])
         self.batch = int(state_dict["batch"])
+        self._epoch_start_rng = state_dict.get("rng_at_epoch_start")
         self._epoch_start = state_dict["generator"]
         if self._generator is not None and self._epoch_start is not None:
             # Also correct when batch == 0: the next epoch starts from the saved generator state.
