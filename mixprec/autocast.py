@@ -110,15 +110,15 @@ class _PolicyMode(RegionMode):
     def in_charge(self) -> bool:
         return is_current(self.region)
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    def changes(self, name: str) -> bool:
+        return name in self.actions or (self.region.emulate and name in RELU_NAMES)
+
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = func_name(func)
         action = self.actions.get(name) if name is not None else None
         # A policy rule for relu wins; without one, an emulated region's ReLU goes to half_relu.py.
         half_relu = action is None and self.region.emulate and name in RELU_NAMES
-        if action is None and not half_relu:  # most ops: a dict lookup here and one in pass_on
+        if action is None and not half_relu:  # compiled code, and composites of GEMMs: pass_on decides
             return self.pass_on(func, args, kwargs)
         if not is_current(self.region):
             return func(*args, **kwargs)

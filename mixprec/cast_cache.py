@@ -30,6 +30,13 @@ class CastCache:
     def get(self, tensor: torch.Tensor, kind: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if inside_transform():  # a cast made at a torch.func level has no autograd link outside it
             return make()
+        return self.get_outside_transforms(tensor, kind, make)
+
+    def get_outside_transforms(
+        self, tensor: torch.Tensor, kind: object, make: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """:meth:`get` for a caller that has checked that no torch.func transform is running (once per op,
+        where ``get`` checks once per tensor)."""
         key = (id(tensor), kind, torch.is_grad_enabled())
         hit = self._entries.get(key)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:

@@ -16,6 +16,7 @@ import torch
 from mixprec.cast_plan import plan
 from mixprec.emulation import emulated, round_to_half
 from mixprec.errors import BannedOpError
+from mixprec.func_transforms import inside_transform
 from mixprec.policy.devices import DEVICES
 from mixprec.policy.presets import DEFAULT_POLICY
 from mixprec.policy.registry import install_runner
@@ -42,23 +43,21 @@ def eligible(t: torch.Tensor, device_type: str) -> bool:
     return t.is_floating_point() and t.dtype is not torch.float64 and t.device.type == device_type
 
 
-def _cacheable_leaf(t: torch.Tensor, region: Region) -> bool:
-    # Parameters: leaves that require grad and are not views. Not in compiled code: the cache's keys
-    # (ids, version counters) would be guards that change every step. Nor without an eager region, whose
-    # exit clears the cache (a compiled region's mode run eagerly: the casts would outlive the step).
-    return (
-        region.cache_enabled
-        and not torch.compiler.is_compiling()
-        and eager_region_open()
-        and t.requires_grad
-        and t.is_leaf
-        and not t._is_view()
-    )
+def _cacheable_now(region: Region) -> bool:
+    # Not in compiled code: the cache's keys (ids, version counters) would be guards that change every step.
+    # Nor without an eager region, whose exit clears the cache (a compiled region's mode run eagerly: the
+    # casts would outlive the step).
+    return region.cache_enabled and not torch.compiler.is_compiling() and eager_region_open()
+
+
+def _leaf_parameter(t: torch.Tensor) -> bool:
+    # Parameters: leaves that require grad and are not views.
+    return t.requires_grad and t.is_leaf and not t._is_view()
 
 
 def _cacheable(t: torch.Tensor, region: Region) -> bool:
-    # torch's rule: cache casts of fp32 parameters.
-    return t.dtype is torch.float32 and _cacheable_leaf(t, region)
+    # torch's rule: cache casts of fp32 parameters. (_cacheable_now first: compiled code asks nothing of t)
+    return t.dtype is torch.float32 and _cacheable_now(region) and _leaf_parameter(t)
 
 
 def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,10 +77,13 @@ def _cast_to(region: Region, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
 def _rounded(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
     """The emulation's input rounding for ``region``: each parameter rounded (an fp32 one) or upcast (a
     half one, in an O2 model) once per region however often the region uses it, and autograd saves that
-    copy for backward, which therefore rounds no weight again."""
+    copy for backward, which therefore rounds no weight again. Made once per op: what holds for the whole
+    op (compiled or not, a region open, a torch.func transform running) is asked here, not per tensor."""
     cache = STATE.cache
     device_type = region.device_type
     dtype = region.dtype
+    # (_cacheable_now first: it is False in compiled code, which must not call the transform query)
+    caching = _cacheable_now(region) and not inside_transform()
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not eligible(t, device_type):
@@ -90,11 +92,10 @@ def _rounded(region: Region) -> Callable[[torch.Tensor], torch.Tensor]:
         # in a backward only parameters: a reentrant checkpoint's recompute makes its block's input such a
         # leaf, and one shared rounding summed that input's gradients in fp32 where the forward (one
         # rounding per use) had summed them in half: other gradients than without the checkpoint.
-        # (_cacheable_leaf first: it is False in compiled code, which must not call the graph-task query)
-        if _cacheable_leaf(t, region) and (
+        if caching and _leaf_parameter(t) and (
             isinstance(t, torch.nn.Parameter) or torch._C._current_graph_task_id() == -1
         ):
-            return cache.get(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
+            return cache.get_outside_transforms(t, ("rounded", dtype), lambda: round_to_half(t, dtype))
         return round_to_half(t, dtype)
 
     return cast

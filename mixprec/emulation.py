@@ -134,7 +134,7 @@ def round_result(value: Any, dtype: torch.dtype = torch.float16) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.dtype is torch.float32 else t
 
-    return map_tensors(cast, value)
+    return cast(value) if isinstance(value, torch.Tensor) else map_tensors(cast, value)  # mostly one tensor
 
 
 # Arguments of the GEMM family that are not GEMM operands, by the op's name: attention's additive mask
@@ -159,11 +159,14 @@ def _rounded_operands(
 ) -> tuple[Any, dict[str, Any]]:
     """Every GEMM operand rounded by ``rounder``; an argument that is not one upcast exactly where it is
     half, else left as given."""
+    name = getattr(func, "__name__", "")
+    if name not in NOT_OPERANDS:  # every tensor is an operand (all GEMMs but attention): one walk
+        return map_tensors(rounder, args), map_tensors(rounder, kwargs)
+
     def as_given(value: Any) -> Any:
         return map_tensors(lambda t: t.float() if t.dtype in HALF_DTYPES else t, value)
 
-    return map_operands(getattr(func, "__name__", ""), args, kwargs, lambda v: map_tensors(rounder, v),
-                        as_given)
+    return map_operands(name, args, kwargs, lambda v: map_tensors(rounder, v), as_given)
 
 
 def emulated(

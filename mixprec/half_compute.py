@@ -85,10 +85,11 @@ class _HalfComputeMode(RegionMode):
         self.recurrent = recurrent  # the plan's fp32 recurrent layers (emulated regions: RECURRENT_OPS)
         self.native_gemms = native_gemms  # the GEMM family where torch's half kernels run (native regions)
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    def changes(self, name: str) -> bool:
+        return (name in RELU_NAMES or name in _FP32_OPS or name in self.recurrent or name in self.gemms
+                or name in self.native_gemms)
+
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = func_name(func)
         handler = self._handler(name, args, kwargs) if name is not None else None
         if handler is None:

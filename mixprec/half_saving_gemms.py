@@ -85,9 +85,12 @@ def _few_activations(args: Any, kwargs: dict[str, Any]) -> bool:
     Eager only: compiled code partitions what it saves itself (module docstring)."""
     if torch.compiler.is_compiling():
         return False
-    operands = [*args, *kwargs.values()]
-    return sum(t.numel() for t in operands if isinstance(t, torch.Tensor) and not _parameter(t)) \
-        < FEW_ACTIVATIONS
+    elements = 0
+    for operands in (args, kwargs.values()):
+        for t in operands:
+            if isinstance(t, torch.Tensor) and not _parameter(t):
+                elements += t.numel()
+    return elements < FEW_ACTIVATIONS
 
 
 def _saved(keep: torch.Tensor | None, rounded: torch.Tensor) -> torch.Tensor:

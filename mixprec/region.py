@@ -77,13 +77,59 @@ def _compiled_only_inlined(function: Callable[..., Any]) -> None:
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
+# Bound on a mode's memo of functions it leaves alone: torch's API is a few thousand callables, and a
+# program that made new ones without end (fresh lambdas with __torch_function__) must not grow it for ever.
+_PLAIN_MEMO_SIZE = 4096
+
+
 class RegionMode(TorchFunctionMode):
-    """Base of the torch-function modes mixprec regions push (a checkpoint recompute re-enters them)."""
+    """Base of the torch-function modes mixprec regions push (a checkpoint recompute re-enters them).
+
+    Most ops a region sees are ones its mode never changes (additions, views, activations): in eager code
+    each function is looked up by name once, and later calls of it go straight through, ~0.6 us a call
+    sooner (thousands of calls a step in a model of many small ops). A subclass says which names it may
+    change (:meth:`changes`) and handles the ops that may be changed (:meth:`handle`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plain: dict[Any, bool] = {}  # function -> whether this mode leaves every call of it alone
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__torch_function__" in cls.__dict__:
             _compiled_only_inlined(cls.__torch_function__)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        # Compiled code traces handle() every time: Dynamo would guard on the memo, which grows.
+        if not torch.compiler.is_compiling() and self._leaves_alone(func):
+            return func(*args, **kwargs)
+        return self.handle(func, args, kwargs)
+
+    def _leaves_alone(self, func: Any) -> bool:
+        try:
+            plain = self._plain.get(func)
+        except TypeError:  # an unhashable callable: decided at each call
+            return False
+        if plain is None:
+            name = func_name(func)
+            plain = composite_of(func) is None and (name is None or not self.changes(name))
+            if len(self._plain) >= _PLAIN_MEMO_SIZE:
+                self._plain.clear()
+            self._plain[func] = plain
+        return plain
+
+    def changes(self, name: str) -> bool:
+        """Whether this mode may change a call of the function named ``name`` (then :meth:`handle` decides
+        each call); False for every name it passes on whatever the arguments."""
+        raise NotImplementedError
+
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of ``func`` the mode may change (every call, in compiled code)."""
+        raise NotImplementedError
 
     def in_charge(self) -> bool:
         """Whether the mode's region handles ops right now (a nested region or keep_fp32 may say no)."""
@@ -100,6 +146,9 @@ class RegionMode(TorchFunctionMode):
             return (traceable_form(func) if compiling else func)(*args, **kwargs)
         with self:
             return composite(*args, **kwargs)
+
+
+_compiled_only_inlined(RegionMode.__torch_function__)
 
 
 # Modes of regions entered inside compiled code, by a string key. Dynamo reads this dict as a global, so
