@@ -1045,6 +1045,7 @@ def restore(model: nn.Module) -> nn.Module:
             "saving; for an fp32 copy of a saved O2/O3 model, build the fp32 model and call "
             "fp32_model.load_state_dict(saved_model.state_dict()) (its state dict is fp32).",
         )
+    half.check_parameters_kept()  # before anything changes
     state = _state()
     # a LARC-style wrapper holds the MasterWeights as its .optim
     inners = [_inner(opt) for opt in state.optimizers]

@@ -793,6 +793,7 @@ class HalfModel:
         """Remove the hooks and cast the model back; parameters take their fp32 master's value when one
         of ``masters`` (:class:`~mixprec.master.MasterWeights`) holds one, or ``values`` (by the
         parameter's id: split masters' fp32 values)."""
+        self.check_parameters_kept()
         for handle in self.handles:
             handle.remove()
         held = [m for m in masters if m is not None]
@@ -803,6 +804,27 @@ class HalfModel:
         if self.recipe.half_dtype is not None:
             state_to_float(self.model, self.recipe.half_dtype, keep=self.half_before)
         self.handles, self.converted = [], []
+
+
+    def check_parameters_kept(self) -> None:
+        """Refuse, before anything changes, to restore a model whose cast parameters left it since: weight
+        norm folded (``remove_parametrizations``/``remove_weight_norm`` replace g and v by a new ``weight``,
+        computed in half), a layer replaced. Their masters would have nowhere to go, and what replaced them
+        would stay half (a user trial: the next forward failed on "weight type (torch.HalfTensor)")."""
+        present = {id(p) for p in self.model.parameters()}
+        gone = [c.qualname or c.name for c in self.converted
+                if c.is_param and id(getattr(c.module, c.name, None)) not in present]
+        if gone:
+            more = f" and {len(gone) - 4} more" if len(gone) > 4 else ""
+            names = ", ".join(repr(n) for n in gone[:4]) + more
+            raise ConfigError(
+                f"cannot restore {type(self.model).__name__}: {names}, cast to half when it was prepared, "
+                f"{'is' if len(gone) == 1 else 'are'} no longer in the model (weight norm folded with "
+                "remove_parametrizations or remove_weight_norm, or a layer replaced, since): the fp32 "
+                "masters have nowhere to go, and what replaced them would stay half.",
+                "restore first, then change the model (restore, then fold the weight norm: exact, from the "
+                "fp32 masters).",
+            )
 
 
 # Wrappers that hold per-parameter state made for the parameters as they were (DDP's gradient buckets and

@@ -1137,6 +1137,55 @@ def test_restore_gives_back_an_fp32_model_with_the_masters_values(level: str) ->
         amp.restore(model)
 
 
+@pytest.mark.parametrize("api", ["parametrizations", "hooks"])
+def test_restore_after_weight_norm_was_folded_is_refused_and_the_other_order_is_exact(api: str) -> None:
+    """Folding weight norm for export replaces g and v by a new weight computed in half: restore left that
+    weight half (the next forward failed in torch) or raised a bare AttributeError ('no attribute
+    weight_g'). Now it refuses before changing anything, naming the order that works: restore, then fold,
+    whose weight is the fold of the fp32 masters."""
+    def build() -> tuple[nn.Module, nn.Conv1d]:
+        torch.manual_seed(0)
+        conv = nn.Conv1d(2, 4, 3)
+        if api == "parametrizations":
+            nn.utils.parametrizations.weight_norm(conv)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the hook API
+                nn.utils.weight_norm(conv)
+        return nn.Sequential(conv, nn.Flatten(), nn.Linear(24, 1)), conv
+
+    def fold(conv: nn.Conv1d) -> None:
+        if api == "parametrizations":
+            nn.utils.parametrize.remove_parametrizations(conv, "weight")
+        else:
+            nn.utils.remove_weight_norm(conv)
+
+    x = torch.randn(5, 2, 8)
+    for order in ("fold, restore", "restore, fold"):
+        model, conv = build()
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", verbosity=0)
+        with mixprec.scale_loss(model(x).sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        if order == "fold, restore":
+            fold(conv)
+            with pytest.raises(ConfigError, match=r"'0\.(parametrizations\.weight\.original0|weight_g)'.*"
+                                                  r"no longer in the model(.|\n)*restore first, then"):
+                amp.restore(model)
+            continue
+        pairs = zip(opt.model_params(), opt.master_views(), strict=True)
+        masters = {id(p): m.detach().clone() for p, m in pairs}
+        amp.restore(model)
+        g, v = ((conv.parametrizations.weight.original0, conv.parametrizations.weight.original1)
+                if api == "parametrizations" else (conv.weight_g, conv.weight_v))  # fmt: skip
+        assert torch.equal(g, masters[id(g)]) and torch.equal(v, masters[id(v)])
+        want = g * v / v.norm(dim=(1, 2), keepdim=True)  # weight norm's fold, of the fp32 masters
+        fold(conv)
+        assert conv.weight.dtype is torch.float32
+        torch.testing.assert_close(conv.weight, want, rtol=1e-6, atol=0)
+        assert model(x).dtype is torch.float32
+
+
 def test_restore_behind_a_larc_style_wrapper_gives_the_masters_values() -> None:
     """restore looked for MasterWeights among the optimizers initialize returned, not inside a LARC-style
     wrapper's .optim: the model came back with its fp16-rounded weights."""
