@@ -1,5 +1,5 @@
-"""A user's own model on the command line (``mixprec memory --model file.py:function``): what the function
-may return, and each mistake named with its fix."""
+"""A user's own model on the command line (``mixprec memory --model file.py:function``, and ``mixprec
+grads``): what the function may return, and each mistake named with its fix."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec.commands import grads as grads_command
 from mixprec.commands import memory as memory_command
+from mixprec.diagnostics.gradients import grad_exponent_histogram
 from mixprec.diagnostics.memory import memory_breakdown
 
 MODELS = '''
@@ -93,4 +95,40 @@ def test_mistakes_name_the_fix(spec: str, extra: list[str], message: str, models
                                capsys: pytest.CaptureFixture[str]) -> None:
     spec = spec.format(file=models_file, dir=models_file.parent)
     assert memory_command.run(_parse(["--model", spec, "--no-png", *extra])) == 2
+    assert message in capsys.readouterr().err
+
+
+def _parse_grads(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    grads_command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_grads_reports_a_users_model_on_its_batch_and_loss(models_file: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``mixprec grads --model file.py:lm`` prints what the Python API reports for the same model, batch and
+    loss (the function is called again: it builds the same model from the same seed)."""
+    args = _parse_grads(["--model", f"{models_file}:lm", "--no-png"])
+    torch.manual_seed(0)
+    assert grads_command.run(args) == 0
+    out = capsys.readouterr().out
+    torch.manual_seed(0)
+    model, batch, loss_fn = grads_command._model_and_batch(args)[:3]
+    want = grad_exponent_histogram(model, batch, loss_fn=loss_fn)
+    assert f"|g| from {want.overall.min_abs:.3g}" in out and f"to {want.overall.max_abs:.3g}" in out
+    assert f"{want.overall.nonzero:,} non-zero finite gradients" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "{file}:cnn"], "returned no example batch"),
+        (["--model", "{file}:lm", "--train-steps", "3"], "train it first in Python"),
+        (["--model", "mpl"], "neither a reference model (mlp, cnn, vgg16, transformer) nor module:function"),
+    ],
+)
+def test_grads_mistakes_name_the_fix(argv: list[str], message: str, models_file: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.format(file=models_file) for a in argv]
+    assert grads_command.run(_parse_grads([*argv, "--no-png"])) == 2
     assert message in capsys.readouterr().err

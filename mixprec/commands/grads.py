@@ -12,12 +12,22 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.commands.console import make_console
-from mixprec.commands.train import add_data_arguments, build_model, check_out_file, data_spec, fail
+from mixprec.commands.train import (
+    MODELS,
+    UsageError,
+    add_data_arguments,
+    build_model,
+    check_out_file,
+    data_spec,
+    fail,
+)
+from mixprec.commands.user_model import is_spec, load
 
 HELP = "Gradient exponents vs the fp16/bf16 ranges: underflow/overflow with and without a loss scale."
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)")
+    add_data_arguments(parser, "mlp", "image side in pixels (default: mlp 28, vgg16 32, else the data's own)",
+                       user_models=True)
     parser.add_argument("--loss-scale", type=float, action="append", default=None, metavar="S",
                         help="loss scale to evaluate besides 1 and the suggestion (repeatable)")
     parser.add_argument("--margin", type=float, default=8.0,
@@ -47,6 +57,13 @@ def _train(model: Any, bunch: Any, steps: int) -> None:
 
 
 def _check(args: argparse.Namespace) -> str | None:
+    if not is_spec(args.model) and args.model not in MODELS:
+        return (f"--model {args.model!r} is neither a reference model ({', '.join(MODELS)}) nor "
+                "module:function: e.g. --model cnn, or --model my_models.py:make_model.")
+    if is_spec(args.model) and args.train_steps:
+        return ("--train-steps trains a reference model on --data; your own model is measured as your "
+                "function returns it: train it first in Python, or call "
+                "mixprec.diagnostics.grad_exponent_histogram(model, batch) at any point of your run.")
     if args.train_steps < 0:
         return f"--train-steps must be >= 0, got {args.train_steps}."
     if any(not (s > 0) for s in args.loss_scale or ()):
@@ -54,6 +71,32 @@ def _check(args: argparse.Namespace) -> str | None:
     if not args.margin > 0:
         return f"--margin must be positive, got {args.margin}."
     return None
+
+
+def _model_and_batch(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    """(model, batch, loss_fn or None, what the batch is): the user's function's, or a reference model
+    trained ``--train-steps`` on ``--data``'s first batch."""
+    if is_spec(args.model):
+        user = load(args.model)
+        if user.batch is None:
+            raise UsageError(f"--model {args.model} returned no example batch.",
+                             "return (model, batch) from the function: x, or (x, y) with the targets your "
+                             "loss takes.")  # fmt: skip
+        return user.model, user.batch, user.loss_fn, "your batch"
+    bunch = data_spec(args).load()
+    model = build_model(args.model, bunch, args.seed)
+    if args.train_steps:
+        _train(model, bunch, args.train_steps)
+    return model, bunch.one_batch(), None, bunch.name
+
+
+def _rows(batch: Any) -> int:
+    """The batch size of an example batch: its first batched input's first dimension."""
+    from mixprec.diagnostics.memory import split_batch
+    from mixprec.tree import iter_tensors
+
+    first = next((t for t in iter_tensors(split_batch(batch)[0]) if t.dim()), None)
+    return int(first.shape[0]) if first is not None else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,24 +108,21 @@ def run(args: argparse.Namespace) -> int:
         try:
             if not args.no_png:
                 check_out_file(Path(args.png), "--png")
-            bunch = data_spec(args).load()
-            model = build_model(args.model, bunch, args.seed)
+            model, batch, loss_fn, data_name = _model_and_batch(args)
         except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed
             problem = str(err)
     if problem is not None:  # as cli.main prints every user error: on stderr, exit status 2
         return fail(ValueError(problem))
-    if args.train_steps:
-        _train(model, bunch, args.train_steps)
     scales = tuple(args.loss_scale or ())
-    report = grad_exponent_histogram(model, bunch.one_batch(), loss_scale=scales, margin=args.margin)
+    report = grad_exponent_histogram(model, batch, loss_fn=loss_fn, loss_scale=scales, margin=args.margin)
     shown = scales[0] if scales else None
     console.print(report.table(shown))
     console.print(report.summary(shown))
     if not args.no_png:
         n_params = sum(p.numel() for p in model.parameters())
         steps = f", after {args.train_steps} SGD steps" if args.train_steps else ", at initialisation"
-        title = (f"Gradient magnitudes of {args.model} ({n_params:,} parameters) on {bunch.name}, "
-                 f"batch {args.batch_size}{steps}")
+        title = (f"Gradient magnitudes of {args.model} ({n_params:,} parameters) on {data_name}, "
+                 f"batch {_rows(batch)}{steps}")
         path = report.plot(args.png, shown, title=title)
         console.print(f"histogram written to {path}")
     return 0

@@ -52,9 +52,16 @@ class UsageError(MixprecError, ValueError):
 # Arguments shared with `mixprec compare`
 
 
-def add_data_arguments(parser: argparse.ArgumentParser, model_default: str, size_help: str) -> None:
-    parser.add_argument("--model", choices=MODELS, default=model_default,
-                        help="reference model (default: %(default)s)")
+def add_data_arguments(parser: argparse.ArgumentParser, model_default: str, size_help: str,
+                       user_models: bool = False) -> None:  # fmt: skip
+    if user_models:  # checked by the command: a reference model's name, or module:function
+        parser.add_argument("--model", default=model_default, metavar="NAME|MODULE:FUNCTION",
+                            help=f"reference model ({', '.join(MODELS)}; default: %(default)s) or your own: "
+                            "module:function or file.py:function returning the model or (model, batch) or "
+                            "(model, batch, loss_fn)")
+    else:
+        parser.add_argument("--model", choices=MODELS, default=model_default,
+                            help="reference model (default: %(default)s)")
     parser.add_argument("--data", default="digits", metavar="SOURCE", help=DATA_HELP)
     parser.add_argument("--size", type=int, default=None, help=size_help)
     parser.add_argument("--batch-size", type=int, default=64, metavar="B", help="(default: %(default)s)")
