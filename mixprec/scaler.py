@@ -746,11 +746,17 @@ class GradScaler:
                   f"({FP32_MIN_MASK_FIX}); a learning rate that makes the weights diverge.")
         last = getattr(self, "_last_loss", None)  # a scaler pickled before it existed has none
         last_finite = last is None or bool(torch.isfinite(last).all())  # read once, here: no per-step sync
-        if not last_finite:
-            others = (f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "
-                      f"loss, before backward. {others}")
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
                 "with non-finite gradients; fix the data, the loss or the learning rate")
+        if not last_finite:  # a non-finite loss: no scale can help, so say so without waiting for the floor
+            return (False, f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or "
+                    "the loss, before backward, and no loss scale can help. Likely: a loss or softmax "
+                    "written by hand (exp, sum, log) computed in half (on the CPU torch's autocast tables, "
+                    "which mixprec.autocast keeps, leave those ops in their input's dtype; CUDA's compute "
+                    "them in fp32); an activation or logit above 65504; NaN in the data, log(0), 0/0; "
+                    f"{FP32_MIN_MASK} ({FP32_MIN_MASK_FIX}).",
+                    "compute a hand-written loss from .float() tensors (or use torch's own: F.cross_entropy, "
+                    f"torch.logsumexp), or keep the module it names in fp32 (mixprec.keep_fp32); {find}")
         floor = float(torch.tensor(self.scale_floor, dtype=torch.float32))  # the scale: fp32, clamped there
         if scale > floor and self._config.dynamic:
             return (True, f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "

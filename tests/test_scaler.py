@@ -852,6 +852,25 @@ def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
     assert "last loss scaled" not in str(raised.value)
 
 
+def test_an_inf_loss_is_named_after_five_skips_without_waiting_for_the_floor() -> None:
+    """A trial's hand-written NT-Xent (exp, sum, log in fp16 under CPU autocast: inf every step) was warned
+    of only once the scale had backed off from 2**16 to its floor, 17 skipped steps later, and in words about
+    gradients. A non-finite loss cannot be helped by any scale: say so after five, naming the hand-written
+    loss in half; inf gradients from a finite loss still wait for the floor."""
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = GradScaler("cpu")  # 2**16: far from the floor of 1
+    with pytest.warns(RuntimeWarning, match=r"(?s)last loss scaled was inf.*no loss scale can help.*"
+                                            r"written by hand.*\.float\(\)") as said:  # fmt: skip
+        for _ in range(5):
+            scaler.scale((w * float("inf")).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert len([x for x in said if "all skipped" in str(x.message)]) == 1
+    assert scaler.get_scale() == 2.0**11  # five halvings: still far above the floor when it spoke
+
+
 @pytest.mark.parametrize("how", ["keyword", "positional"])
 def test_a_closure_is_refused_with_torchs_words_whichever_way_it_comes(how: str) -> None:
     """torch refuses step(opt, closure=...) only; LBFGS's step(closure) passed positionally then failed at the
