@@ -164,7 +164,7 @@ class ResumableLoader:
         if skip:
             batches = self._replayed(skip)
         else:
-            self._epoch_start_rng = rng_state()
+            self._epoch_start_rng = self._loadable(rng_state())
             batches = iter(self.loader)
         for item in batches:
             self.batch += 1
@@ -173,12 +173,27 @@ class ResumableLoader:
         self.batch = 0
         self._epoch_start = self._gen_state()
 
+    @staticmethod
+    def _loadable(state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (:func:`rng_state`) with NumPy's key array as a tensor: a loader's state_dict saved in
+        a user's own checkpoint must load with ``torch.load``'s default ``weights_only=True``, which
+        refuses NumPy arrays (torch's state is a tensor, Python's tuples of ints)."""
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        return {**state, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+
+    @staticmethod
+    def _settable(state: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`_loadable`'s inverse: NumPy's key array back as the uint32 array it was."""
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        return {**state, "numpy": (name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss,
+                                   cached)}  # fmt: skip
+
     def _replayed(self, skip: int) -> Iterator[Any]:
         """The loader's iterator past its first ``skip`` batches, drawn from the global RNGs as at the
         epoch's start, which are then put back as they were (class docstring)."""
         now = rng_state()
         if self._epoch_start_rng is not None:  # None: a checkpoint saved before mixprec kept it
-            set_rng_state(self._epoch_start_rng)
+            set_rng_state(self._settable(self._epoch_start_rng))
         try:
             batches = iter(self.loader)
             for _ in range(skip):

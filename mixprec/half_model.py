@@ -820,8 +820,9 @@ class HalfModel:
             raise ConfigError(
                 f"cannot restore {type(self.model).__name__}: {names}, cast to half when it was prepared, "
                 f"{'is' if len(gone) == 1 else 'are'} no longer in the model (weight norm folded with "
-                "remove_parametrizations or remove_weight_norm, or a layer replaced, since): the fp32 "
-                "masters have nowhere to go, and what replaced them would stay half.",
+                "remove_parametrizations or remove_weight_norm, a layer replaced, or a parametrization or "
+                "prune registered since, which moved it to 'original'/'weight_orig'): the fp32 masters have "
+                "nowhere to go, and what replaced them would stay half.",
                 "restore first, then change the model (restore, then fold the weight norm: exact, from the "
                 "fp32 masters).",
             )

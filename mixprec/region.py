@@ -93,7 +93,9 @@ class RegionMode(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._plain: dict[Any, bool] = {}  # function -> whether this mode leaves every call of it alone
+        # function -> whether this mode leaves every call of it alone. It holds the functions (torch's, or
+        # a library's callables with __torch_function__) alive while the mode is cached: bounded above.
+        self._plain: dict[Any, bool] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

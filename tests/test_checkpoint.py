@@ -239,6 +239,29 @@ def test_resumable_loader_replays_without_touching_the_global_rngs(tmp_path: Pat
     assert rest == whole[18:]
 
 
+def test_resumable_loader_state_loads_with_torchs_weights_only_default(tmp_path: Path) -> None:
+    """A loader's state_dict kept in a user's own checkpoint is read back with torch.load's default
+    (weights_only=True since torch 2.6), which refuses NumPy arrays: the global RNG state kept for the
+    replay holds NumPy's keys as a tensor."""
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    whole = _global_rng_steps(_global_rng_loader("collate"), steps=2 * 15)
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    loader = _global_rng_loader("collate")
+    first = _global_rng_steps(loader, steps=2 * 9)  # stops after 9 steps, mid-epoch 2
+    name, keys, *rest = np.random.get_state()  # the user's own RNG state, in types weights_only loads
+    rng = {"torch": torch.get_rng_state(), "numpy": (name, keys.tolist(), *rest), "python": random.getstate()}
+    torch.save({"loader": loader.state_dict(), "rng": rng}, tmp_path / "own.pt")
+    saved = torch.load(tmp_path / "own.pt")  # the default: weights_only
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)  # a new process's own state, replaced
+    resumed = _global_rng_loader("collate")
+    resumed.load_state_dict(saved["loader"])
+    torch.set_rng_state(saved["rng"]["torch"]), random.setstate(saved["rng"]["python"])
+    name, keys, *rest = saved["rng"]["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    assert first == whole[:18]
+    assert _global_rng_steps(resumed, steps=2 * 6) == whole[18:]
+
+
 def test_resumable_loader_refuses_global_rng_shuffling() -> None:
     with pytest.raises(ConfigError, match="generator"):
         ResumableLoader(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True))

@@ -688,6 +688,9 @@ def test_a_batch_whose_x_holds_no_tensor_is_named() -> None:
     with pytest.raises(ConfigError, match=r"(?s)its x is str.*\(\(tokens, mask\), targets\)"):
         split_batch(("tokens", x))
     assert split_batch((x, x))[0] is x and split_batch(((x, x), x))[0] == (x, x)
+    # a bare dict (a Hugging Face collator's batch) is the inputs, called as model(**x): its keys were read
+    # as the batch's items ("its x is str")
+    assert split_batch({"input_ids": x}) == ({"input_ids": x}, None)
 
 
 @pytest.mark.parametrize("estimate", [True, False])

@@ -37,6 +37,9 @@ def lm():
     x, y = torch.randint(0, 100, (4, 16)), torch.randint(0, 100, (4, 16))
     return LM(), (x, y), lm_loss
 
+def buggy():
+    raise ValueError("a mistake deep in my own code")
+
 def not_a_model():
     return {"model": LM()}
 
@@ -113,7 +116,7 @@ def test_grads_reports_a_users_model_on_its_batch_and_loss(models_file: Path,
     assert grads_command.run(args) == 0
     out = capsys.readouterr().out
     torch.manual_seed(0)
-    model, batch, loss_fn = grads_command._model_and_batch(args)[:3]
+    model, batch, loss_fn = grads_command._users_model(args)[:3]
     want = grad_exponent_histogram(model, batch, loss_fn=loss_fn)
     assert f"|g| from {want.overall.min_abs:.3g}" in out and f"to {want.overall.max_abs:.3g}" in out
     assert f"{want.overall.nonzero:,} non-zero finite gradients" in out
@@ -132,3 +135,10 @@ def test_grads_mistakes_name_the_fix(argv: list[str], message: str, models_file:
     argv = [a.format(file=models_file) for a in argv]
     assert grads_command.run(_parse_grads([*argv, "--no-png"])) == 2
     assert message in capsys.readouterr().err
+
+
+def test_grads_lets_the_users_own_errors_through_with_their_traceback(models_file: Path) -> None:
+    """A ValueError of the user's function is theirs, not a usage error: it propagates (mixprec memory's
+    rule), where grads printed it as a one-line 'mixprec: error' with exit status 2."""
+    with pytest.raises(ValueError, match="deep in my own code"):
+        grads_command.run(_parse_grads(["--model", f"{models_file}:buggy", "--no-png"]))

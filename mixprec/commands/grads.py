@@ -73,16 +73,18 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _model_and_batch(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
-    """(model, batch, loss_fn or None, what the batch is): the user's function's, or a reference model
-    trained ``--train-steps`` on ``--data``'s first batch."""
-    if is_spec(args.model):
-        user = load(args.model)
-        if user.batch is None:
-            raise UsageError(f"--model {args.model} returned no example batch.",
-                             "return (model, batch) from the function: x, or (x, y) with the targets your "
-                             "loss takes.")  # fmt: skip
-        return user.model, user.batch, user.loss_fn, "your batch"
+def _users_model(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    """(model, batch, loss_fn or None, what the batch is) from the user's function, measured as returned."""
+    user = load(args.model)
+    if user.batch is None:
+        raise UsageError(f"--model {args.model} returned no example batch.",
+                         "return (model, batch) from the function: x, or (x, y) with the targets your "
+                         "loss takes.")  # fmt: skip
+    return user.model, user.batch, user.loss_fn, "your batch"
+
+
+def _reference_model(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    """A reference model trained ``--train-steps`` on ``--data``, and that data's first batch."""
     bunch = data_spec(args).load()
     model = build_model(args.model, bunch, args.seed)
     if args.train_steps:
@@ -103,16 +105,22 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics.gradients import grad_exponent_histogram
 
     console = make_console()
-    problem = _check(args)
+    problem, made = _check(args), None
     if problem is None:
         try:
             if not args.no_png:
                 check_out_file(Path(args.png), "--png")
-            model, batch, loss_fn, data_name = _model_and_batch(args)
+            made = None if is_spec(args.model) else _reference_model(args)
         except ValueError as err:  # a UsageError (e.g. unknown --data), or a model the data cannot feed
             problem = str(err)
     if problem is not None:  # as cli.main prints every user error: on stderr, exit status 2
         return fail(ValueError(problem))
+    if made is None:
+        try:
+            made = _users_model(args)
+        except UsageError as err:  # only these: the user's own errors keep their traceback, as in memory
+            return fail(err)
+    model, batch, loss_fn, data_name = made
     scales = tuple(args.loss_scale or ())
     report = grad_exponent_histogram(model, batch, loss_fn=loss_fn, loss_scale=scales, margin=args.margin)
     shown = scales[0] if scales else None

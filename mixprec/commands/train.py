@@ -57,8 +57,8 @@ def add_data_arguments(parser: argparse.ArgumentParser, model_default: str, size
     if user_models:  # checked by the command: a reference model's name, or module:function
         parser.add_argument("--model", default=model_default, metavar="NAME|MODULE:FUNCTION",
                             help=f"reference model ({', '.join(MODELS)}; default: %(default)s) or your own: "
-                            "module:function or file.py:function returning the model or (model, batch) or "
-                            "(model, batch, loss_fn)")
+                            "module:function or file.py:function returning (model, batch) or (model, batch, "
+                            "loss_fn); --data, --size, --batch-size and --seed then do not apply")
     else:
         parser.add_argument("--model", choices=MODELS, default=model_default,
                             help="reference model (default: %(default)s)")

@@ -327,7 +327,8 @@ def split_batch(batch: Batch) -> tuple[Any, Any]:
     one tensor, or a tuple/list of a model's several inputs (``((tokens, mask), y)``: the Learner's rule)
     or a dict of them (a Hugging Face model's ``input_ids``, ``attention_mask``): see :func:`call_model`.
     Shared by the diagnostics that run a step on an example batch (memory, gradients)."""
-    items = (batch,) if isinstance(batch, Tensor) else tuple(batch)
+    # a bare dict is the model's keyword inputs (a Hugging Face collator's batch), not a sequence of (x, y)
+    items = (batch,) if isinstance(batch, (Tensor, Mapping)) else tuple(batch)
     x = items[0] if items else None
     several = isinstance(x, (tuple, list, dict)) and any(True for _ in iter_tensors(x))
     if not (isinstance(x, Tensor) or several):
