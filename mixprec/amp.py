@@ -706,13 +706,22 @@ def scale_loss(
         pending = state.pending.get(id(opt))
         if pending is not None and pending.carried and all(p.grad is None for p in _held_params(_inner(opt))):
             pending.carried = None
+    what = f"scale_loss(..., loss_id={loss_id})"
+    stale_at_entry: dict[int, dict[torch.Tensor, int]] = {}
     for opt in opts:  # what another loss left scaled would be unscaled (or set aside) as this loss's
-        _check_no_scaled_writes(state, opt, f"scale_loss(..., loss_id={loss_id})")
+        if delay_unscale:  # unscales nothing: refused at its end only if its backward added to them
+            stale_at_entry[id(opt)] = _stale_scaled(state, opt)
+        else:
+            _check_no_scaled_writes(state, opt, what)
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
     _record_scaled_writes(state, loss_id, others)
     if delay_unscale:
+        for opt in opts:
+            added = _added_to_stale(state, opt, stale_at_entry[id(opt)])
+            _check_no_scaled_writes(state, opt, f"{what}, delay_unscale=True, whose backward added to them,",
+                                    stale=added)  # fmt: skip
         for opt in opts:
             pending = state.pending.setdefault(id(opt), _PendingStep())
             pending.carried = _summed(pending.carried, stashes[id(opt)])
@@ -801,23 +810,35 @@ def _record_scaled_writes(state: _AmpState, loss_id: int, others: _Marks) -> Non
             state.scaled_writes.setdefault(opt_id, {}).update({p: (loss_id, m) for p, m in written.items()})
 
 
-def _check_no_scaled_writes(state: _AmpState, opt: Any, what: str) -> None:
-    """Refuse ``what`` (a step, or a scale_loss that would unscale them as its own) on gradients that still
-    hold a scaled loss another scale_loss left there: their marks unchanged since, so neither zeroed nor
-    written again. At 2**16 the update would be 65536x too large, and an overflow would go unnoticed. The
-    record stays while it holds, so a second try is refused too. Known gap: an in-place edit (a clip of
-    these gradients) changes the mark as a zero_grad(set_to_none=False) does, and passes."""
+def _stale_scaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, int]:
+    """The parameters of ``opt`` whose gradients still hold a scaled loss another scale_loss left there
+    (their marks unchanged since: neither zeroed nor written again), by that loss's id. The record goes
+    once none holds; a scale of 1 leaves nothing scaled (read only where a record holds: one sync, off
+    the usual path)."""
     written = state.scaled_writes.get(id(opt))
     if written is None:
-        return
+        return {}
     kept = {p: loss_id for p, (loss_id, mark) in written.items() if _mark(p.grad) == mark}
-    # a scale of 1 leaves nothing scaled; read only where a record holds (one sync, off the usual path)
     scaled = {i for i in set(kept.values()) if state.scalers[i].get_scale() != 1.0}
     if not scaled:
         del state.scaled_writes[id(opt)]
+        return {}
+    return {p: i for p, i in kept.items() if i in scaled}
+
+
+def _check_no_scaled_writes(state: _AmpState, opt: Any, what: str,
+                            stale: dict[torch.Tensor, int] | None = None) -> None:  # fmt: skip
+    """Refuse ``what`` (a step, or a scale_loss that would unscale them as its own) on gradients that still
+    hold a scaled loss another scale_loss left there (:func:`_stale_scaled`, or ``stale``: those of them a
+    delayed block's backward then added to). At 2**16 the update would be 65536x too large, and an
+    overflow would go unnoticed. The record stays while it holds, so a second try is refused too. Known
+    gap: an in-place edit (a clip of these gradients) changes the mark as a zero_grad(set_to_none=False)
+    does, and passes."""
+    stale = _stale_scaled(state, opt) if stale is None else stale
+    if not stale:
         return
-    loss_id = min(scaled)
-    n, scale = sum(i in scaled for i in kept.values()), state.scalers[loss_id].get_scale()
+    loss_id = min(stale.values())
+    n, scale = sum(i == loss_id for i in stale.values()), state.scalers[loss_id].get_scale()
     raise ScalerStateError(
         f"{what} on {n} gradient(s) that the backward of scale_loss(..., loss_id={loss_id}) wrote while this "
         f"optimizer was not passed to it: they are still multiplied by that loss's scale ({scale:g}), and an "
@@ -826,6 +847,17 @@ def _check_no_scaled_writes(state: _AmpState, opt: Any, what: str) -> None:
         "or zero this optimizer's gradients (opt.zero_grad()) before its next loss if that loss should not "
         "train it (a GAN's discriminator under the generator's loss).",
     )
+
+
+def _added_to_stale(state: _AmpState, opt: Any, stale: dict[torch.Tensor, int]) -> dict[torch.Tensor, int]:
+    """Those of ``stale`` (at a delayed block's entry) whose gradient the block's backward accumulated into:
+    the same tensor, a later version. A block that wrote no gradient (a gradient penalty's autograd.grad)
+    leaves them to the next check, which a zero_grad in between passes."""
+    written = state.scaled_writes.get(id(opt), {})
+    marks = {p: _mark(p.grad) for p in stale}
+    return {p: i for p, i in stale.items()
+            if p in written and marks[p] is not None and marks[p][0] == written[p][1][0]
+            and marks[p] != written[p][1]}  # fmt: skip
 
 
 def _check_gradients_reached(state: _AmpState, opts: list[Any], others: _Marks) -> None:

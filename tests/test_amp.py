@@ -1030,6 +1030,45 @@ def test_scaled_gradients_on_another_optimizer_pass_when_they_are_not_stepped_on
         amp.reset()
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_gradient_penalty_block_that_writes_no_gradient_is_not_refused(level: str) -> None:
+    """WGAN-GP the apex way (a trial): the penalty's scale_loss(..., delay_unscale=True) only feeds
+    autograd.grad, and the critic's zero_grad comes after it. Its entry refused the generator loss's
+    scaled gradients left on the critic, which that block neither reads nor unscales (apex leaves .grad
+    alone there). A delayed block whose backward adds to them is still refused, at its end."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(4, 8), nn.Linear(8, 1)
+    opts = [torch.optim.Adam(gen.parameters()), torch.optim.Adam(critic.parameters())]
+    [gen, critic], [opt_g, opt_d] = mixprec.initialize([gen, critic], opts, level, num_losses=2, verbosity=0)
+
+    def penalty_then_critic_step(backward_in_penalty: bool = False) -> None:
+        real, fake = torch.randn(16, 8), gen(torch.randn(16, 4)).detach()
+        mixed = (0.5 * real + 0.5 * fake).requires_grad_(True)
+        with mixprec.scale_loss(critic(mixed).sum(), opt_d, loss_id=0, delay_unscale=True) as scaled:
+            if backward_in_penalty:
+                scaled.backward(retain_graph=True)  # onto the generator loss's leftovers: refused below
+            (g,) = torch.autograd.grad(scaled, mixed, create_graph=True)
+        penalty = ((g / amp.loss_scaler(0).get_scale()).norm(dim=1) - 1).pow(2).mean()
+        opt_d.zero_grad()
+        with mixprec.scale_loss(critic(fake).mean() - critic(real).mean() + 10 * penalty, opt_d,
+                                loss_id=0) as scaled:  # fmt: skip
+            scaled.backward()
+        opt_d.step()
+
+    def generator_step() -> None:  # its backward writes the critic's gradients too, scaled by loss 1
+        opt_g.zero_grad()
+        with mixprec.scale_loss(-critic(gen(torch.randn(16, 4))).mean(), opt_g, loss_id=1) as scaled:
+            scaled.backward()
+        opt_g.step()
+
+    for _ in range(3):
+        penalty_then_critic_step()
+        generator_step()
+    with pytest.raises(mixprec.ScalerStateError, match=r"(?s)delay_unscale=True, whose backward added.*"
+                                                       r"loss_id=1\) wrote"):  # fmt: skip
+        penalty_then_critic_step(backward_in_penalty=True)
+
+
 def test_a_parameter_two_optimizers_hold_is_unscaled_with_the_one_passed() -> None:
     model = _net()
     parts = (model.parameters(), model[3].parameters())
