@@ -9,9 +9,11 @@ penalty inf, the final gradients inf, and the step is skipped.
 
 With opt levels: ``scale_loss(loss, opt, delay_unscale=True)`` yields the scaled loss for
 ``autograd.grad`` without touching ``.grad``; the scale to divide by is
-``mixprec.amp.loss_scaler().get_scale()``. Under O2 (and ``to_fp16()``) the gradients ``autograd.grad``
-returns are the half model's dtype: upcast them before multiplying by 1/scale, or the small ones fall
-below fp16's range again (a user trial: 44% of a penalty's squared terms were zeros computed in fp16).
+``mixprec.amp.loss_scaler().get_scale()`` (with a model per ``initialize`` call, a GAN's critic and its
+generator: ``loss_scaler(optimizer=critic_opt)``, the critic's call's, not the latest). Under O2 (and
+``to_fp16()``) the gradients ``autograd.grad`` returns are the half model's dtype: upcast them before
+multiplying by 1/scale, or the small ones fall below fp16's range again (a user trial: 44% of a
+penalty's squared terms were zeros computed in fp16).
 
 Run:  python examples/grad_penalty.py --api amp --opt-level O2 --precision fp16
 """

@@ -284,7 +284,8 @@ def initialize(
     if _STATE is not None and opt_list:
         warnings.warn(
             "mixprec.initialize was called again: its optimizers keep their own loss scalers, and "
-            "mixprec.amp.state_dict()/loss_scaler() now refer to this call's. For independent runs one "
+            "mixprec.amp.state_dict()/loss_scaler() now refer to this call's (an earlier call's scaler: "
+            "loss_scaler(optimizer=its_optimizer)). For independent runs one "
             "after another (a sweep, a notebook), call mixprec.amp.reset() when a run ends: then no warning.",
             stacklevel=2,
         )
@@ -986,9 +987,20 @@ def _step_params(optimizer: Any) -> Iterator[torch.Tensor]:
 _amp_state = AmpStateView(_state)
 
 
-def loss_scaler(loss_id: int = 0) -> GradScaler:
-    """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty)."""
-    return _scaler_of(_state(), loss_id)
+def loss_scaler(loss_id: int = 0, optimizer: Any = None) -> GradScaler:
+    """The GradScaler behind ``loss_id`` (e.g. ``loss_scaler().get_scale()`` for a gradient penalty) of
+    the latest ``initialize``, or of the one that returned ``optimizer``: with a model per ``initialize``
+    call (a GAN's critic, then its generator), the critic's penalty must read the critic's scale."""
+    if optimizer is None:
+        return _scaler_of(_state(), loss_id)
+    state = getattr(optimizer, _OPT_STATE_ATTR, None)
+    if state is None:
+        raise ConfigError(
+            f"loss_scaler(optimizer=...) got a {type(optimizer).__name__} that no mixprec.initialize "
+            "returned.",
+            "pass the optimizer initialize returned (model, opt = mixprec.initialize(model, opt, ...)).",
+        )
+    return _scaler_of(state, loss_id)
 
 
 def _scaler_of(state: _AmpState, loss_id: int) -> GradScaler:

@@ -1069,6 +1069,25 @@ def test_a_gradient_penalty_block_that_writes_no_gradient_is_not_refused(level: 
         penalty_then_critic_step(backward_in_penalty=True)
 
 
+def test_loss_scaler_of_an_earlier_initialize_is_reached_by_its_optimizer() -> None:
+    """A trial's WGAN-GP with one initialize per model: the critic's penalty divided by loss_scaler(), the
+    latest call's (the generator's) scale, a 4x wrong penalty once the critic's scale backed off."""
+    critic, gen = nn.Linear(8, 1), nn.Linear(4, 8)
+    critic, opt_d = mixprec.initialize(critic, torch.optim.SGD(critic.parameters(), lr=0.1), "O1",
+                                       verbosity=0)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"loss_scaler\(optimizer=its_optimizer\)"):
+        gen, opt_g = mixprec.initialize(gen, torch.optim.SGD(gen.parameters(), lr=0.1), "O1", verbosity=0)
+    with mixprec.scale_loss(critic(torch.randn(3, 8)).sum() * float("inf"), opt_d) as scaled:
+        scaled.backward()  # an overflow: the critic's scale backs off, the generator's does not
+    opt_d.step()
+    with mixprec.scale_loss(gen(torch.randn(3, 4)).mean() * 1e-3, opt_g) as scaled:  # no overflow
+        scaled.backward()
+    assert amp.loss_scaler(optimizer=opt_d).get_scale() == 2.0**15
+    assert amp.loss_scaler().get_scale() == amp.loss_scaler(optimizer=opt_g).get_scale() == 2.0**16
+    with pytest.raises(ConfigError, match="no mixprec.initialize returned"):
+        amp.loss_scaler(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
 def test_a_parameter_two_optimizers_hold_is_unscaled_with_the_one_passed() -> None:
     model = _net()
     parts = (model.parameters(), model[3].parameters())
