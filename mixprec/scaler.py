@@ -748,16 +748,23 @@ class GradScaler:
         last_finite = last is None or bool(torch.isfinite(last).all())  # read once, here: no per-step sync
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
                 "with non-finite gradients; fix the data, the loss or the learning rate")
-        if not last_finite:  # a non-finite loss: no scale can help, so say so without waiting for the floor
-            return (False, f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or "
-                    "the loss, before backward, and no loss scale can help. Likely: a loss or softmax "
-                    "written by hand (exp, sum, log) computed in half (on the CPU torch's autocast tables, "
-                    "which mixprec.autocast keeps, leave those ops in their input's dtype; CUDA's compute "
-                    "them in fp32); an activation or logit above 65504; NaN in the data, log(0), 0/0; "
-                    f"{FP32_MIN_MASK} ({FP32_MIN_MASK_FIX}).",
+        floor = float(torch.tensor(self.scale_floor, dtype=torch.float32))  # the scale: fp32, clamped there
+        if not last_finite:
+            # Made before this backward: the forward, or a loss built from scaled gradients (a gradient
+            # penalty's autograd.grad), which a lower scale does help: wait for the floor as for gradients.
+            penalty = ("" if scale <= 1 else f" If the loss is built from gradients of a scaled loss (a "
+                       f"gradient penalty's autograd.grad), those may overflow at a scale of {scale:g}: a "
+                       "lower one helps" + ("." if self._config.dynamic else " (loss_scale=, init_scale=, "
+                                            "or a dynamic scale)."))
+            return (scale > floor and self._config.dynamic,
+                    f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "
+                    "loss, before backward. Likely: a loss or softmax written by hand (exp, sum, log) "
+                    "computed in half (on the CPU torch's autocast tables, which mixprec.autocast keeps, "
+                    "leave those ops in their input's dtype; CUDA's compute them in fp32); an activation or "
+                    f"logit above 65504; NaN in the data, log(0), 0/0; {FP32_MIN_MASK} ({FP32_MIN_MASK_FIX})."
+                    f"{penalty}",
                     "compute a hand-written loss from .float() tensors (or use torch's own: F.cross_entropy, "
                     f"torch.logsumexp), or keep the module it names in fp32 (mixprec.keep_fp32); {find}")
-        floor = float(torch.tensor(self.scale_floor, dtype=torch.float32))  # the scale: fp32, clamped there
         if scale > floor and self._config.dynamic:
             return (True, f"The scale was still backing off (now {scale:g}, floor {self.scale_floor:g}): the "
                     f"gradients may just overflow at the scales tried so far. {others}",

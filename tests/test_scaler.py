@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import types
 import warnings
 from collections.abc import Callable
@@ -852,23 +853,34 @@ def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
     assert "last loss scaled" not in str(raised.value)
 
 
-def test_an_inf_loss_is_named_after_five_skips_without_waiting_for_the_floor() -> None:
-    """A trial's hand-written NT-Xent (exp, sum, log in fp16 under CPU autocast: inf every step) was warned
-    of only once the scale had backed off from 2**16 to its floor, 17 skipped steps later, and in words about
-    gradients. A non-finite loss cannot be helped by any scale: say so after five, naming the hand-written
-    loss in half; inf gradients from a finite loss still wait for the floor."""
+def test_a_stuck_run_with_an_inf_loss_is_told_of_the_loss_not_the_gradients() -> None:
+    """A trial's hand-written NT-Xent (exp, sum, log in fp16 under CPU autocast: inf every step) was told
+    of gradient causes in 20 lines. A non-finite loss is named as such, with the hand-written loss in half
+    and .float() first; still only at the floor, since a loss built from scaled gradients (a gradient
+    penalty) does recover as the scale backs off."""
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([w], lr=0.1)
-    scaler = GradScaler("cpu")  # 2**16: far from the floor of 1
-    with pytest.warns(RuntimeWarning, match=r"(?s)last loss scaled was inf.*no loss scale can help.*"
-                                            r"written by hand.*\.float\(\)") as said:  # fmt: skip
-        for _ in range(5):
-            scaler.scale((w * float("inf")).sum()).backward()
-            scaler.step(opt)
-            scaler.update()
+    for init, warned in ((2.0**16, False), (4.0, True)):  # 5 skips: 2**11, still backing off; 4: the floor
+        scaler = GradScaler("cpu", init_scale=init)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                scaler.scale((w * float("inf")).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        stuck = [str(x.message) for x in said if "all skipped" in str(x.message)]
+        assert len(stuck) == int(warned)
+    assert re.search(r"(?s)last loss scaled was inf.*written by hand.*\.float\(\)", stuck[0])
+    assert "a norm or a scan written by hand" not in stuck[0]  # the gradient causes are not listed
+    # at a static scale above 1 a penalty's scaled gradients may make the loss inf: a lower scale helps
+    static = GradScaler("cpu", init_scale=2.0**20, growth_interval=1, dynamic=False, skip_limit=2)
+    with pytest.raises(PersistentOverflowError, match=r"gradient penalty.*lower one helps \(loss_scale="):
+        for _ in range(2):
+            static.scale((w * float("nan")).sum()).backward()
+            static.step(opt)
+            static.update()
             opt.zero_grad()
-    assert len([x for x in said if "all skipped" in str(x.message)]) == 1
-    assert scaler.get_scale() == 2.0**11  # five halvings: still far above the floor when it spoke
 
 
 @pytest.mark.parametrize("how", ["keyword", "positional"])
