@@ -919,6 +919,15 @@ def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tens
     pending = state.pending.get(id(opt))
     if pending is None or not pending.unscaled:
         return None
+    inner = _inner(opt)
+    if isinstance(inner, MasterWeights):
+        if any(m.grad is not None for m in inner.master_params()) and \
+                all(p.grad is None for p in inner.model_params()):
+            # model.zero_grad() since that loss (word_language_model's loop): a new iteration, as in torch,
+            # where the masters' gradients had been summed into every later .grad the mirror shows
+            inner.zero_grad(set_to_none=True)
+            return None
+        inner.take_grad_edits()  # zeroed in place (zero_grad(set_to_none=False)) or clipped: masters show it
     # master_params: the tensors whose gradients hold the unscaled values (the model's own parameters with
     # master_grads=False, where the masters get no gradient).
     stash = {p: p.grad.clone() for p in _step_params(opt) if p.grad is not None}
