@@ -885,6 +885,32 @@ def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtyp
         )
 
 
+def _warn_cast_overflow(converted: list[Converted], dtype: torch.dtype) -> None:
+    """Name the parameters and buffers the cast made inf: values beyond ``dtype``'s range (fp16's 65504; a
+    weight set by hand, a large learned scale). Their fp32 masters keep them, but the half model computes
+    with inf and every step is skipped, with nothing pointing at the cast (a trial; apex's model.half()
+    was as silent). One host read for all of them, once."""
+    pairs = [(c, getattr(c.module, c.name)) for c in converted
+             if c.before is not None and not c.before.is_meta]
+    if not pairs:
+        return
+    made_inf = torch.stack([(torch.isinf(t) & torch.isfinite(c.before)).any().cpu() for c, t in pairs])
+    named = [(c.qualname or c.name, float(c.before.abs().max())) for (c, _), bad in
+             zip(pairs, made_inf.tolist(), strict=True) if bad]  # fmt: skip
+    if not named:
+        return
+    shown = ", ".join(f"{n} (max |x| {m:.3g})" for n, m in named[:4]) + (" ..." if len(named) > 4 else "")
+    limit = torch.finfo(dtype).max
+    warnings.warn(
+        f"The cast to {str(dtype).removeprefix('torch.')} made inf of values beyond its range (+-{limit:g}) "
+        f"in {shown}. Their fp32 masters keep them, but the half model computes with inf: every step would "
+        "be skipped. Fix: keep that module in fp32 (mixprec.keep_fp32(module) before initialize or "
+        "to_fp16()), train in bf16 (fp32's range), or rescale the values.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def hook_fp32_roots(model: nn.Module, dtype: torch.dtype, keep_bn_fp32: bool) -> list[Any]:
     """The hooks that fit the modules a cast to ``dtype`` kept fp32 (:func:`fp32_roots`) into the half
     model, as handles: a sparse-gradient table hands on its rows in the model's dtype, as a half table
@@ -930,6 +956,7 @@ def prepare(
         dtype = recipe.model_dtype
         half.converted = model_to_half(model, dtype, keep_bn_fp32=recipe.keep_batchnorm_fp32)
         _warn_computed_buffers_rounded(half.converted, dtype)
+        _warn_cast_overflow(half.converted, dtype)
         hooks += hook_fp32_roots(model, dtype, recipe.keep_batchnorm_fp32)
         hooks += watch_buffer_writes(model, [(c.qualname, c.module, c.name) for c in half.converted
                                              if not c.is_param], dtype)

@@ -42,6 +42,30 @@ def test_prepare_casts_hooks_and_restore_undoes_everything() -> None:
                                    else before[k], atol=0, rtol=0)  # fmt: skip
 
 
+def test_a_value_the_cast_makes_inf_is_named_where_it_happens() -> None:
+    """A weight beyond fp16's 65504 became inf at the cast with no word: every step was skipped and
+    trace_nonfinite blamed an optimizer step (a trial). An -inf that was already there (a causal mask
+    buffer), a module kept fp32 and bf16 (fp32's range) say nothing."""
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        with torch.no_grad():
+            model[0].weight[0, 0] = 1e5
+        model[2].register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+        return model
+
+    with pytest.warns(UserWarning, match=r"made inf .*\+-65504.* 0\.weight \(max \|x\| 1e\+05\)") as said:
+        model = build()
+        prepare(model, RECIPES["O2"], "cpu")
+    assert torch.isinf(model[0].weight).any()  # what the warning is about: the cast itself
+    assert not any("2.mask" in str(w.message) for w in said)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = build()
+        mixprec.keep_fp32(kept[0])
+        prepare(kept, RECIPES["O2"], "cpu")
+        prepare(build(), RECIPES["O2"].with_half_dtype(torch.bfloat16), "cpu")
+
+
 def test_fp32_state_dict_loads_into_an_fp32_model_and_back() -> None:
     model = _net()
     prepare(model, RECIPES["O2"], "cpu", fp32_state_dict=True)
