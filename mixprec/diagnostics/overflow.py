@@ -267,12 +267,12 @@ class NonfiniteEvent:
             bad = ", ".join(self.nonfinite_state)
             return (
                 f"{self.label} output {what} in {_dtype_name(out.dtype)}, and is non-finite in fp32 too: "
-                f"its own weights already held inf/NaN ({bad}), not made by this forward. Typical causes: "
-                "the cast to fp16 (a weight beyond +-65504 becomes inf: keep that module fp32 with "
-                "mixprec.keep_fp32, or use bf16); an fp16 optimizer update without fp32 masters (O3 or pure "
-                "fp16 with Adam: eps=1e-8 rounds to 0 in fp16), or a step that was not skipped on overflow "
-                "(mixprec.faults.nonfinite_optimizer_state(optimizer) shows which state went bad; use fp32 "
-                "master weights: O2, to_fp16)."
+                f"its own weights already held inf/NaN ({bad}), not made by this forward: written by an "
+                "earlier optimizer step (an fp16 update without fp32 masters, O3 or pure fp16 with Adam: "
+                "eps=1e-8 rounds to 0 in fp16; or a step that was not skipped on overflow; "
+                "mixprec.faults.nonfinite_optimizer_state(optimizer) shows which state went bad; use fp32 "
+                "master weights: O2, to_fp16), or by the cast to fp16 itself (a weight beyond +-65504 "
+                "becomes inf: keep that module fp32 with mixprec.keep_fp32, or use bf16)."
             )
         if self.fp32_outputs is None:
             reason = f"; fp32 re-run failed: {self.fp32_error}" if self.fp32_error else ""
