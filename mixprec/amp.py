@@ -710,10 +710,13 @@ def scale_loss(
     what = f"scale_loss(..., loss_id={loss_id})"
     stale_at_entry: dict[int, dict[torch.Tensor, int]] = {}
     for opt in opts:  # what another loss left scaled would be unscaled (or set aside) as this loss's
-        if delay_unscale:  # unscales nothing: refused at its end only if its backward added to them
+        pending = state.pending.get(id(opt))
+        if delay_unscale and not (pending is not None and pending.unscaled):
+            # unscales and sets aside nothing: refused at its end only if its backward added to them
             stale_at_entry[id(opt)] = _stale_scaled(state, opt)
         else:
             _check_no_scaled_writes(state, opt, what)
+            stale_at_entry[id(opt)] = {}
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
@@ -851,14 +854,14 @@ def _check_no_scaled_writes(state: _AmpState, opt: Any, what: str,
 
 
 def _added_to_stale(state: _AmpState, opt: Any, stale: dict[torch.Tensor, int]) -> dict[torch.Tensor, int]:
-    """Those of ``stale`` (at a delayed block's entry) whose gradient the block's backward accumulated into:
-    the same tensor, a later version. A block that wrote no gradient (a gradient penalty's autograd.grad)
-    leaves them to the next check, which a zero_grad in between passes."""
+    """Those of ``stale`` (at a delayed block's entry) whose gradient the block's backward wrote: added in
+    place (a later version) or as a new tensor (a backward with create_graph=True). A block that wrote no
+    gradient (a gradient penalty's autograd.grad) leaves them to the next check, which a zero_grad in
+    between passes."""
     written = state.scaled_writes.get(id(opt), {})
     marks = {p: _mark(p.grad) for p in stale}
     return {p: i for p, i in stale.items()
-            if p in written and marks[p] is not None and marks[p][0] == written[p][1][0]
-            and marks[p] != written[p][1]}  # fmt: skip
+            if p in written and marks[p] is not None and marks[p] != written[p][1]}
 
 
 def _check_gradients_reached(state: _AmpState, opts: list[Any], others: _Marks) -> None:
@@ -921,8 +924,9 @@ def _stash_unscaled(state: _AmpState, opt: Any) -> dict[torch.Tensor, torch.Tens
         return None
     inner = _inner(opt)
     if isinstance(inner, MasterWeights):
-        if any(m.grad is not None for m in inner.master_params()) and \
-                all(p.grad is None for p in inner.model_params()):
+        held = [*inner.model_params(), *inner.fp32_params()]  # fp32 ones too: a loss may reach only those
+        if held and all(p.grad is None for p in held) and \
+                any(m.grad is not None for m in inner.master_params()):
             # model.zero_grad() since that loss (word_language_model's loop): a new iteration, as in torch,
             # where the masters' gradients had been summed into every later .grad the mirror shows
             inner.zero_grad(set_to_none=True)

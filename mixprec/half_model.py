@@ -887,25 +887,33 @@ def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtyp
 
 def _warn_cast_overflow(converted: list[Converted], dtype: torch.dtype) -> None:
     """Name the parameters and buffers the cast made inf: values beyond ``dtype``'s range (fp16's 65504; a
-    weight set by hand, a large learned scale). Their fp32 masters keep them, but the half model computes
-    with inf and every step is skipped, with nothing pointing at the cast (a trial; apex's model.half()
-    was as silent). One host read for all of them, once."""
+    weight set by hand, a large learned scale). A parameter's fp32 master keeps the value, but the half
+    model computes with inf and every step is skipped, with nothing pointing at the cast (a trial; apex's
+    model.half() was as silent). A buffer's large negative values are left out: an additive mask's -1e9
+    is meant to become -inf. One host read for all of them (per device), once."""
     pairs = [(c, getattr(c.module, c.name)) for c in converted
-             if c.before is not None and not c.before.is_meta]
-    if not pairs:
+             if c.before is not None and not c.before.is_meta and not is_fake(c.before)]
+    limit = torch.finfo(dtype).max
+
+    def made_inf(c: Converted, t: torch.Tensor) -> torch.Tensor:
+        beyond = torch.isinf(t) & torch.isfinite(c.before)
+        return (beyond if c.is_param else beyond & (c.before > limit)).any()
+
+    flags = [made_inf(c, t) for c, t in pairs]
+    if not flags:
         return
-    made_inf = torch.stack([(torch.isinf(t) & torch.isfinite(c.before)).any().cpu() for c, t in pairs])
+    same_device = len({f.device for f in flags}) == 1
+    read = torch.stack(flags).tolist() if same_device else [bool(f) for f in flags]
     named = [(c.qualname or c.name, float(c.before.abs().max())) for (c, _), bad in
-             zip(pairs, made_inf.tolist(), strict=True) if bad]  # fmt: skip
+             zip(pairs, read, strict=True) if bad]  # fmt: skip
     if not named:
         return
     shown = ", ".join(f"{n} (max |x| {m:.3g})" for n, m in named[:4]) + (" ..." if len(named) > 4 else "")
-    limit = torch.finfo(dtype).max
     warnings.warn(
         f"The cast to {str(dtype).removeprefix('torch.')} made inf of values beyond its range (+-{limit:g}) "
-        f"in {shown}. Their fp32 masters keep them, but the half model computes with inf: every step would "
-        "be skipped. Fix: keep that module in fp32 (mixprec.keep_fp32(module) before initialize or "
-        "to_fp16()), train in bf16 (fp32's range), or rescale the values.",
+        f"in {shown}. A parameter's fp32 master keeps its value, but the half model computes with inf: "
+        "every step would be skipped. Fix: keep that module in fp32 (mixprec.keep_fp32(module) before "
+        "initialize or to_fp16()), train in bf16 (fp32's range), or rescale the values.",
         UserWarning,
         stacklevel=user_stacklevel(),
     )

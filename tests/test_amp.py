@@ -1110,6 +1110,53 @@ def test_model_zero_grad_starts_a_new_iteration_under_o2(set_to_none: bool) -> N
     torch.testing.assert_close(model.weight.grad.float(), 2 * seen[0].float(), rtol=2e-3, atol=0)
 
 
+def test_o2_keeps_an_earlier_loss_that_reached_only_fp32_parameters() -> None:
+    """A review of the model.zero_grad() rule: a first loss reaching only the parameters O2 keeps fp32
+    (an L1 penalty on BatchNorm's scales) left the half parameters without gradients, was taken for a
+    model.zero_grad() and dropped (BN's update 0.43 instead of O1's 8.34)."""
+    def bn_update(level: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), level,
+                                        num_losses=2, verbosity=0)  # fmt: skip
+        before = model[1].weight.detach().float().clone()
+        with mixprec.scale_loss(model[1].weight.float().abs().sum(), opt, loss_id=0) as scaled:
+            scaled.backward()
+        with mixprec.scale_loss(model(torch.randn(16, 4)).float().pow(2).mean(), opt, loss_id=1) as scaled:
+            scaled.backward()
+        opt.step()
+        amp.reset()
+        return before - model[1].weight.detach().float()
+
+    torch.testing.assert_close(bn_update("O2"), bn_update("O1"), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("how", ["create_graph", "after_an_unscaled_loss"])
+def test_a_delayed_block_cannot_carry_another_losss_scaled_gradients(level: str, how: str) -> None:
+    """A review of the deferred check: a delayed block after an earlier unscaled loss set the other loss's
+    scaled gradients aside as unscaled (the step 16,000x too large), and a create_graph backward, which
+    replaces .grad instead of adding in place, passed as untouched. Both are refused."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 8), nn.Linear(8, 2)
+    model = nn.Sequential(body, head)
+    opts = [torch.optim.SGD(body.parameters(), lr=1e-3), torch.optim.SGD(head.parameters(), lr=1e-3)]
+    model, [opt_body, opt_head] = mixprec.initialize(model, opts, level, num_losses=2, verbosity=0)
+    x = torch.randn(16, 4)
+    with pytest.raises(mixprec.ScalerStateError, match=r"loss_id=1\) wrote"):
+        if how == "after_an_unscaled_loss":
+            with mixprec.scale_loss(model(x).float().pow(2).mean(), [opt_body, opt_head], loss_id=0) as s:
+                s.backward()
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), opt_head, loss_id=1) as s:  # the mistake
+            s.backward()
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), [opt_body, opt_head], loss_id=0,
+                                delay_unscale=True) as s:  # fmt: skip
+            s.backward(create_graph=how == "create_graph")
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), [opt_body, opt_head], loss_id=0) as s:
+            s.backward()
+        opt_body.step()
+
+
 def test_a_parameter_two_optimizers_hold_is_unscaled_with_the_one_passed() -> None:
     model = _net()
     parts = (model.parameters(), model[3].parameters())
