@@ -42,7 +42,7 @@ from mixprec.apex_properties import OPT_LEVELS, Properties, apply_overrides, ban
 from mixprec.apex_state import AmpStateView
 from mixprec.checkpoint_checks import check_scaler
 from mixprec.distributed import forward_skips_grad_sync, process_rank
-from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError
+from mixprec.errors import ApexPropertyError, BannedOpError, ConfigError, ScalerStateError, listed
 from mixprec.half_model import (
     BATCHNORM_KEPT,
     MARKED,
@@ -899,7 +899,7 @@ def _warn_unheld_gradients(state: _AmpState, scaler: GradScaler) -> None:
     scale = scaler.get_scale() if unheld and scaler.is_enabled() else 1.0  # one read, at the first loss
     if scale == 1.0:
         return
-    shown = ", ".join(unheld[:3]) + (f" and {len(unheld) - 3} more" if len(unheld) > 3 else "")
+    shown = listed(unheld, 3)
     warnings.warn(
         f"scale_loss: {len(unheld)} model parameter(s) that no optimizer passed to mixprec.initialize holds "
         f"received gradients ({shown}); they stay multiplied by the loss scale ({scale:g}) and "

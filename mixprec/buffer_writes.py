@@ -24,6 +24,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils.hooks import RemovableHandle
 
+from mixprec.errors import listed
 from mixprec.func_transforms import values_readable
 from mixprec.skip_step import running_statistics
 from mixprec.warn_site import user_stacklevel
@@ -77,7 +78,7 @@ def _written(now: torch.Tensor | None, before: torch.Tensor, version: int, copy:
 def _warn(written: list[str], dtype: torch.dtype) -> None:
     name = str(dtype).removeprefix("torch.")
     bits = 1 - round(math.log2(torch.finfo(dtype).eps))  # significant bits: bf16 8, fp16 11
-    shown = ", ".join(written[:4]) + (" ..." if len(written) > 4 else "")
+    shown = listed(written)
     warnings.warn(
         f"The forward wrote the buffer(s) {shown}, which the cast made {name}: a running sum or average "
         f"(an EMA codebook, a running normaliser) kept in {name} rounds at every update to {bits} "

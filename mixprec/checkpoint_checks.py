@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, listed
 from mixprec.hardware import HALF_DTYPES
 from mixprec.master import MasterWeights
 from mixprec.scaler import OptState
@@ -123,10 +123,8 @@ def check_model(index: int, model: nn.Module, saved: Mapping[str, Any]) -> None:
     problems += [f"{len(keys)} tensor(s) ({keys[0]!r}, ...) are {was} in the checkpoint, {now} here "
                  "(another precision)" for (was, now), keys in casts.items()]
     if problems:
-        listed = "; ".join(problems[:MAX_LISTED])
-        more = f" and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         raise CheckpointError(
-            f"model {index} does not match the checkpoint: {listed}{more}.",
+            f"model {index} does not match the checkpoint: {listed(problems, MAX_LISTED, '; ')}.",
             "build the model with the same architecture and precision (e.g. the same to_fp16/to_bf16, "
             "opt level or .half()) as the saved run, before loading.",
         )

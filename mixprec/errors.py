@@ -7,11 +7,14 @@ Each message says what was wrong and what to do about it. Where torch raises an 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "MixprecError",
     # advice several messages give
     "FP32_MIN_MASK",
     "FP32_MIN_MASK_FIX",
+    "listed",
     # settings and call order
     "ConfigError",
     "ApexPropertyError",
@@ -126,3 +129,10 @@ class UnknownArithmeticError(ConfigError):
 FP32_MIN_MASK = ("an additive attention mask filled with torch.finfo(torch.float32).min becomes -inf when "
                  "cast to fp16 or bf16, and a row masked everywhere then makes softmax NaN")
 FP32_MIN_MASK_FIX = "build the mask with its half dtype's own torch.finfo(dtype).min, or pass a bool mask"
+
+
+def listed(items: Sequence[str], limit: int = 4, sep: str = ", ") -> str:
+    """The first ``limit`` of ``items``, joined, and how many more: a message names enough to see the
+    pattern, not every one of hundreds of tensors."""
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from mixprec.autocast import autocast, half_compute
 from mixprec.buffer_writes import watch_buffer_writes
 from mixprec.distributed import is_sharded
-from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError
+from mixprec.errors import FP32_MIN_MASK, FP32_MIN_MASK_FIX, ConfigError, listed
 from mixprec.fp32_modules import HANDLED_ATTR, is_kept_fp32
 from mixprec.func_transforms import values_readable
 from mixprec.hardware import HALF_DTYPES
@@ -815,8 +815,7 @@ class HalfModel:
         gone = [c.qualname or c.name for c in self.converted
                 if c.is_param and id(getattr(c.module, c.name, None)) not in present]
         if gone:
-            more = f" and {len(gone) - 4} more" if len(gone) > 4 else ""
-            names = ", ".join(repr(n) for n in gone[:4]) + more
+            names = listed([repr(n) for n in gone])
             raise ConfigError(
                 f"cannot restore {type(self.model).__name__}: {names}, cast to half when it was prepared, "
                 f"{'is' if len(gone) == 1 else 'are'} no longer in the model (weight norm folded with "
@@ -876,7 +875,7 @@ def _warn_computed_buffers_rounded(converted: list[Converted], dtype: torch.dtyp
     if rounded:
         warnings.warn(
             f"The cast to {str(dtype).removeprefix('torch.')} rounded the computed buffer(s) "
-            f"{', '.join(rounded[:4])}{' ...' if len(rounded) > 4 else ''} (not in the state dict: no "
+            f"{listed(rounded)} (not in the state dict: no "
             "checkpoint restores them), as apex's model.half() does. Where one must keep fp32's precision "
             "(RoPE's inv_freq at long contexts), put it back after initialize: docs/recipes.md, 'O2/O3 "
             "cast every floating buffer'.",
@@ -908,7 +907,7 @@ def _warn_cast_overflow(converted: list[Converted], dtype: torch.dtype) -> None:
              zip(pairs, read, strict=True) if bad]  # fmt: skip
     if not named:
         return
-    shown = ", ".join(f"{n} (max |x| {m:.3g})" for n, m in named[:4]) + (" ..." if len(named) > 4 else "")
+    shown = listed([f"{n} (max |x| {m:.3g})" for n, m in named])
     warnings.warn(
         f"The cast to {str(dtype).removeprefix('torch.')} made inf of values beyond its range (+-{limit:g}) "
         f"in {shown}. A parameter's fp32 master keeps its value, but the half model computes with inf: "
