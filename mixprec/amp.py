@@ -716,14 +716,13 @@ def scale_loss(
             stale_at_entry[id(opt)] = _stale_scaled(state, opt)
         else:
             _check_no_scaled_writes(state, opt, what)
-            stale_at_entry[id(opt)] = {}
     stashes = {id(opt): _stash_unscaled(state, opt) for opt in opts}
     others = _marks_of_others(state, opts)  # to tell this loss's gradients from earlier ones (below)
     yield scaler.scale(loss.float())  # apex's (loss.float()) * scale: a half loss times 2**16 would overflow
     _record_scaled_writes(state, loss_id, others)
     if delay_unscale:
         for opt in opts:
-            added = _added_to_stale(state, opt, stale_at_entry[id(opt)])
+            added = _added_to_stale(state, opt, stale_at_entry.get(id(opt), {}))
             _check_no_scaled_writes(state, opt, f"{what}, delay_unscale=True, whose backward added to them,",
                                     stale=added)  # fmt: skip
         for opt in opts:

@@ -90,10 +90,14 @@ class Resumed:
 
 # --------------------------------------------------------------------------------------------- RNG state
 def rng_state() -> dict[str, Any]:
-    """Every global random generator a training loop draws from. CUDA only when it is initialised."""
+    """Every global random generator a training loop draws from. CUDA only when it is initialised. NumPy's
+    key array is held as a tensor: with it, a state (a ResumableLoader's, in a user's own checkpoint) loads
+    with ``torch.load``'s default ``weights_only=True``, which refuses NumPy arrays (torch's state is a
+    tensor, Python's tuples of ints)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -102,8 +106,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Set what :func:`rng_state` gave (NumPy's keys as a tensor, or as the array older checkpoints hold)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -164,7 +170,7 @@ class ResumableLoader:
         if skip:
             batches = self._replayed(skip)
         else:
-            self._epoch_start_rng = self._loadable(rng_state())
+            self._epoch_start_rng = rng_state()
             batches = iter(self.loader)
         for item in batches:
             self.batch += 1
@@ -173,27 +179,12 @@ class ResumableLoader:
         self.batch = 0
         self._epoch_start = self._gen_state()
 
-    @staticmethod
-    def _loadable(state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` (:func:`rng_state`) with NumPy's key array as a tensor: a loader's state_dict saved in
-        a user's own checkpoint must load with ``torch.load``'s default ``weights_only=True``, which
-        refuses NumPy arrays (torch's state is a tensor, Python's tuples of ints)."""
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        return {**state, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
-
-    @staticmethod
-    def _settable(state: Mapping[str, Any]) -> dict[str, Any]:
-        """:meth:`_loadable`'s inverse: NumPy's key array back as the uint32 array it was."""
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        return {**state, "numpy": (name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss,
-                                   cached)}  # fmt: skip
-
     def _replayed(self, skip: int) -> Iterator[Any]:
         """The loader's iterator past its first ``skip`` batches, drawn from the global RNGs as at the
         epoch's start, which are then put back as they were (class docstring)."""
         now = rng_state()
         if self._epoch_start_rng is not None:  # None: a checkpoint saved before mixprec kept it
-            set_rng_state(self._settable(self._epoch_start_rng))
+            set_rng_state(self._epoch_start_rng)
         try:
             batches = iter(self.loader)
             for _ in range(skip):
@@ -380,7 +371,8 @@ def _read(source: Path, map_location: str | torch.device | None) -> dict[str, An
     if not source.is_file():
         raise CheckpointError(f"No checkpoint at {source}.", "check the path, or start without --resume.")
     try:
-        # weights_only=False: the RNG state holds numpy arrays and Python tuples; load only your own files.
+        # weights_only=False: `extra` holds whatever the caller put there, and checkpoints written before
+        # rng_state kept NumPy's keys as a tensor hold a NumPy array; load only your own files.
         payload = torch.load(source, map_location=map_location, weights_only=False)
     except Exception as exc:  # a truncated or foreign file: say which, keep the cause
         raise CheckpointError(

@@ -805,7 +805,6 @@ class HalfModel:
             state_to_float(self.model, self.recipe.half_dtype, keep=self.half_before)
         self.handles, self.converted = [], []
 
-
     def check_parameters_kept(self) -> None:
         """Refuse, before anything changes, to restore a model whose cast parameters left it since: weight
         norm folded (``remove_parametrizations``/``remove_weight_norm`` replace g and v by a new ``weight``,

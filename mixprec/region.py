@@ -97,11 +97,6 @@ class RegionMode(TorchFunctionMode):
         # a library's callables with __torch_function__) alive while the mode is cached: bounded above.
         self._plain: dict[Any, bool] = {}
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "__torch_function__" in cls.__dict__:
-            _compiled_only_inlined(cls.__torch_function__)
-
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -150,7 +145,7 @@ class RegionMode(TorchFunctionMode):
             return composite(*args, **kwargs)
 
 
-_compiled_only_inlined(RegionMode.__torch_function__)
+_compiled_only_inlined(RegionMode.__torch_function__)  # the subclasses' handle() runs inside it
 
 
 # Modes of regions entered inside compiled code, by a string key. Dynamo reads this dict as a global, so

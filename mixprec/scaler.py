@@ -740,10 +740,11 @@ class GradScaler:
     def _why_stuck(self, scale: float) -> tuple[bool, str, str]:
         """(whether the scale is still backing off, what it says about steps skipped in a row, the fix) at
         ``scale``."""
-        others = ("Other causes: NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 "
-                  "overflow in the forward (an activation or logit above 65504, e.g. logits scaled up or a "
-                  f"sum over a large batch: the loss is inf whatever the scale); {FP32_MIN_MASK} "
-                  f"({FP32_MIN_MASK_FIX}); a learning rate that makes the weights diverge.")
+        # what makes the forward or the loss non-finite, whatever the scale
+        forward = ("NaN in the data or the loss (log(0), 0/0, a bad label); an fp16 overflow in the forward "
+                   "(an activation or logit above 65504, e.g. logits scaled up or a sum over a large batch: "
+                   f"the loss is inf whatever the scale); {FP32_MIN_MASK} ({FP32_MIN_MASK_FIX})")
+        others = f"Other causes: {forward}; a learning rate that makes the weights diverge."
         last = getattr(self, "_last_loss", None)  # a scaler pickled before it existed has none
         last_finite = last is None or bool(torch.isfinite(last).all())  # read once, here: no per-step sync
         find = ("find the first non-finite layer with mixprec.diagnostics.trace_nonfinite, or the parameters "
@@ -760,8 +761,7 @@ class GradScaler:
                     f"The last loss scaled was {last.item()}: the inf/NaN is made in the forward or the "
                     "loss, before backward. Likely: a loss or softmax written by hand (exp, sum, log) "
                     "computed in half (on the CPU torch's autocast tables, which mixprec.autocast keeps, "
-                    "leave those ops in their input's dtype; CUDA's compute them in fp32); an activation or "
-                    f"logit above 65504; NaN in the data, log(0), 0/0; {FP32_MIN_MASK} ({FP32_MIN_MASK_FIX})."
+                    f"leave those ops in their input's dtype; CUDA's compute them in fp32); {forward}."
                     f"{penalty}",
                     "compute a hand-written loss from .float() tensors (or use torch's own: F.cross_entropy, "
                     f"torch.logsumexp), or keep the module it names in fp32 (mixprec.keep_fp32); {find}")

@@ -830,6 +830,16 @@ def test_a_run_that_skips_every_step_at_the_floor_says_so_once() -> None:
             _run(limited, "cpu", 20, OPTIMIZERS["sgd"], inf_at=set(range(20)))
 
 
+def _steps_on_a_loss_of(value: float, scaler: GradScaler, opt: torch.optim.Optimizer, w: torch.Tensor,
+                        steps: int) -> None:  # fmt: skip
+    """``steps`` iterations of the torch.amp loop on the loss ``(w * value).sum()`` (inf or NaN: skipped)."""
+    for _ in range(steps):
+        scaler.scale((w * value).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
     """A user trial (a float mask of fp32's finfo.min cast to bf16: -inf, a fully masked softmax row NaN):
     the message listed gradient causes only, and not the mask; the loss itself was NaN."""
@@ -837,11 +847,7 @@ def test_a_stuck_run_with_a_nan_loss_says_the_forward_made_it() -> None:
     opt = torch.optim.SGD([w], lr=0.1)
     scaler = GradScaler("cpu", init_scale=1.0, skip_limit=3)
     with pytest.raises(PersistentOverflowError, match=r"(?s)last loss scaled was nan.*before backward.*mask"):
-        for _ in range(3):
-            scaler.scale((w * float("nan")).sum()).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+        _steps_on_a_loss_of(float("nan"), scaler, opt, w, 3)
     finite_loss = GradScaler("cpu", init_scale=1.0, skip_limit=3)  # inf only in the gradients
     with pytest.raises(PersistentOverflowError) as raised:
         for _ in range(3):
@@ -864,11 +870,7 @@ def test_a_stuck_run_with_an_inf_loss_is_told_of_the_loss_not_the_gradients() ->
         scaler = GradScaler("cpu", init_scale=init)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            for _ in range(5):
-                scaler.scale((w * float("inf")).sum()).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
+            _steps_on_a_loss_of(float("inf"), scaler, opt, w, 5)
         stuck = [str(x.message) for x in said if "all skipped" in str(x.message)]
         assert len(stuck) == int(warned)
     assert re.search(r"(?s)last loss scaled was inf.*written by hand.*\.float\(\)", stuck[0])
@@ -876,11 +878,7 @@ def test_a_stuck_run_with_an_inf_loss_is_told_of_the_loss_not_the_gradients() ->
     # at a static scale above 1 a penalty's scaled gradients may make the loss inf: a lower scale helps
     static = GradScaler("cpu", init_scale=2.0**20, growth_interval=1, dynamic=False, skip_limit=2)
     with pytest.raises(PersistentOverflowError, match=r"gradient penalty.*lower one helps \(loss_scale="):
-        for _ in range(2):
-            static.scale((w * float("nan")).sum()).backward()
-            static.step(opt)
-            static.update()
-            opt.zero_grad()
+        _steps_on_a_loss_of(float("nan"), static, opt, w, 2)
 
 
 @pytest.mark.parametrize("how", ["keyword", "positional"])

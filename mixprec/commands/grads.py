@@ -92,17 +92,9 @@ def _reference_model(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     return model, bunch.one_batch(), None, bunch.name
 
 
-def _rows(batch: Any) -> int:
-    """The batch size of an example batch: its first batched input's first dimension."""
-    from mixprec.diagnostics.memory import split_batch
-    from mixprec.tree import iter_tensors
-
-    first = next((t for t in iter_tensors(split_batch(batch)[0]) if t.dim()), None)
-    return int(first.shape[0]) if first is not None else 1
-
-
 def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics.gradients import grad_exponent_histogram
+    from mixprec.diagnostics.memory import first_batched_input
 
     console = make_console()
     problem, made = _check(args), None
@@ -130,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         steps = f", after {args.train_steps} SGD steps" if args.train_steps else ", at initialisation"
         title = (f"Gradient magnitudes of {args.model} ({n_params:,} parameters) on {data_name}, "
-                 f"batch {_rows(batch)}{steps}")
+                 f"batch {getattr(first_batched_input(batch), 'shape', (1,))[0]}{steps}")
         path = report.plot(args.png, shown, title=title)
         console.print(f"histogram written to {path}")
     return 0

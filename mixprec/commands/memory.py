@@ -167,9 +167,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from mixprec.commands.train import check_out_file, fail
-    from mixprec.diagnostics.memory import memory_breakdown, memory_table, split_batch
+    from mixprec.diagnostics.memory import first_batched_input, memory_breakdown, memory_table
     from mixprec.errors import ConfigError
-    from mixprec.tree import iter_tensors
 
     console = make_console()
     shape = _shape(args)
@@ -189,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
                   for recipe, update in precisions]
     seconds = time.perf_counter() - start
     n_params = breakdowns[0].n_params
-    # the first batched input of a model of several (an ODE field's forward(t, y) takes a 0-d t first)
-    x = next((t for t in iter_tensors(split_batch(batch)[0]) if t.dim()), None)
+    x = first_batched_input(batch)
     sample = "x".join(map(str, getattr(x, "shape", ())[1:])) or "?"
     rows = getattr(x, "shape", (args.batch_size,))[0]
     what = f"{args.model} ({n_params:,} parameters), batch {rows} x {sample}, {args.optimizer}"

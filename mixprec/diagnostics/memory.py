@@ -342,6 +342,12 @@ def split_batch(batch: Batch) -> tuple[Any, Any]:
     return x, items[1] if len(items) > 1 else None
 
 
+def first_batched_input(batch: Batch) -> Tensor | None:
+    """The first input of an example batch with a batch dimension (an ODE field's forward(t, y) takes a
+    0-d ``t`` first): what the commands read the batch size and sample shape from."""
+    return next((t for t in iter_tensors(split_batch(batch)[0]) if t.dim()), None)
+
+
 def call_model(model: nn.Module, x: Any) -> Any:
     """``model`` on an example batch's ``x`` (:func:`split_batch`): ``model(*x)`` for a tuple or list,
     ``model(**x)`` for a dict, else ``model(x)``."""
